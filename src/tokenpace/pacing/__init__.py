@@ -1,0 +1,30 @@
+"""Pure pacing policy: the per-user rate table and the GCRA output-token limiter.
+
+Nothing here imports vLLM or a web stack; the clock is injected so that tests and
+simulations can drive time exactly.
+"""
+
+from ._limiter import BURST_NS, OutputRateLimiter
+from ._limits import (
+    MAX_USER_ID_LENGTH,
+    LimitsError,
+    UserRateLimits,
+    parse_overrides_arg,
+    parse_overrides_json,
+    read_overrides_file,
+    validate_rate,
+    validate_user_id,
+)
+
+__all__ = [
+    "BURST_NS",
+    "MAX_USER_ID_LENGTH",
+    "LimitsError",
+    "OutputRateLimiter",
+    "UserRateLimits",
+    "parse_overrides_arg",
+    "parse_overrides_json",
+    "read_overrides_file",
+    "validate_rate",
+    "validate_user_id",
+]

@@ -1,0 +1,153 @@
+"""GCRA output-token limiter: one theoretical arrival time (TAT) per user.
+
+GCRA is a token bucket without an explicit token count. A user's TAT is the instant at
+which its next token is "due" if tokens flowed exactly at its rate. A token is granted
+while the TAT leads the clock by at most the burst tolerance, and each grant moves the TAT
+forward by one emission interval (1/rate). Tokens therefore come out evenly spaced instead
+of a whole second's worth at the start of each second.
+
+Exact arithmetic: a rate is taken as the fraction ``p/q`` it was written as (2.5 -> 5/2).
+Each user's times are stored multiplied by ``p``, so the emission interval ``1e9 * q / p``
+nanoseconds becomes the integer ``1e9 * q`` and every operation is integer addition and
+comparison. Nothing drifts, however many tokens pass, and fractional rates are as exact as
+whole ones.
+
+Guarantee: in any window of W seconds a user is granted (net of refunds) at most
+``(W + 0.1) * rate + 1`` tokens; a user who asks all the time gets at least
+``W * rate - 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from fractions import Fraction
+
+from ._limits import UserRateLimits
+
+BURST_NS = 100_000_000
+"""Burst tolerance. It must cover at least one engine step: credit a user earns between
+two steps that are further apart than this would expire and the user would fall short of
+its rate."""
+
+_NS_PER_S = 1_000_000_000
+
+
+class _Bucket:
+    """One user's GCRA state, in that user's scaled time unit (nanoseconds x ``p``)."""
+
+    __slots__ = ("rate", "scale", "interval", "burst", "tat", "refundable")
+
+    def __init__(self, rate: float, now_ns: int) -> None:
+        frac = Fraction(repr(rate))
+        self.rate = rate
+        self.scale = frac.numerator
+        self.interval = _NS_PER_S * frac.denominator
+        self.burst = BURST_NS * frac.numerator
+        self.tat = now_ns * self.scale
+        # Grants that a refund may still return; refunds beyond this are ignored so that a
+        # caller's bookkeeping error can never hand out extra tokens.
+        self.refundable = 0
+
+    def rescale(self, rate: float) -> None:
+        """Switch to a new rate, keeping the TAT's instant (rounded up: never earlier)."""
+        frac = Fraction(repr(rate))
+        old_scale = self.scale
+        self.rate = rate
+        self.scale = frac.numerator
+        self.interval = _NS_PER_S * frac.denominator
+        self.burst = BURST_NS * frac.numerator
+        self.tat = -((-self.tat * self.scale) // old_scale)
+
+
+class OutputRateLimiter:
+    """Per-user GCRA limiter for output tokens.
+
+    The limiter only keeps accounts; it makes no queueing or fairness decision. The
+    scheduler asks ``try_take`` before dispatching a step that samples a token for a
+    user's request and calls ``refund`` if that step was not dispatched after all.
+    """
+
+    def __init__(
+        self,
+        limits: UserRateLimits,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self._limits = limits
+        self._clock_ns = clock_ns
+        self._buckets: dict[str, _Bucket] = {}
+
+    @property
+    def limits(self) -> UserRateLimits:
+        return self._limits
+
+    def set_limits(self, limits: UserRateLimits) -> None:
+        """Replace the rate table without a restart.
+
+        Users keep their TAT (as an instant), so a user who just used its burst cannot
+        gain a fresh one by a reload; users who become unpaced lose their state.
+        """
+        self._limits = limits
+        for user in list(self._buckets):
+            bucket = self._buckets[user]
+            rate = limits.rate(user)
+            if rate is None:
+                del self._buckets[user]
+            elif rate != bucket.rate:
+                bucket.rescale(rate)
+
+    def try_take(self, user: str) -> bool:
+        """Grant one output token to ``user`` now, or refuse without changing anything."""
+        bucket = self._buckets.get(user)
+        now = self._clock_ns()
+        if bucket is None:
+            rate = self._limits.rate(user)
+            if rate is None:
+                return True
+            bucket = self._buckets[user] = _Bucket(rate, now)
+        now_scaled = now * bucket.scale
+        tat = bucket.tat if bucket.tat > now_scaled else now_scaled
+        if tat - now_scaled > bucket.burst:
+            return False
+        bucket.tat = tat + bucket.interval
+        bucket.refundable += 1
+        return True
+
+    def refund(self, user: str) -> None:
+        """Return one token granted to ``user`` by an earlier ``try_take``.
+
+        The TAT moves back by one interval, but never behind the clock: a TAT in the past
+        and a TAT equal to now grant the same, so the refund is exact either way.
+        """
+        bucket = self._buckets.get(user)
+        if bucket is None or bucket.refundable == 0:
+            return
+        bucket.refundable -= 1
+        now_scaled = self._clock_ns() * bucket.scale
+        tat = bucket.tat - bucket.interval
+        bucket.tat = tat if tat > now_scaled else now_scaled
+
+    def ready_at_ns(self, user: str) -> int:
+        """The first instant (clock ns, not before now) at which ``try_take`` succeeds."""
+        now = self._clock_ns()
+        bucket = self._buckets.get(user)
+        if bucket is None:
+            return now
+        ready = -((bucket.burst - bucket.tat) // bucket.scale)  # ceil((tat - burst) / p)
+        return ready if ready > now else now
+
+    def cleanup_idle_users(self) -> int:
+        """Drop users whose TAT is not in the future; return how many were dropped.
+
+        Such a user behaves exactly like a new one (its next grant starts from now), so
+        dropping it never changes a decision; it only bounds memory.
+        """
+        now = self._clock_ns()
+        idle = [u for u, b in self._buckets.items() if b.tat <= now * b.scale]
+        for user in idle:
+            del self._buckets[user]
+        return len(idle)
+
+    def tracked_users(self) -> int:
+        """Number of users with limiter state (for metrics and tests)."""
+        return len(self._buckets)

@@ -1,0 +1,145 @@
+"""A deterministic tiny Llama model that vLLM loads on the CPU in seconds.
+
+Tests and the default `make serve` need a real model that vLLM can load without network
+access. Its weights are random (it generates gibberish), which is all pacing needs: what
+matters is that every token goes through vLLM's real scheduler, KV cache and sampler.
+
+The shape is chosen for vLLM's CPU backend: head dimension 64 (the CPU attention kernels
+refuse 16), one KV head, two layers. The tokenizer is a byte-level BPE trained on a fixed
+corpus, so every byte string encodes and the result is identical on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+MARKER_FILE = "tokenpace-tiny-model.json"
+FORMAT_VERSION = 1
+SEED = 20261129
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+BOS, EOS, PAD = SPECIAL_TOKENS
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = """\
+Several users share one language model deployment. Each user asks for tokens at its own
+pace, and the scheduler decides whose token is sampled in every step. Fairness means that a
+user with many parallel streams cannot take every decode slot from the others.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+def schedule(requests): return sorted(requests, key=lambda r: r.arrival_time)
+{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+0123456789 + - * / = < > ( ) [ ] { } , . ; : ! ? ' " @ # $ % ^ & | ~ ` \\ _
+"""
+
+
+class TinyModelError(RuntimeError):
+    """The target directory cannot hold a tiny model (it holds something else)."""
+
+
+def is_tiny_model(path: Path) -> bool:
+    """True if ``path`` was written by ``write_tiny_model`` in the current format."""
+    marker = path / MARKER_FILE
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT_VERSION
+
+
+def _was_tiny_model(path: Path) -> bool:
+    return (path / MARKER_FILE).is_file()
+
+
+def _build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_model(target: str | Path, *, force: bool = False) -> bool:
+    """Write the tiny model into ``target``; return False if it was already there.
+
+    Refuses (``TinyModelError``) to touch a non-empty directory that is not a previous
+    tiny model, so a typo cannot overwrite someone's files.
+    """
+    path = Path(target)
+    if path.exists():
+        if not path.is_dir():
+            raise TinyModelError(f"{path} exists and is not a directory")
+        if is_tiny_model(path) and not force:
+            return False
+        if any(path.iterdir()) and not _was_tiny_model(path):
+            raise TinyModelError(
+                f"{path} exists and is not a tokenpace tiny model (no {MARKER_FILE}); "
+                "choose another directory or remove this one"
+            )
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _build_tokenizer(vocab_size=512)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / MARKER_FILE).write_text(
+            json.dumps({"generator": "tokenpace tiny-model", "format": FORMAT_VERSION}) + "\n",
+            encoding="utf-8",
+        )
+        staging.chmod(0o755)
+        if path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True

@@ -1,0 +1,59 @@
+"""The tiny model loads in real vLLM on the CPU and generates through the OpenAI API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._servers import Server, free_port, vllm_server_argv
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "vllm.log"
+    srv = Server(vllm_server_argv(tiny_model, port), port, log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_completions_generate_exactly_max_tokens(server: Server) -> None:
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hello, world", "max_tokens": 32, "ignore_eos": True},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["usage"]["completion_tokens"] == 32
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"]
+
+
+def test_chat_template_and_streaming(server: Server) -> None:
+    chunks = 0
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Explain continuous batching."}],
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += 1
+    assert chunks >= 16
