@@ -166,10 +166,10 @@ def test_ready_at_is_the_first_instant_a_take_succeeds(rate, ops):
     assert ready >= clock.now_ns
     if ready > clock.now_ns:
         early = copy.deepcopy(limiter)
-        early._clock_ns.now_ns = ready - 1  # type: ignore[attr-defined]
+        early.clock_ns.now_ns = ready - 1  # type: ignore[attr-defined]
         assert not early.try_take("u")
     on_time = copy.deepcopy(limiter)
-    on_time._clock_ns.now_ns = ready  # type: ignore[attr-defined]
+    on_time.clock_ns.now_ns = ready  # type: ignore[attr-defined]
     assert on_time.try_take("u")
 
 

@@ -5,6 +5,7 @@ simulations can drive time exactly.
 """
 
 from ._limiter import BURST_NS, OutputRateLimiter
+from ._planner import MAX_IDLE_WAIT_S, Candidate, RunningPlan, Settlement, StepPlanner
 from ._limits import (
     MAX_USER_ID_LENGTH,
     LimitsError,
@@ -18,6 +19,11 @@ from ._limits import (
 
 __all__ = [
     "BURST_NS",
+    "MAX_IDLE_WAIT_S",
+    "Candidate",
+    "RunningPlan",
+    "Settlement",
+    "StepPlanner",
     "MAX_USER_ID_LENGTH",
     "LimitsError",
     "OutputRateLimiter",

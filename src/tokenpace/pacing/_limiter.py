@@ -74,12 +74,16 @@ class OutputRateLimiter:
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._limits = limits
-        self._clock_ns = clock_ns
+        self.clock_ns = clock_ns
         self._buckets: dict[str, _Bucket] = {}
 
     @property
     def limits(self) -> UserRateLimits:
         return self._limits
+
+    def now_ns(self) -> int:
+        """The limiter's clock, for callers that compare against ``ready_at_ns``."""
+        return self.clock_ns()
 
     def set_limits(self, limits: UserRateLimits) -> None:
         """Replace the rate table without a restart.
@@ -99,7 +103,7 @@ class OutputRateLimiter:
     def try_take(self, user: str) -> bool:
         """Grant one output token to ``user`` now, or refuse without changing anything."""
         bucket = self._buckets.get(user)
-        now = self._clock_ns()
+        now = self.clock_ns()
         if bucket is None:
             rate = self._limits.rate(user)
             if rate is None:
@@ -123,13 +127,13 @@ class OutputRateLimiter:
         if bucket is None or bucket.refundable == 0:
             return
         bucket.refundable -= 1
-        now_scaled = self._clock_ns() * bucket.scale
+        now_scaled = self.clock_ns() * bucket.scale
         tat = bucket.tat - bucket.interval
         bucket.tat = tat if tat > now_scaled else now_scaled
 
     def ready_at_ns(self, user: str) -> int:
         """The first instant (clock ns, not before now) at which ``try_take`` succeeds."""
-        now = self._clock_ns()
+        now = self.clock_ns()
         bucket = self._buckets.get(user)
         if bucket is None:
             return now
@@ -142,7 +146,7 @@ class OutputRateLimiter:
         Such a user behaves exactly like a new one (its next grant starts from now), so
         dropping it never changes a decision; it only bounds memory.
         """
-        now = self._clock_ns()
+        now = self.clock_ns()
         idle = [u for u, b in self._buckets.items() if b.tat <= now * b.scale]
         for user in idle:
             del self._buckets[user]

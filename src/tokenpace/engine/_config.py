@@ -1,0 +1,101 @@
+"""The ``tokenpace`` section of vLLM's ``additional_config``, validated strictly.
+
+This module imports nothing from vLLM so that `tokenpace serve` can check flags before it
+starts the engine, and so that tests can exercise every refusal cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..pacing import LimitsError, UserRateLimits, parse_overrides_json, read_overrides_file
+from ..pacing._limits import validate_rate
+
+SECTION = "tokenpace"
+KEY_DEFAULT = "default_user_output_tokens_per_second"
+KEY_OVERRIDES = "user_output_tokens_per_second"
+KEY_EVENT_LOG = "event_log"
+KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG)
+
+
+class PacingConfigError(ValueError):
+    """The ``tokenpace`` configuration is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class PacingConfig:
+    """What the paced scheduler needs: limits (None: pacing off) and where to log events."""
+
+    limits: UserRateLimits | None
+    limits_file: Path | None = None
+    event_log: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.limits is not None
+
+    @classmethod
+    def from_additional_config(cls, additional: Mapping[str, Any] | None) -> PacingConfig:
+        section = (additional or {}).get(SECTION)
+        if section is None:
+            return cls(limits=None)
+        return cls.from_section(section)
+
+    @classmethod
+    def from_section(cls, section: Any) -> PacingConfig:
+        where = f"additional_config[{SECTION!r}]"
+        if not isinstance(section, Mapping):
+            raise PacingConfigError(f"{where} must be an object, got {type(section).__name__}")
+        unknown = sorted(set(section) - set(KNOWN_KEYS))
+        if unknown:
+            raise PacingConfigError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys are {', '.join(KNOWN_KEYS)}"
+            )
+        event_log = section.get(KEY_EVENT_LOG)
+        if event_log is not None and (not isinstance(event_log, str) or not event_log):
+            raise PacingConfigError(f"{where}[{KEY_EVENT_LOG!r}] must be a non-empty path string")
+        default = section.get(KEY_DEFAULT)
+        overrides_value = section.get(KEY_OVERRIDES)
+        if default is None:
+            if overrides_value is not None:
+                raise PacingConfigError(
+                    f"{where}[{KEY_OVERRIDES!r}] needs {KEY_DEFAULT!r}: without a default "
+                    "rate pacing is off"
+                )
+            return cls(limits=None, event_log=Path(event_log) if event_log else None)
+        try:
+            default_rate = validate_rate(default, f"{where}[{KEY_DEFAULT!r}]")
+            overrides, limits_file = _overrides(overrides_value, f"{where}[{KEY_OVERRIDES!r}]")
+            limits = UserRateLimits(default_rate, overrides)
+        except LimitsError as exc:
+            raise PacingConfigError(str(exc)) from None
+        return cls(
+            limits=limits,
+            limits_file=limits_file,
+            event_log=Path(event_log) if event_log else None,
+        )
+
+
+def _overrides(value: Any, where: str) -> tuple[dict[str, float], Path | None]:
+    if value is None:
+        return {}, None
+    if isinstance(value, str):
+        if value.startswith("@"):
+            if len(value) == 1:
+                raise LimitsError(f"{where}: '@' must be followed by the path of a limits file")
+            path = Path(value[1:])
+            return read_overrides_file(path), path
+        return parse_overrides_json(value, source=where), None
+    if isinstance(value, Mapping):
+        # Already parsed JSON (vLLM parses --additional-config): validate the same way.
+        import json
+
+        return parse_overrides_json(json.dumps(dict(value)), source=where), None
+    raise LimitsError(
+        f"{where} must be an object of user id -> tokens per second or '@/path/limits.json', "
+        f"got {type(value).__name__}"
+    )

@@ -1,0 +1,62 @@
+"""Engine-side event log of charges and refunds, as JSON lines.
+
+Rates and token spacing measured at a client are blurred by HTTP buffering; this log
+records them at the source. Writing happens on a background thread: the scheduler's
+per-step path only appends tuples to a deque.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from pathlib import Path
+
+FLUSH_INTERVAL_S = 0.2
+
+
+class EventLog:
+    """Buffered JSON-lines writer: ``{"t_ns", "user", "request_id", "event"}`` per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8", buffering=1 << 16)
+        self._pending: deque[tuple[int, str, str, str]] = deque()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="tokenpace-event-log", daemon=True)
+        self._thread.start()
+
+    def record(self, t_ns: int, user: str, request_id: str, event: str) -> None:
+        self._pending.append((t_ns, user, request_id, event))
+
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            self.flush()
+        self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            pending = self._pending
+            lines = []
+            while pending:
+                t_ns, user, request_id, event = pending.popleft()
+                lines.append(
+                    json.dumps(
+                        {"t_ns": t_ns, "user": user, "request_id": request_id, "event": event},
+                        separators=(",", ":"),
+                    )
+                )
+            if lines:
+                self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.flush()
+        with self._lock:
+            self._file.close()

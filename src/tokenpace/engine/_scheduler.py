@@ -1,0 +1,258 @@
+"""vLLM scheduler subclasses that pace each user's output tokens.
+
+The subclasses reuse vLLM's ``schedule()`` unchanged and steer it through three seams
+(named in ``_vllm``):
+
+1. Before the call, every running request is classified by the ``StepPlanner``: it runs
+   (charged one token if this step may sample), is throttled (its user has no quota), or
+   is deferred (no active slot left). Throttled and deferred requests are skipped for one
+   step with ``next_decode_eligible_step``; they stay in ``running`` with their KV.
+   Throttled ones move to the tail of ``running`` (and, under the priority policy, to the
+   end of their priority level) so that they are the first preemption victims.
+2. Waiting admission is capped by ``max_num_active_reqs``, raised for this call by the
+   number of throttled requests: throttled requests do not count as active. A waiting
+   request whose user has no quota is deferred by ``_handle_blocked_waiting_request``
+   and keeps its place in the queue.
+3. After the call, the single refund point returns the token of every charged request
+   that was not dispatched to sample (not scheduled, scheduled short of its last prompt
+   position, or preempted).
+
+Throttling a request whose next chunk may be its last prefill chunk waits for quota
+(it is skipped whole); chunks that cannot be the last run without quota.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..pacing import Candidate, OutputRateLimiter, StepPlanner, validate_user_id
+from ..pacing._limits import LimitsError
+from ._config import PacingConfig
+from ._events import EventLog
+from ._modes import unsupported_modes
+from ._vllm import (
+    AsyncScheduler,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+    SchedulingPolicy,
+    internals_problems,
+)
+
+logger = logging.getLogger("tokenpace.engine")
+
+ANONYMOUS_USER = "__anonymous__"
+USER_EXTRA_ARG = "output_rate_user"
+CLEANUP_EVERY_STEPS = 256
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priority level
+
+
+def request_user(request: Any) -> str:
+    """The pacing identity of a request: ``vllm_xargs.output_rate_user`` or anonymous.
+
+    A malformed identity cannot crash the engine: the API layer refuses it with HTTP 400
+    when tokenpace serves; anything that still gets here is paced as anonymous.
+    """
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None)
+    if not extra:
+        return ANONYMOUS_USER
+    user = extra.get(USER_EXTRA_ARG) if isinstance(extra, dict) else None
+    if user is None:
+        return ANONYMOUS_USER
+    try:
+        return validate_user_id(user, USER_EXTRA_ARG)
+    except LimitsError as exc:
+        logger.warning("request %s: %s; paced as %s", getattr(request, "request_id", "?"),
+                       exc, ANONYMOUS_USER)
+        return ANONYMOUS_USER
+
+
+class _PacingMixin:
+    """Pacing around vLLM's ``schedule()``; mixed into ``Scheduler`` and ``AsyncScheduler``."""
+
+    # Provided by vLLM's Scheduler (listed in _vllm.SCHEDULER_ATTRIBUTES).
+    running: list[Request]
+    requests: dict[str, Request]
+    current_step: int
+    max_num_active_reqs: int
+    max_num_running_reqs: int
+    max_num_scheduled_tokens: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        problems = internals_problems(self)
+        if problems:
+            raise RuntimeError("tokenpace cannot pace this vLLM: " + "; ".join(problems))
+        config = PacingConfig.from_additional_config(self.vllm_config.additional_config)
+        self.pacing_config = config
+        self._planner: StepPlanner | None = None
+        self._event_log: EventLog | None = None
+        self._users: dict[str, str] = {}
+        self._steps = 0
+        self._nothing_ran = False
+        if not config.enabled:
+            return
+        refused = unsupported_modes(self.vllm_config, self)
+        if refused:
+            raise ValueError(
+                "tokenpace output pacing does not support " + "; ".join(refused)
+            )
+        assert config.limits is not None
+        self._planner = StepPlanner(OutputRateLimiter(config.limits))
+        if config.event_log is not None:
+            self._event_log = EventLog(config.event_log)
+        logger.info(
+            "tokenpace: pacing output tokens: default %s tok/s, %d user override(s)",
+            config.limits.default, len(config.limits.overrides),
+        )
+
+    # -- public surface used by the engine loop and by tests ------------------------
+
+    @property
+    def planner(self) -> StepPlanner | None:
+        return self._planner
+
+    def idle_wait_seconds(self) -> float:
+        """How long the engine loop may block on its input queue: min(50 ms, time until
+        the earliest refused user has quota) when the last step ran nothing, else 0."""
+        if self._planner is None:
+            return 0.0
+        return self._planner.idle_wait_seconds(self._nothing_ran)
+
+    def _user_of(self, request: Request) -> str:
+        user = self._users.get(request.request_id)
+        if user is None:
+            user = self._users[request.request_id] = request_user(request)
+        return user
+
+    def add_request(self, request: Request) -> None:
+        if self._planner is not None:
+            self._user_of(request)  # resolved once, not every step
+        super().add_request(request)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        if self._event_log is not None:
+            self._event_log.close()
+            self._event_log = None
+        super().shutdown()  # type: ignore[misc]
+
+    # -- the step --------------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        planner = self._planner
+        if planner is None:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        planner.begin_step()
+        self._steps += 1
+        if self._steps % CLEANUP_EVERY_STEPS == 0:
+            self._cleanup()
+
+        priority_policy = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
+        token_cap = self.max_num_scheduled_tokens
+        candidates = []
+        for req in self.running:
+            remaining = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            candidates.append(
+                Candidate(
+                    req.request_id,
+                    self._user_of(req),
+                    0 < remaining <= token_cap,
+                    req.priority if priority_policy else 0,
+                )
+            )
+        active_slots = self.max_num_active_reqs
+        requests = self.requests
+        plan = planner.plan_running(
+            candidates,
+            active_slots,
+            waiting=lambda key: (r := requests.get(key)) is not None and r.status in _WAITING,
+            can_admit=len(self.running) < self.max_num_running_reqs,
+        )
+
+        skip_step = self.current_step + 2  # schedule() increments current_step first
+        skipped = [requests[k] for k in plan.throttled] + [requests[k] for k in plan.deferred]
+        saved_eligible = [(r, r.next_decode_eligible_step) for r in skipped]
+        for r in skipped:
+            r.next_decode_eligible_step = skip_step
+        throttled = [requests[k] for k in plan.throttled]
+        bumped: list[Request] = []
+        if throttled:
+            self._move_to_victim_end(throttled)
+            if priority_policy:
+                for r in throttled:
+                    r.arrival_time += _PRIORITY_DEFER_S
+                bumped = throttled
+        self.max_num_active_reqs = min(active_slots + len(throttled), self.max_num_running_reqs)
+        try:
+            output: SchedulerOutput = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.max_num_active_reqs = active_slots
+            for r, eligible in saved_eligible:
+                r.next_decode_eligible_step = eligible
+            if bumped:
+                self._restore_arrival_times(bumped)
+
+        self._settle(output)
+        self._nothing_ran = output.total_num_scheduled_tokens == 0
+        return output
+
+    def _move_to_victim_end(self, throttled: list[Request]) -> None:
+        """Stable-move throttled requests to the tail of ``running`` (FCFS victims)."""
+        ids = {r.request_id for r in throttled}
+        self.running[:] = [r for r in self.running if r.request_id not in ids] + throttled
+
+    def _restore_arrival_times(self, bumped: list[Request]) -> None:
+        waiting = self.waiting  # type: ignore[attr-defined]
+        for r in bumped:
+            r.arrival_time -= _PRIORITY_DEFER_S
+            if r not in self.running and r.request_id in self.requests:
+                # Preempted with the bumped key: re-insert so the queue orders it correctly.
+                try:
+                    waiting.remove_request(r)
+                except ValueError:
+                    continue
+                waiting.add_request(r)
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+        if not ready or self._planner is None:
+            return ready
+        return self._planner.admit(request.request_id, self._user_of(request))
+
+    def _settle(self, output: SchedulerOutput) -> None:
+        """The one refund point (see the module docstring)."""
+        assert self._planner is not None
+        scheduled = output.num_scheduled_tokens
+        requests = self.requests
+
+        def dispatched(key: Any) -> bool:
+            req = requests.get(key)
+            return key in scheduled and req is not None and not req.is_prefill_chunk
+
+        settlements = self._planner.settle(dispatched)
+        log = self._event_log
+        if log is not None and settlements:
+            now = self._planner.limiter.now_ns()
+            for s in settlements:
+                log.record(now, s.user, s.key, "charge")
+                if not s.dispatched:
+                    log.record(now, s.user, s.key, "refund")
+
+    def _cleanup(self) -> None:
+        assert self._planner is not None
+        self._planner.limiter.cleanup_idle_users()
+        live = self.requests
+        self._planner.forget(live.__contains__)
+        self._users = {k: v for k, v in self._users.items() if k in live}
+
+
+class PacedScheduler(_PacingMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` with per-user output-token pacing."""
+
+
+class PacedAsyncScheduler(_PacingMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with per-user output-token pacing."""

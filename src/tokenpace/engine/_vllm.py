@@ -1,0 +1,92 @@
+"""Every vLLM internal that the adapter relies on, named in one place.
+
+vLLM's scheduler is not a public interface. tokenpace pins vLLM 0.32 and checks at
+start-up (and in a test) that the names below still exist, so a different vLLM fails
+loudly with a list of what changed instead of mis-pacing silently.
+"""
+
+from __future__ import annotations
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+SUPPORTED_VLLM_SERIES = "0.32."
+
+# Scheduler attributes read or written around `schedule()`:
+# - running, requests, waiting, policy: the queues and the preemption policy;
+# - current_step: `schedule()` increments it first, then skips a running request while
+#   `current_step < request.next_decode_eligible_step` (our "skip this step" seam);
+# - max_num_active_reqs: waiting admission stops when len(running) reaches it (raised for
+#   one call by the number of throttled requests, capped by max_num_running_reqs);
+# - max_num_scheduled_tokens: upper bound of one request's tokens in one step.
+SCHEDULER_ATTRIBUTES = (
+    "running",
+    "requests",
+    "waiting",
+    "policy",
+    "current_step",
+    "max_num_active_reqs",
+    "max_num_running_reqs",
+    "max_num_scheduled_tokens",
+    "vllm_config",
+)
+# Methods overridden (hooks) or called.
+SCHEDULER_METHODS = (
+    "schedule",
+    "add_request",
+    "finish_requests",
+    "_handle_blocked_waiting_request",  # False defers a waiting request for this step
+    "shutdown",
+)
+# Request fields used to decide whether a step samples and to skip it.
+REQUEST_ATTRIBUTES = (
+    "request_id",
+    "sampling_params",
+    "priority",
+    "arrival_time",
+    "status",
+    "num_computed_tokens",
+    "num_tokens",
+    "num_tokens_with_spec",
+    "num_output_placeholders",
+    "next_decode_eligible_step",
+    "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
+)
+
+
+def internals_problems(scheduler: object | None = None, request: object | None = None) -> list[str]:
+    """What is missing or changed in this vLLM, as readable lines (empty: all good)."""
+    problems: list[str] = []
+    if not vllm.__version__.startswith(SUPPORTED_VLLM_SERIES):
+        problems.append(
+            f"vLLM {vllm.__version__} is installed; tokenpace supports {SUPPORTED_VLLM_SERIES}x"
+        )
+    for name in SCHEDULER_METHODS:
+        if not callable(getattr(Scheduler, name, None)):
+            problems.append(f"vllm Scheduler has no method {name}()")
+    if scheduler is not None:
+        for name in SCHEDULER_ATTRIBUTES:
+            if not hasattr(scheduler, name):
+                problems.append(f"vllm Scheduler has no attribute {name!r}")
+    if request is not None:
+        for name in REQUEST_ATTRIBUTES:
+            if not hasattr(request, name):
+                problems.append(f"vllm Request has no attribute {name!r}")
+    if not hasattr(SchedulingPolicy, "PRIORITY") or not hasattr(SchedulingPolicy, "FCFS"):
+        problems.append("vllm SchedulingPolicy lacks FCFS/PRIORITY")
+    return problems
+
+
+__all__ = [
+    "AsyncScheduler",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulingPolicy",
+    "internals_problems",
+]
