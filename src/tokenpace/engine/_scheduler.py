@@ -12,7 +12,8 @@ The subclasses reuse vLLM's ``schedule()`` unchanged and steer it through three 
 2. Waiting admission is capped by ``max_num_active_reqs``, raised for this call by the
    number of throttled requests: throttled requests do not count as active. A waiting
    request whose user has no quota is deferred by ``_handle_blocked_waiting_request``
-   and keeps its place in the queue.
+   and keeps its place in the queue; one that is admitted is charged in
+   ``_reserve_prefill_lookahead`` only if its chunk reaches the sampling position.
 3. After the call, the single refund point returns the token of every charged request
    that was not dispatched to sample (not scheduled, scheduled short of its last prompt
    position, or preempted).
@@ -221,7 +222,28 @@ class _PacingMixin:
         ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
         if not ready or self._planner is None:
             return ready
-        return self._planner.admit(request.request_id, self._user_of(request))
+        return self._planner.may_admit(request.request_id, self._user_of(request))
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """Charge a waiting request when its admission chunk is its last prefill chunk.
+
+        vLLM calls this with the final size of the chunk; running requests were charged
+        before ``schedule()``. Without quota the chunk stops one position short of the
+        sampling position, so the prompt still progresses.
+        """
+        n = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, num_new_tokens
+        )
+        planner = self._planner
+        if planner is None or n <= 0 or request.status not in _WAITING:
+            return n
+        if num_computed_tokens + n >= request.num_tokens and not planner.charge_admission(
+            request.request_id, self._user_of(request)
+        ):
+            return n - 1
+        return n
 
     def _settle(self, output: SchedulerOutput) -> None:
         """The one refund point (see the module docstring)."""

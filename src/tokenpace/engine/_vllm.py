@@ -40,6 +40,7 @@ SCHEDULER_METHODS = (
     "add_request",
     "finish_requests",
     "_handle_blocked_waiting_request",  # False defers a waiting request for this step
+    "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
     "shutdown",
 )
 # Request fields used to decide whether a step samples and to skip it.

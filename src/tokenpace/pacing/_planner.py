@@ -91,14 +91,28 @@ class StepPlanner:
         self._refused[user] = self.limiter.ready_at_ns(user)
         return False
 
-    def admit(self, key: Hashable, user: str) -> bool:
-        """May a waiting request whose next step may sample be admitted this step?"""
+    def may_admit(self, key: Hashable, user: str) -> bool:
+        """Should a waiting request be considered for admission this step?
+
+        Asks without charging: the charge comes with ``charge_admission`` once the
+        scheduler knows the step reaches the request's sampling position. A request of a
+        user without quota is refused and gets the user's next token (see ``_starved``).
+        """
         if key in self._charged or not self.is_paced(user):
             return True
-        if self._charge(key, user):
-            return True
+        if user not in self._refused:
+            ready = self.limiter.ready_at_ns(user)
+            if ready <= self.limiter.now_ns():
+                return True
+            self._refused[user] = ready
         self._starved.setdefault(user, key)
         return False
+
+    def charge_admission(self, key: Hashable, user: str) -> bool:
+        """Charge a waiting request whose admission step samples; False if no quota."""
+        if key in self._charged or not self.is_paced(user):
+            return True
+        return self._charge(key, user)
 
     def _charge_starved(self, waiting: Callable[[Hashable], bool], can_admit: bool) -> None:
         for user, key in list(self._starved.items()):

@@ -1,0 +1,240 @@
+"""The paced schedulers on vLLM's real scheduler and KV cache manager, sync and async."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.sched._harness import NS, Sim, make_sim, max_in_window
+
+pytestmark = pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+
+BURST_S = 0.1
+
+
+def paced(default: float, **overrides: float) -> dict:
+    cfg: dict = {"default_user_output_tokens_per_second": default}
+    if overrides:
+        cfg["user_output_tokens_per_second"] = overrides
+    return cfg
+
+
+def assert_rate(sim: Sim, user: str, rate: float, seconds: float) -> None:
+    times = sim.user_times(user)
+    assert len(times) >= rate * seconds - 1, (user, len(times))
+    for window_s in (0.05, 0.5, 1.0, seconds):
+        bound = (window_s + BURST_S) * rate + 1
+        assert max_in_window(times, int(window_s * NS)) <= bound, (user, window_s)
+
+
+def assert_charges_match_dispatch(sim: Sim, log: Path) -> None:
+    """Charges minus refunds per request equal the sampling steps actually dispatched."""
+    sim.scheduler.shutdown()
+    net: Counter[str] = Counter()
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        net[event["request_id"]] += 1 if event["event"] == "charge" else -1
+    dispatched = Counter(rid for _, _, _, rid in sim.dispatched)
+    assert +net == +dispatched
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_one_user_at_20_tok_s(tiny_model, is_async, streams, tmp_path):
+    log = tmp_path / "events.jsonl"
+    sim = make_sim(tiny_model, is_async=is_async, pacing={**paced(20), "event_log": str(log)})
+    for i in range(streams):
+        sim.add(f"a{i}", "a", max_tokens=1000)
+    spread = 0
+    for _ in range(1000):  # 10 simulated seconds at 10 ms per step
+        sim.step()
+        counts = [sim.per_request("a").get(f"a{i}", 0) for i in range(streams)]
+        spread = max(spread, max(counts) - min(counts))
+    assert_rate(sim, "a", 20, 10)
+    assert spread <= 2, "streams of one user must take turns"
+    assert_charges_match_dispatch(sim, log)
+
+
+def test_two_users_each_at_its_own_rate(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20, fast=100))
+    for i in range(4):
+        sim.add(f"slow{i}", "slow", max_tokens=1000)
+    sim.add("fast0", "fast", max_tokens=2000)
+    sim.run(10)
+    assert_rate(sim, "slow", 20, 10)
+    assert_rate(sim, "fast", 100, 10)
+
+
+def test_throttled_user_does_not_take_active_slots(tiny_model, is_async):
+    """8 streams of a 5 tok/s user arrive first; max 4 active of 16 resident."""
+    def scenario(pacing):
+        sim = make_sim(tiny_model, is_async=is_async, pacing=pacing,
+                       max_num_seqs=16, max_num_active_seqs=4)
+        for i in range(8):
+            sim.add(f"a{i}", "a", max_tokens=400)
+        sim.add("b0", "b", max_tokens=400)
+        sim.run(2)
+        return sim
+
+    sim = scenario(paced(5, b=100_000))
+    b_steps = sorted({step for step, _, user, _ in sim.dispatched if user == "b"})
+    first = b_steps[0]
+    assert first <= 2, "b must start at once"
+    assert b_steps == list(range(first, sim.step_index + 1)), "b samples every step"
+    assert_rate(sim, "a", 5, 2)
+
+    stock = scenario(None)  # list order: a's four streams hold every active slot
+    assert not [1 for _, _, user, _ in stock.dispatched if user == "b"]
+
+
+def test_freed_slots_go_to_the_least_served_user(tiny_model, is_async):
+    """Two users, three resident streams each, two active slots: slots alternate.
+
+    While steps are short both users are throttled most of the time, so all six streams
+    become resident (throttled requests do not count as active). With 100 ms steps each
+    user then has quota for two tokens per step: four candidates for two slots. List
+    order (a's streams first) would give a both slots every step and b nothing.
+    """
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20),
+                   max_num_seqs=16, max_num_active_seqs=2)
+    for i in range(3):
+        sim.add(f"a{i}", "a", max_tokens=1000)
+    for i in range(3):
+        sim.add(f"b{i}", "b", max_tokens=1000)
+    sim.run(1)
+    assert len(sim.scheduler.running) == 6
+    sim.step_ns = 100_000_000
+    start = len(sim.dispatched)
+    sim.run(10)
+    later = Counter(user for _, _, user, _ in sim.dispatched[start:])
+    assert abs(later["a"] - later["b"]) <= 3, later
+    assert later["a"] + later["b"] >= 2 * 100 - 2  # both slots used every step
+    for user in ("a", "b"):
+        counts = [n for rid, n in sim.per_request(user).items()]
+        assert max(counts) - min(counts) <= 2
+
+
+def test_throttled_request_resumes_and_completes(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20))
+    sim.add("r0", "u", max_tokens=30)
+    sim.add("r1", "u", max_tokens=30)
+    for _ in range(600):
+        sim.step()
+        if len(sim.finished) == 2:
+            break
+    sim.drain()
+    assert sim.finished == {"r0": "length", "r1": "length"}
+    assert sim.tokens["r0"] == 30 and sim.tokens["r1"] == 30
+    assert 2.5 <= (sim.step_index * sim.step_ns) / NS <= 3.2  # 60 tokens at 20 tok/s
+
+
+def test_chunked_prefill_charges_only_the_last_chunk(tiny_model, is_async, tmp_path):
+    log = tmp_path / "events.jsonl"
+    sim = make_sim(tiny_model, is_async=is_async, max_num_batched_tokens=256,
+                   pacing={**paced(20), "event_log": str(log)})
+    sim.add("long", "u", prompt_len=700, max_tokens=5)
+    chunks = []
+    for _ in range(3):
+        out = sim.step()
+        chunks.append(out.num_scheduled_tokens.get("long", 0))
+    assert chunks == [256, 256, 188]
+    steps_sampled = [step for step, _, _, rid in sim.dispatched if rid == "long"]
+    assert steps_sampled == [3]
+    sim.scheduler.shutdown()
+    events = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [e["event"] for e in events if e["request_id"] == "long"] == ["charge"]
+
+
+def test_refund_when_kv_allocation_fails(tiny_model, is_async, tmp_path):
+    log = tmp_path / "events.jsonl"
+    # 8 blocks of 16 tokens: the 200-token prompt of the second request cannot fit.
+    sim = make_sim(tiny_model, is_async=is_async, num_blocks=16,
+                   pacing={**paced(20), "event_log": str(log)})
+    sim.add("fits", "u", prompt_len=100, max_tokens=40)
+    sim.add("too_big", "v", prompt_len=200, max_tokens=5)
+    sim.step()
+    sim.step()
+    assert "too_big" not in {rid for _, _, _, rid in sim.dispatched}
+    limiter = sim.scheduler.planner.limiter
+    assert limiter.ready_at_ns("v") == sim.clock.now_ns, "v's token was refunded"
+    sim.scheduler.shutdown()
+    events = [json.loads(x) for x in log.read_text().splitlines() if '"too_big"' in x]
+    assert [e["event"] for e in events][:2] == ["charge", "refund"]
+
+
+def test_throttled_requests_are_preempted_first(tiny_model, is_async, tmp_path):
+    log = tmp_path / "events.jsonl"
+    # Few KV blocks; the slow user's request arrives first (stock FCFS would evict the
+    # newest request, the fast user's).
+    sim = make_sim(tiny_model, is_async=is_async, num_blocks=12,
+                   pacing={**paced(1, fast=100_000), "event_log": str(log)})
+    sim.add("slow", "slow", prompt_len=60, max_tokens=200, arrival=0.0)
+    sim.add("fast", "fast", prompt_len=60, max_tokens=200, arrival=1.0)
+    for _ in range(150):
+        sim.step()
+        if sim.preempted:
+            break
+    assert sim.preempted and sim.preempted[0] == "slow"
+    sim.drain()
+    assert_charges_match_dispatch(sim, log)
+
+
+def test_abort_of_a_throttled_request(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(2))
+    sim.add("r0", "u", max_tokens=100)
+    sim.add("r1", "u", max_tokens=100)
+    sim.run(0.5)
+    sim.abort("r1")
+    sim.run(2)
+    sim.drain()
+    assert "r1" not in sim.scheduler.requests
+    assert_rate(sim, "u", 2, 2.5)
+    assert sim.per_request("u")["r0"] >= 4  # r0 carries on alone
+
+
+def test_idle_wait_when_every_request_is_throttled(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(10))
+    sim.add("r0", "u", max_tokens=100)
+    sim.run(0.05)
+    limiter = sim.scheduler.planner.limiter
+    waits = []
+    for _ in range(30):
+        out = sim.step()
+        wait = sim.scheduler.idle_wait_seconds()
+        if out.total_num_scheduled_tokens:
+            assert wait == 0.0
+        else:
+            expected = min(0.05, max(0, limiter.ready_at_ns("u") - sim.clock.now_ns) / NS)
+            assert wait == pytest.approx(expected)
+            waits.append(wait)
+    assert len(waits) >= 20 and max(waits) > 0.02, waits
+
+
+def test_feature_off_is_stock_behaviour(tiny_model, is_async):
+    def drive(paced_class: bool) -> list[tuple]:
+        rng = random.Random(7)
+        sim = make_sim(tiny_model, is_async=is_async, paced_class=paced_class,
+                       num_blocks=40, max_num_seqs=8, max_num_active_seqs=6,
+                       max_num_batched_tokens=128)
+        trace = []
+        n = 0
+        for step in range(300):
+            if rng.random() < 0.3:
+                sim.add(f"r{n}", rng.choice(["a", "b", None]), prompt_len=rng.randint(1, 300),
+                        max_tokens=rng.randint(1, 60), arrival=float(step))
+                n += 1
+            if rng.random() < 0.03 and sim.scheduler.running:
+                sim.abort(rng.choice(sim.scheduler.running).request_id)
+            out = sim.step()
+            trace.append((
+                dict(out.num_scheduled_tokens),
+                [r.req_id for r in out.scheduled_new_reqs],
+                sorted(out.preempted_req_ids or ()),
+                sorted(out.finished_req_ids),
+            ))
+        return trace
+
+    assert drive(True) == drive(False)
