@@ -1,0 +1,1 @@
+"""Measurements behind `tokenpace bench ...`."""

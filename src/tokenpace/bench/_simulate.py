@@ -1,0 +1,203 @@
+"""Drive vLLM's real scheduler and KV cache manager with synthetic model output.
+
+Everything but the model runner is real: `VllmConfig` over the project's tiny model,
+vLLM's `Scheduler` / `AsyncScheduler` (or tokenpace's subclasses), the real KV cache
+manager. The model runner is replaced by "sample token 7 for every request that reached
+its sampling position", and the limiter's clock by a fake one advanced per step.
+
+Used by the scheduler tests and by `tokenpace bench scheduler`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tokenpace.engine import PacedAsyncScheduler, PacedScheduler
+
+BLOCK_SIZE = 16
+SAMPLED_TOKEN = 7
+NS = 1_000_000_000
+
+init_none_hash(sha256)
+_HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_ns = 10 * NS
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+
+@dataclass
+class Sim:
+    """One scheduler plus the bookkeeping that tests assert on."""
+
+    scheduler: Any
+    clock: FakeClock
+    step_ns: int
+    is_async: bool
+    users: dict[str, str] = field(default_factory=dict)  # request id -> user
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # delivered
+    finished: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    dispatched: list[tuple[int, int, str, str]] = field(default_factory=list)
+    """(step, t_ns, user, request id) of every dispatched sampling step (= kept charges)."""
+    preempted: list[str] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    step_index: int = 0
+    _inflight: tuple[Any, set[str]] | None = None
+
+    def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
+            priority: int = 0, arrival: float | None = None) -> None:
+        extra = {"output_rate_user": user} if user is not None else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        seed = zlib.crc32(rid.encode())
+        prompt = [(seed + i) % 400 + 3 for i in range(prompt_len)]
+        req = Request(rid, prompt, params, None,
+                      arrival_time=arrival if arrival is not None else float(len(self.users)),
+                      priority=priority, block_hasher=_HASHER)
+        self.users[rid] = user or "__anonymous__"
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.finished[rid] = "abort"
+
+    def step(self) -> Any:
+        """One engine step; async keeps one step in flight like vLLM's engine loop."""
+        self.step_index += 1
+        out = self.scheduler.schedule()
+        self.outputs.append(out)
+        sampled = {
+            rid for rid in out.num_scheduled_tokens
+            if not self.scheduler.requests[rid].is_prefill_chunk
+        }
+        self.preempted.extend(out.preempted_req_ids or ())
+        for rid in sampled:
+            self.dispatched.append((self.step_index, self.clock.now_ns, self.users[rid], rid))
+        if self.is_async:
+            if self._inflight is not None:
+                self._update(*self._inflight)
+            self._inflight = (out, sampled)
+        else:
+            self._update(out, sampled)
+        self.clock.now_ns += self.step_ns
+        return out
+
+    def drain(self) -> None:
+        if self._inflight is not None:
+            self._update(*self._inflight)
+            self._inflight = None
+
+    def _update(self, out: Any, sampled: set[str]) -> None:
+        ids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[[SAMPLED_TOKEN] if rid in sampled else [] for rid in ids],
+        )
+        for eco in self.scheduler.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                self.tokens[o.request_id] += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = str(o.finish_reason)
+
+    def run(self, seconds: float) -> None:
+        for _ in range(round(seconds * NS / self.step_ns)):
+            self.step()
+
+    def user_times(self, user: str) -> list[int]:
+        return [t for _, t, u, _ in self.dispatched if u == user]
+
+    def per_request(self, user: str) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for _, _, u, rid in self.dispatched:
+            if u == user:
+                counts[rid] += 1
+        return counts
+
+
+def make_sim(
+    model: Path,
+    *,
+    is_async: bool = False,
+    pacing: dict[str, Any] | None = None,
+    paced_class: bool = True,
+    max_num_seqs: int = 16,
+    max_num_active_seqs: int | None = None,
+    max_num_batched_tokens: int = 512,
+    num_blocks: int = 1000,
+    policy: str = "fcfs",
+    step_ns: int = 10_000_000,
+    max_model_len: int = 2048,
+) -> Sim:
+    model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=is_async,
+        policy=policy,
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")
+    cache_config.num_gpu_blocks = num_blocks
+    additional = {"tokenpace": pacing} if pacing is not None else {}
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64,
+                                  dtype=torch.float32),
+            )
+        ],
+    )
+    if paced_class:
+        cls = PacedAsyncScheduler if is_async else PacedScheduler
+    else:
+        cls = AsyncScheduler if is_async else Scheduler
+    scheduler = cls(
+        vllm_config, kv_cache_config, StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE, log_stats=True,
+    )
+    clock = FakeClock()
+    planner = getattr(scheduler, "planner", None)
+    if planner is not None:
+        planner.limiter.clock_ns = clock
+    return Sim(scheduler=scheduler, clock=clock, step_ns=step_ns, is_async=is_async)
+
+
+def max_in_window(times: list[int], window_ns: int) -> int:
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] > window_ns:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best

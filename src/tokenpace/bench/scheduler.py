@@ -1,0 +1,98 @@
+"""`tokenpace bench scheduler`: CPU time per step of the real scheduler, stock vs paced.
+
+Each case keeps R requests resident and decoding (one user per request) and times
+``schedule()`` + ``update_from_output()`` with the process CPU clock. A fraction f of
+the users is throttled: their rate is so low that after the first token they never have
+quota again, so the paced scheduler skips them every step while stock vLLM runs them.
+Stock and paced runs of a case alternate, and the median of the repeats is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ._simulate import Sim, make_sim
+
+THROTTLED_RATE = 1e-6  # tokens per second: one token, then none for ~11 days
+FREE_RATE = 1e9
+
+
+def _build(model: Path, running: int, throttled_fraction: float | None, steps: int) -> Sim:
+    paced = throttled_fraction is not None
+    n_throttled = round(running * (throttled_fraction or 0.0))
+    pacing = None
+    if paced:
+        overrides = {f"t{i}": THROTTLED_RATE for i in range(n_throttled)}
+        pacing = {"default_user_output_tokens_per_second": FREE_RATE,
+                  "user_output_tokens_per_second": overrides}
+    blocks_per_req = (16 + steps + 64) // 16 + 2
+    sim = make_sim(
+        model, pacing=pacing, paced_class=paced, max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running * 16), num_blocks=running * blocks_per_req + 16,
+        max_model_len=4096,
+    )
+    for i in range(running):
+        user = f"t{i}" if i < n_throttled else f"u{i}"
+        sim.add(f"r{i}", user, prompt_len=16, max_tokens=steps + 64)
+    for _ in range(4):  # admit and prefill everything before timing
+        sim.step()
+    return sim
+
+
+def _time_steps(sim: Sim, steps: int) -> float:
+    start = time.process_time_ns()
+    for _ in range(steps):
+        sim.step()
+    return (time.process_time_ns() - start) / steps / 1000.0
+
+
+def run(model: Path, running_counts: list[int], fractions: list[float], steps: int,
+        repeats: int) -> dict[str, Any]:
+    cases = []
+    for running in running_counts:
+        for fraction in fractions:
+            stock_us, paced_us = [], []
+            for _ in range(repeats):
+                stock_us.append(_time_steps(_build(model, running, None, steps), steps))
+                paced_us.append(_time_steps(_build(model, running, fraction, steps), steps))
+            s, p = statistics.median(stock_us), statistics.median(paced_us)
+            cases.append({
+                "running": running,
+                "throttled_fraction": fraction,
+                "stock_us_per_step": round(s, 1),
+                "paced_us_per_step": round(p, 1),
+                "ratio": round(p / s, 3),
+                "stock_us_samples": [round(x, 1) for x in stock_us],
+                "paced_us_samples": [round(x, 1) for x in paced_us],
+            })
+            print(f"running={running:5d} throttled={fraction:.2f} "
+                  f"stock={s:9.1f} us/step paced={p:9.1f} us/step ratio={p / s:.3f}", flush=True)
+    return {"steps": steps, "repeats": repeats, "cases": cases, **_environment()}
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+
+    import vllm
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from .. import __version__
+
+    return {"tokenpace": __version__, "vllm": vllm.__version__,
+            "python": platform.python_version(), "cpu": cpu}
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,35 @@
+"""The vLLM internals the adapter relies on exist in the installed vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sched._harness import make_sim
+from tokenpace.engine import _vllm
+
+
+def test_all_internals_present(tiny_model):
+    sim = make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 10})
+    sim.add("r0", "u")
+    request = sim.scheduler.requests["r0"]
+    assert _vllm.internals_problems(sim.scheduler, request) == []
+
+
+def test_a_missing_internal_is_reported_by_name(tiny_model, monkeypatch):
+    sim = make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 10})
+
+    class Stripped:
+        pass
+
+    monkeypatch.setattr(_vllm.Scheduler, "_reserve_prefill_lookahead", None)
+    problems = _vllm.internals_problems(Stripped(), Stripped())
+    assert "vllm Scheduler has no method _reserve_prefill_lookahead()" in problems
+    assert "vllm Scheduler has no attribute 'max_num_active_reqs'" in problems
+    assert "vllm Request has no attribute 'next_decode_eligible_step'" in problems
+    del sim
+
+
+def test_another_vllm_version_refuses_to_start(tiny_model, monkeypatch):
+    monkeypatch.setattr(_vllm.vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"vLLM 0.33.0 is installed; tokenpace supports 0.32.x"):
+        make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 10})

@@ -1,0 +1,51 @@
+"""Validation of additional_config["tokenpace"] (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenpace.engine._config import PacingConfig, PacingConfigError
+
+
+def test_absent_section_means_off():
+    assert not PacingConfig.from_additional_config({}).enabled
+    assert not PacingConfig.from_additional_config(None).enabled
+
+
+def test_default_and_overrides_object():
+    cfg = PacingConfig.from_additional_config({"tokenpace": {
+        "default_user_output_tokens_per_second": 100,
+        "user_output_tokens_per_second": {"user-a": 100, "user-b": 500},
+        "event_log": "/tmp/x.jsonl",
+    }})
+    assert cfg.enabled and cfg.limits.rate("user-b") == 500 and cfg.limits.rate("z") == 100
+    assert str(cfg.event_log) == "/tmp/x.jsonl"
+
+
+def test_overrides_from_file(tmp_path):
+    path = tmp_path / "limits.json"
+    path.write_text('{"a": 2.5}')
+    cfg = PacingConfig.from_section({
+        "default_user_output_tokens_per_second": 1,
+        "user_output_tokens_per_second": f"@{path}",
+    })
+    assert cfg.limits.rate("a") == 2.5 and cfg.limits_file == path
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ([], "must be an object"),
+    ({"default_user_output_tokens_per_second": 0}, "greater than 0"),
+    ({"default_user_output_tokens_per_second": "10"}, "must be a number"),
+    ({"default_user_output_tokens_per_second": 10, "typo": 1}, "unknown key.*'typo'"),
+    ({"user_output_tokens_per_second": {"a": 1}}, "needs 'default_user_output_tokens_per_second'"),
+    ({"default_user_output_tokens_per_second": 1, "user_output_tokens_per_second": {"a": -1}},
+     "user_output_tokens_per_second.*greater than 0"),
+    ({"default_user_output_tokens_per_second": 1, "user_output_tokens_per_second": 5},
+     "must be an object of user id"),
+    ({"default_user_output_tokens_per_second": 1, "user_output_tokens_per_second": "@/nope.json"},
+     "cannot read limits file"),
+    ({"default_user_output_tokens_per_second": 1, "event_log": 3}, "event_log"),
+])
+def test_refusals_name_the_key(section, message):
+    with pytest.raises(PacingConfigError, match=message):
+        PacingConfig.from_section(section)
