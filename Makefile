@@ -10,6 +10,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # vLLM on the CPU asks for 92% of RAM for its KV cache unless told otherwise.
 KV_CACHE_BYTES ?= 268435456
+# Output tokens per second for every user of `make serve` (vllm_xargs.output_rate_user).
+RATE ?= 50
 
 .PHONY: install model serve test
 
@@ -30,7 +32,9 @@ model: $(STAMP)
 serve: model
 	exec $(PY) -m vllm.entrypoints.openai.api_server --model $(MODEL) \
 		--served-model-name tiny --host $(HOST) --port $(PORT) \
-		--kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager
+		--kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager \
+		--scheduler-cls tokenpace.engine.PacedScheduler \
+		--additional-config '{"tokenpace": {"default_user_output_tokens_per_second": $(RATE)}}'
 
 test: $(STAMP)
 	$(PY) -m pytest

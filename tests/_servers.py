@@ -79,3 +79,15 @@ def vllm_server_argv(model: Path, port: int, *extra: str) -> list[str]:
         "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--enforce-eager",
         *extra,
     ]
+
+
+def paced_vllm_server_argv(model: Path, port: int, pacing: dict, *extra: str) -> list[str]:
+    """Plain vLLM with the paced scheduler selected, as `make serve` starts it."""
+    import json
+
+    return vllm_server_argv(
+        model, port,
+        "--scheduler-cls", "tokenpace.engine.PacedScheduler",
+        "--additional-config", json.dumps({"tokenpace": pacing}),
+        *extra,
+    )

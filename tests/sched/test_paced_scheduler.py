@@ -241,3 +241,19 @@ def test_feature_off_is_stock_behaviour(tiny_model, is_async):
         return trace
 
     assert drive(True) == drive(False)
+
+
+def test_priority_policy_preempts_throttled_first_within_its_level(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, num_blocks=12, policy="priority",
+                   pacing=paced(1, fast=100_000))
+    sim.add("slow", "slow", prompt_len=60, max_tokens=200, arrival=0.0)
+    sim.add("fast", "fast", prompt_len=60, max_tokens=200, arrival=1.0)
+    for _ in range(150):
+        sim.step()
+        if sim.preempted:
+            break
+    assert sim.preempted and sim.preempted[0] == "slow"
+    # The victim's queue key is its real arrival time again.
+    assert sim.scheduler.requests["slow"].arrival_time == 0.0
+    sim.run(0.5)
+    assert sim.scheduler.requests["slow"].arrival_time == 0.0

@@ -10,6 +10,7 @@ Used by the scheduler tests and by `tokenpace bench scheduler`.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class Sim:
     preempted: list[str] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     step_index: int = 0
+    scheduler_cpu_ns: int = 0
+    """Process CPU time spent inside schedule() and update_from_output()."""
     _inflight: tuple[Any, set[str]] | None = None
 
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
@@ -83,7 +86,9 @@ class Sim:
     def step(self) -> Any:
         """One engine step; async keeps one step in flight like vLLM's engine loop."""
         self.step_index += 1
+        t0 = time.process_time_ns()
         out = self.scheduler.schedule()
+        self.scheduler_cpu_ns += time.process_time_ns() - t0
         self.outputs.append(out)
         sampled = {
             rid for rid in out.num_scheduled_tokens
@@ -113,7 +118,10 @@ class Sim:
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=[[SAMPLED_TOKEN] if rid in sampled else [] for rid in ids],
         )
-        for eco in self.scheduler.update_from_output(out, mro).values():
+        t0 = time.process_time_ns()
+        outputs = self.scheduler.update_from_output(out, mro)
+        self.scheduler_cpu_ns += time.process_time_ns() - t0
+        for eco in outputs.values():
             for o in eco.outputs:
                 self.tokens[o.request_id] += len(o.new_token_ids)
                 if o.finish_reason is not None:

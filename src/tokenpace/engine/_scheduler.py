@@ -42,7 +42,8 @@ from ._vllm import (
     internals_problems,
 )
 
-logger = logging.getLogger("tokenpace.engine")
+# Under "vllm." so that vLLM's logging configuration (format, level) applies in the engine process.
+logger = logging.getLogger("vllm.tokenpace.engine")
 
 ANONYMOUS_USER = "__anonymous__"
 USER_EXTRA_ARG = "output_rate_user"

@@ -1,0 +1,57 @@
+"""A real vLLM server on the CPU with the paced scheduler paces each user."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests._servers import Server, free_port, paced_vllm_server_argv
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    logs = tmp_path_factory.mktemp("paced")
+    pacing = {
+        "default_user_output_tokens_per_second": 20,
+        "user_output_tokens_per_second": {"fast": 100},
+        "event_log": str(logs / "events.jsonl"),
+    }
+    srv = Server(paced_vllm_server_argv(tiny_model, port, pacing), port, logs / "vllm.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _complete(server: Server, user: str, max_tokens: int) -> tuple[float, int]:
+    start = time.monotonic()
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True,
+              "vllm_xargs": {"output_rate_user": user}},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    return time.monotonic() - start, resp.json()["usage"]["completion_tokens"]
+
+
+def test_each_user_at_its_rate_and_nothing_truncated(server: Server) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(_complete, server, "slow", 30) for _ in range(2)]
+        fast = pool.submit(_complete, server, "fast", 150)
+        results = [f.result() for f in slow]
+        fast_elapsed, fast_tokens = fast.result()
+    assert [n for _, n in results] == [30, 30] and fast_tokens == 150
+    slow_elapsed = max(t for t, _ in results)
+    # 60 tokens at 20 tok/s, of which 3 may come in the first 100 ms burst.
+    assert (60 - 3) / 20 * 0.97 <= slow_elapsed <= (60 / 20) * 1.5
+    assert (150 - 11) / 100 * 0.97 <= fast_elapsed <= (150 / 100) * 1.6

@@ -1,0 +1,18 @@
+"""`tokenpace bench scheduler --quick` runs and writes the documented JSON."""
+
+from __future__ import annotations
+
+import json
+
+from tokenpace.cli import main
+
+
+def test_quick_bench_writes_cases(tiny_model, tmp_path):
+    out = tmp_path / "sched.json"
+    assert main(["bench", "scheduler", "--quick", "--model", str(tiny_model),
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["vllm"].startswith("0.32.") and data["cpu"]
+    assert [(c["running"], c["throttled_fraction"]) for c in data["cases"]] == [(64, 0.0), (64, 1.0)]
+    for case in data["cases"]:
+        assert case["stock_us_per_step"] > 0 and case["paced_us_per_step"] > 0
