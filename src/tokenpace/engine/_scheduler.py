@@ -237,8 +237,10 @@ class _PacingMixin:
         n = super()._reserve_prefill_lookahead(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens
         )
+        if n <= 0 or request.status not in _WAITING:
+            return n
         planner = self._planner
-        if planner is None or n <= 0 or request.status not in _WAITING:
+        if planner is None:
             return n
         if num_computed_tokens + n >= request.num_tokens and not planner.charge_admission(
             request.request_id, self._user_of(request)

@@ -147,9 +147,20 @@ class StepPlanner:
 
         plan = RunningPlan()
         if len(candidates) <= slots:
-            for cands in by_user.values():
+            # Fast path (no slot contention), written out: it runs for every request on
+            # every step.
+            run, throttled, service = plan.run, plan.throttled, self._service
+            rate, charge = self.limiter.limits.rate, self._charge
+            for user, cands in by_user.items():
+                paced = rate(user) is not None
+                served = 0
                 for cand in cands:
-                    self._place(cand, plan)
+                    if paced and cand.samples and not charge(cand.key, user):
+                        throttled.append(cand.key)
+                    else:
+                        run.append(cand.key)
+                        served += 1
+                service[user] += served
             return plan
 
         heap = [
