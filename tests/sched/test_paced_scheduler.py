@@ -168,18 +168,23 @@ def test_refund_when_kv_allocation_fails(tiny_model, is_async, tmp_path):
     assert [e["event"] for e in events][:2] == ["charge", "refund"]
 
 
-def test_throttled_requests_are_preempted_first(tiny_model, is_async, tmp_path):
-    log = tmp_path / "events.jsonl"
-    # Few KV blocks; the slow user's request arrives first (stock FCFS would evict the
-    # newest request, the fast user's).
-    sim = make_sim(tiny_model, is_async=is_async, num_blocks=12,
-                   pacing={**paced(1, fast=100_000), "event_log": str(log)})
+def run_until_preemption(tiny_model, is_async, policy: str, **pacing) -> Sim:
+    """Few KV blocks; the throttled user's request arrives first (stock vLLM would evict
+    the newest request, the fast user's). Stops at the first preemption."""
+    sim = make_sim(tiny_model, is_async=is_async, num_blocks=12, policy=policy,
+                   pacing={**paced(1, fast=100_000), **pacing})
     sim.add("slow", "slow", prompt_len=60, max_tokens=200, arrival=0.0)
     sim.add("fast", "fast", prompt_len=60, max_tokens=200, arrival=1.0)
     for _ in range(150):
         sim.step()
         if sim.preempted:
             break
+    return sim
+
+
+def test_throttled_requests_are_preempted_first(tiny_model, is_async, tmp_path):
+    log = tmp_path / "events.jsonl"
+    sim = run_until_preemption(tiny_model, is_async, "fcfs", event_log=str(log))
     assert sim.preempted and sim.preempted[0] == "slow"
     sim.drain()
     assert_charges_match_dispatch(sim, log)
@@ -244,14 +249,7 @@ def test_feature_off_is_stock_behaviour(tiny_model, is_async):
 
 
 def test_priority_policy_preempts_throttled_first_within_its_level(tiny_model, is_async):
-    sim = make_sim(tiny_model, is_async=is_async, num_blocks=12, policy="priority",
-                   pacing=paced(1, fast=100_000))
-    sim.add("slow", "slow", prompt_len=60, max_tokens=200, arrival=0.0)
-    sim.add("fast", "fast", prompt_len=60, max_tokens=200, arrival=1.0)
-    for _ in range(150):
-        sim.step()
-        if sim.preempted:
-            break
+    sim = run_until_preemption(tiny_model, is_async, "priority")
     assert sim.preempted and sim.preempted[0] == "slow"
     # The victim's queue key is its real arrival time again.
     assert sim.scheduler.requests["slow"].arrival_time == 0.0
