@@ -11,8 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..pacing import LimitsError, UserRateLimits, parse_overrides_json, read_overrides_file
-from ..pacing._limits import validate_rate
+from ..pacing import (
+    LimitsError,
+    UserRateLimits,
+    limits_file_of,
+    parse_overrides_arg,
+    validate_overrides,
+    validate_rate,
+)
+
 
 SECTION = "tokenpace"
 KEY_DEFAULT = "default_user_output_tokens_per_second"
@@ -84,17 +91,9 @@ def _overrides(value: Any, where: str) -> tuple[dict[str, float], Path | None]:
     if value is None:
         return {}, None
     if isinstance(value, str):
-        if value.startswith("@"):
-            if len(value) == 1:
-                raise LimitsError(f"{where}: '@' must be followed by the path of a limits file")
-            path = Path(value[1:])
-            return read_overrides_file(path), path
-        return parse_overrides_json(value, source=where), None
-    if isinstance(value, Mapping):
-        # Already parsed JSON (vLLM parses --additional-config): validate the same way.
-        import json
-
-        return parse_overrides_json(json.dumps(dict(value)), source=where), None
+        return parse_overrides_arg(value, source=where), limits_file_of(value)
+    if isinstance(value, Mapping):  # vLLM has already parsed --additional-config
+        return validate_overrides(value, where), None
     raise LimitsError(
         f"{where} must be an object of user id -> tokens per second or '@/path/limits.json', "
         f"got {type(value).__name__}"

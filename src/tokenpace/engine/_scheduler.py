@@ -27,8 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..pacing import Candidate, OutputRateLimiter, StepPlanner, validate_user_id
-from ..pacing._limits import LimitsError
+from ..pacing import Candidate, LimitsError, OutputRateLimiter, StepPlanner, validate_user_id
 from ._config import PacingConfig
 from ._events import EventLog
 from ._modes import unsupported_modes
@@ -176,11 +175,11 @@ class _PacingMixin:
         )
 
         skip_step = self.current_step + 2  # schedule() increments current_step first
-        skipped = [requests[k] for k in plan.throttled] + [requests[k] for k in plan.deferred]
+        throttled = [requests[k] for k in plan.throttled]
+        skipped = throttled + [requests[k] for k in plan.deferred]
         saved_eligible = [(r, r.next_decode_eligible_step) for r in skipped]
         for r in skipped:
             r.next_decode_eligible_step = skip_step
-        throttled = [requests[k] for k in plan.throttled]
         bumped: list[Request] = []
         if throttled:
             self._move_to_victim_end(throttled)
@@ -211,7 +210,7 @@ class _PacingMixin:
         waiting = self.waiting  # type: ignore[attr-defined]
         for r in bumped:
             r.arrival_time -= _PRIORITY_DEFER_S
-            if r not in self.running and r.request_id in self.requests:
+            if r.status == RequestStatus.PREEMPTED:
                 # Preempted with the bumped key: re-insert so the queue orders it correctly.
                 try:
                     waiting.remove_request(r)

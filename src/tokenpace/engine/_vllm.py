@@ -38,7 +38,6 @@ SCHEDULER_ATTRIBUTES = (
 SCHEDULER_METHODS = (
     "schedule",
     "add_request",
-    "finish_requests",
     "_handle_blocked_waiting_request",  # False defers a waiting request for this step
     "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
     "shutdown",

@@ -10,9 +10,11 @@ from ._limits import (
     MAX_USER_ID_LENGTH,
     LimitsError,
     UserRateLimits,
+    limits_file_of,
     parse_overrides_arg,
     parse_overrides_json,
     read_overrides_file,
+    validate_overrides,
     validate_rate,
     validate_user_id,
 )
@@ -28,9 +30,11 @@ __all__ = [
     "LimitsError",
     "OutputRateLimiter",
     "UserRateLimits",
+    "limits_file_of",
     "parse_overrides_arg",
     "parse_overrides_json",
     "read_overrides_file",
+    "validate_overrides",
     "validate_rate",
     "validate_user_id",
 ]

@@ -93,15 +93,9 @@ class UserRateLimits:
         return cls(default=default, overrides=read_overrides_file(path))
 
 
-def parse_overrides_json(text: str, source: str = "user rate overrides") -> dict[str, float]:
-    """Parse a JSON object of user id -> tokens per second, refusing anything else."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LimitsError(
-            f"{source}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
-    if not isinstance(data, dict):
+def validate_overrides(data: Any, source: str = "user rate overrides") -> dict[str, float]:
+    """Check an already-parsed object of user id -> tokens per second."""
+    if not isinstance(data, Mapping):
         raise LimitsError(
             f"{source}: expected a JSON object of user id -> tokens per second, "
             f"got {type(data).__name__}"
@@ -111,6 +105,17 @@ def parse_overrides_json(text: str, source: str = "user rate overrides") -> dict
         validate_user_id(user, f"{source}: user id")
         result[user] = validate_rate(rate, f"{source}: rate of user {user!r}")
     return result
+
+
+def parse_overrides_json(text: str, source: str = "user rate overrides") -> dict[str, float]:
+    """Parse a JSON object of user id -> tokens per second, refusing anything else."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LimitsError(
+            f"{source}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    return validate_overrides(data, source)
 
 
 def read_overrides_file(path: str | Path) -> dict[str, float]:
@@ -125,10 +130,18 @@ def read_overrides_file(path: str | Path) -> dict[str, float]:
     return parse_overrides_json(text, source=f"limits file {str(p)!r}")
 
 
-def parse_overrides_arg(value: str) -> dict[str, float]:
+def limits_file_of(value: str) -> Path | None:
+    """The file named by an ``@/path/limits.json`` value, or None for inline JSON."""
+    if not value.startswith("@"):
+        return None
+    if len(value) == 1:
+        raise LimitsError("'@' must be followed by the path of a limits file")
+    return Path(value[1:])
+
+
+def parse_overrides_arg(value: str, source: str = "user rate overrides") -> dict[str, float]:
     """Parse a flag value: inline JSON, or ``@/path/limits.json`` to read a file."""
-    if value.startswith("@"):
-        if len(value) == 1:
-            raise LimitsError("'@' must be followed by the path of a limits file")
-        return read_overrides_file(value[1:])
-    return parse_overrides_json(value)
+    path = limits_file_of(value)
+    if path is not None:
+        return read_overrides_file(path)
+    return parse_overrides_json(value, source)

@@ -20,7 +20,7 @@ Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -228,11 +228,6 @@ class StepPlanner:
 
     # -- housekeeping ---------------------------------------------------------------
 
-    @property
-    def refused_users(self) -> dict[str, int]:
-        return self._refused
-
-    def forget(self, live_keys: Iterable[Hashable] | Callable[[Hashable], bool]) -> None:
+    def forget(self, alive: Callable[[Hashable], bool]) -> None:
         """Drop rotation state of requests that are gone."""
-        alive = live_keys if callable(live_keys) else set(live_keys).__contains__
         self._last_served = {k: v for k, v in self._last_served.items() if alive(k)}
