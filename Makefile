@@ -30,11 +30,10 @@ model: $(STAMP)
 	@$(VENV)/bin/tokenpace tiny-model $(MODEL)
 
 serve: model
-	exec $(PY) -m vllm.entrypoints.openai.api_server --model $(MODEL) \
-		--served-model-name tiny --host $(HOST) --port $(PORT) \
+	exec $(VENV)/bin/tokenpace serve $(MODEL) --served-model-name tiny \
+		--host $(HOST) --port $(PORT) \
 		--kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager \
-		--scheduler-cls tokenpace.engine.PacedScheduler \
-		--additional-config '{"tokenpace": {"default_user_output_tokens_per_second": $(RATE)}}'
+		--default-user-output-tokens-per-second $(RATE)
 
 test: $(STAMP)
 	$(PY) -m pytest

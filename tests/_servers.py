@@ -82,12 +82,45 @@ def vllm_server_argv(model: Path, port: int, *extra: str) -> list[str]:
 
 
 def paced_vllm_server_argv(model: Path, port: int, pacing: dict, *extra: str) -> list[str]:
-    """Plain vLLM with the paced scheduler selected, as `make serve` starts it."""
+    """Plain vLLM with a ``tokenpace`` section: the plugin entry point selects the scheduler."""
     import json
 
     return vllm_server_argv(
-        model, port,
-        "--scheduler-cls", "tokenpace.engine.PacedScheduler",
-        "--additional-config", json.dumps({"tokenpace": pacing}),
-        *extra,
+        model, port, "--additional-config", json.dumps({"tokenpace": pacing}), *extra,
     )
+
+
+def tokenpace_serve_argv(model: Path, port: int, *flags: str) -> list[str]:
+    """`tokenpace serve MODEL ...` on the CPU, with the tiny model's usual vLLM flags."""
+    return [
+        sys.executable, "-m", "tokenpace.cli", "serve", str(model),
+        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--enforce-eager",
+        *flags,
+    ]
+
+
+def start_all(servers: Sequence[Server]) -> None:
+    """Wait for servers that were started together (start-up overlaps)."""
+    try:
+        for srv in servers:
+            srv.wait_ready()
+    except BaseException:
+        for srv in servers:
+            srv.stop()
+        raise
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants, alive now."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server with per-user output pacing (tokenpace serve --help)",
+        add_help=False,
+    )
+
     tiny = sub.add_parser(
         "tiny-model",
         help="write a deterministic tiny Llama model that vLLM loads on the CPU",
@@ -102,8 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["serve"]:
+        # Not argparse: every vllm serve flag must pass through untouched.
+        from . import serve
+
+        return int(serve.main(args_list[1:]))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     return int(args.func(args))
 
 

@@ -55,3 +55,22 @@ def test_each_user_at_its_rate_and_nothing_truncated(server: Server) -> None:
     # 60 tokens at 20 tok/s, of which 3 may come in the first 100 ms burst.
     assert (60 - 3) / 20 * 0.97 <= slow_elapsed <= (60 / 20) * 1.5
     assert (150 - 11) / 100 * 0.97 <= fast_elapsed <= (150 / 100) * 1.6
+
+
+def test_plain_vllm_gets_the_scheduler_from_the_plugin_entry_point(server: Server) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert "tokenpace: pacing output tokens with PacedScheduler, sync scheduling" in log
+
+
+def test_without_the_guard_a_malformed_identity_is_paced_not_fatal(server: Server) -> None:
+    """Plain vLLM has no --middleware guard: the engine paces such a request as anonymous."""
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True,
+              "vllm_xargs": {"output_rate_user": 42}},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
+    assert "paced as __anonymous__" in server.log_path.read_text(errors="replace")
+    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200

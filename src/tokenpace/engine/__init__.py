@@ -1,16 +1,43 @@
-"""The vLLM adapter: paced scheduler subclasses and their configuration.
+"""The vLLM adapter: paced scheduler subclasses, their configuration and vLLM hooks.
 
-Importing this package imports vLLM; the pure policy lives in ``tokenpace.pacing``.
+Names are loaded on first use: the configuration and the HTTP guard import nothing from
+vLLM (so ``tokenpace serve`` validates flags in milliseconds), while the schedulers and
+hooks import vLLM. vLLM resolves ``--scheduler-cls tokenpace.engine.PacedScheduler`` and
+``--middleware tokenpace.engine.RequestGuard`` through these lazy names.
 """
 
-from ._config import PacingConfig, PacingConfigError
-from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
+from __future__ import annotations
 
-__all__ = [
-    "ANONYMOUS_USER",
-    "PacedAsyncScheduler",
-    "PacedScheduler",
-    "PacingConfig",
-    "PacingConfigError",
-    "request_user",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._config import PacingConfig, PacingConfigError
+    from ._guard import RequestGuard, RequestRefused, check_request_body
+    from ._hooks import configure_pacing, register
+    from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
+
+_WHERE = {
+    "PacingConfig": "_config",
+    "PacingConfigError": "_config",
+    "RequestGuard": "_guard",
+    "RequestRefused": "_guard",
+    "check_request_body": "_guard",
+    "configure_pacing": "_hooks",
+    "register": "_hooks",
+    "ANONYMOUS_USER": "_scheduler",
+    "PacedAsyncScheduler": "_scheduler",
+    "PacedScheduler": "_scheduler",
+    "request_user": "_scheduler",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -25,11 +25,20 @@ Throttling a request whose next chunk may be its last prefill chunk waits for qu
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
-from ..pacing import Candidate, LimitsError, OutputRateLimiter, StepPlanner, validate_user_id
+from ..pacing import (
+    Candidate,
+    LimitsError,
+    LimitsFileWatcher,
+    OutputRateLimiter,
+    StepPlanner,
+    validate_user_id,
+)
 from ._config import PacingConfig
 from ._events import EventLog
+from ._hooks import install_idle_wait
 from ._modes import unsupported_modes
 from ._vllm import (
     AsyncScheduler,
@@ -91,6 +100,7 @@ class _PacingMixin:
         config = PacingConfig.from_additional_config(self.vllm_config.additional_config)
         self.pacing_config = config
         self._planner: StepPlanner | None = None
+        self._watcher: LimitsFileWatcher | None = None
         self._event_log: EventLog | None = None
         self._users: dict[str, str] = {}
         self._steps = 0
@@ -103,12 +113,23 @@ class _PacingMixin:
                 "tokenpace output pacing does not support " + "; ".join(refused)
             )
         assert config.limits is not None
+        engine_core = sys.modules.get("vllm.v1.engine.core")
+        if engine_core is not None:  # also when the plugin entry point is not loaded
+            install_idle_wait(engine_core.EngineCoreProc)
         self._planner = StepPlanner(OutputRateLimiter(config.limits))
+        if config.limits_file is not None:
+            self._watcher = LimitsFileWatcher(
+                config.limits_file, config.limits.default, self._planner.limiter.now_ns
+            )
         if config.event_log is not None:
             self._event_log = EventLog(config.event_log)
         logger.info(
-            "tokenpace: pacing output tokens: default %s tok/s, %d user override(s)",
+            "tokenpace: pacing output tokens with %s, %s scheduling: default %s tok/s, "
+            "%d user override(s)%s",
+            type(self).__name__,
+            "async" if self.vllm_config.scheduler_config.async_scheduling else "sync",
             config.limits.default, len(config.limits.overrides),
+            f" from {config.limits_file} (reloaded on change)" if config.limits_file else "",
         )
 
     # -- public surface used by the engine loop and by tests ------------------------
@@ -147,6 +168,8 @@ class _PacingMixin:
         planner = self._planner
         if planner is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._watcher is not None:
+            self._reload_limits(self._watcher)
         planner.begin_step()
         self._steps += 1
         if self._steps % CLEANUP_EVERY_STEPS == 0:
@@ -200,6 +223,21 @@ class _PacingMixin:
         self._settle(output)
         self._nothing_ran = output.total_num_scheduled_tokens == 0
         return output
+
+    def _reload_limits(self, watcher: LimitsFileWatcher) -> None:
+        """Apply an edited limits file between steps (never in the middle of one)."""
+        result = watcher.poll()
+        if result is None:
+            return
+        if result.error is not None:
+            logger.warning("tokenpace: %s", result.error)
+            return
+        assert result.limits is not None and self._planner is not None
+        self._planner.limiter.set_limits(result.limits)
+        logger.info(
+            "tokenpace: reloaded %s: default %s tok/s, %d user override(s)",
+            watcher.path, result.limits.default, len(result.limits.overrides),
+        )
 
     def _move_to_victim_end(self, throttled: list[Request]) -> None:
         """Stable-move throttled requests to the tail of ``running`` (FCFS victims)."""

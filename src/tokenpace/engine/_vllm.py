@@ -57,6 +57,38 @@ REQUEST_ATTRIBUTES = (
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
 )
 
+# Methods wrapped outside the scheduler (see _hooks), as (module, class, method), and the
+# attributes the wrappers read.
+HOOKED_METHODS = (
+    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_process_engine_step"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_handle_client_request"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "is_running"),
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_init_message_queues"),
+)
+# EngineCoreProc instance attributes: scheduler, input_queue (a queue.Queue of
+# (request_type, request)), batch_queue (None or deque of (future, SchedulerOutput, future)).
+# SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
+# _spin_condition whose busy_loop_s is the spin time after each message.
+SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
+
+
+def hook_problems() -> list[str]:
+    """What is missing among the methods that ``_hooks`` wraps (empty: all good)."""
+    import importlib
+    import inspect
+
+    problems: list[str] = []
+    for module_name, cls_name, method in HOOKED_METHODS:
+        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        if cls is None or not callable(getattr(cls, method, None)):
+            problems.append(f"{module_name}.{cls_name}.{method}() is missing")
+    module_name, cls_name = SPIN_CONDITION
+    spin = getattr(importlib.import_module(module_name), cls_name, None)
+    if spin is None or "busy_loop_s" not in inspect.signature(spin).parameters:
+        problems.append(f"{module_name}.{cls_name} no longer takes busy_loop_s")
+    return problems
+
 
 def internals_problems(scheduler: object | None = None, request: object | None = None) -> list[str]:
     """What is missing or changed in this vLLM, as readable lines (empty: all good)."""
@@ -88,5 +120,6 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulingPolicy",
+    "hook_problems",
     "internals_problems",
 ]

@@ -6,6 +6,7 @@ simulations can drive time exactly.
 
 from ._limiter import BURST_NS, OutputRateLimiter
 from ._planner import MAX_IDLE_WAIT_S, Candidate, RunningPlan, Settlement, StepPlanner
+from ._reload import RELOAD_CHECK_NS, LimitsFileWatcher, ReloadResult
 from ._limits import (
     MAX_USER_ID_LENGTH,
     LimitsError,
@@ -23,6 +24,9 @@ __all__ = [
     "BURST_NS",
     "MAX_IDLE_WAIT_S",
     "Candidate",
+    "LimitsFileWatcher",
+    "RELOAD_CHECK_NS",
+    "ReloadResult",
     "RunningPlan",
     "Settlement",
     "StepPlanner",

@@ -43,7 +43,7 @@ def validate_rate(value: Any, what: str) -> float:
 def validate_user_id(user: Any, what: str = "user id") -> str:
     """Return ``user`` if it is a usable identity: a non-empty string of bounded length."""
     if not isinstance(user, str):
-        raise LimitsError(f"{what} must be a string, got {user!r}")
+        raise LimitsError(f"{what} must be a string, got {type(user).__name__}")
     if not user:
         raise LimitsError(f"{what} must not be empty")
     if len(user) > MAX_USER_ID_LENGTH:

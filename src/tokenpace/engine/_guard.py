@@ -1,0 +1,127 @@
+"""HTTP 400 for requests that pacing cannot serve, before they reach the engine.
+
+An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.RequestGuard``;
+``tokenpace serve`` adds it when pacing is on). It refuses:
+
+- beam search (``use_beam_search: true``): vLLM runs it as many hidden requests whose
+  tokens the scheduler cannot attribute to one stream, so the rate promise would not hold;
+- a malformed ``vllm_xargs.output_rate_user`` (not a string, empty, over 256
+  characters): the client meant a specific identity, and pacing it as anonymous instead
+  would silently share someone else's quota.
+
+It only looks inside JSON bodies of POST requests and passes everything else through
+untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
+400. The scheduler does not trust this layer: a malformed identity that still arrives
+(for example through the Python API) is paced as anonymous, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ..pacing import LimitsError, validate_user_id
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+USER_PARAM = "vllm_xargs.output_rate_user"
+
+
+class RequestRefused(ValueError):
+    """A request body pacing cannot serve; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_request_body(body: Any) -> None:
+    """Raise ``RequestRefused`` if a parsed JSON request body cannot be paced."""
+    if not isinstance(body, dict):
+        return
+    if body.get("use_beam_search") is True:
+        raise RequestRefused(
+            "beam search is not supported while output pacing is on: its hidden requests "
+            "cannot share one per-user token rate; use sampling (n >= 1) instead",
+            "use_beam_search",
+        )
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "output_rate_user" in xargs:
+        try:
+            validate_user_id(xargs["output_rate_user"], USER_PARAM)
+        except LimitsError as exc:
+            raise RequestRefused(str(exc), USER_PARAM) from None
+
+
+def error_body(message: str, param: str | None, status: int = 400) -> bytes:
+    """An error in OpenAI's (and vLLM's) wire format, so SDKs raise their own exceptions."""
+    kind = {400: "BadRequestError"}.get(status, "Error")
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    ).encode()
+
+
+def _is_json(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
+class RequestGuard:
+    """ASGI middleware: buffers a JSON POST body, checks it, replays it downstream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            check_request_body(json.loads(body))
+        except RequestRefused as exc:
+            await _send_error(send, str(exc), exc.param)
+            return
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, absurdly nested: vLLM answers
+            pass
+
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Send, message: str, param: str | None) -> None:
+    payload = error_body(message, param)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

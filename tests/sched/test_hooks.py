@@ -1,0 +1,159 @@
+"""The vLLM hooks: plugin-driven scheduler selection, start-up refusals, idle wait."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tokenpace.engine import _hooks, _vllm
+
+PACING = {"tokenpace": {"default_user_output_tokens_per_second": 10}}
+
+
+def _config(model: Path, **kwargs: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(model), kv_cache_memory_bytes=64 * 1024 * 1024,
+                      enforce_eager=True, **kwargs)
+    return args.create_engine_config()
+
+
+def test_hooked_vllm_names_exist() -> None:
+    assert _vllm.hook_problems() == []
+
+
+def test_plugin_entry_point_is_registered() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "tokenpace"]
+    assert ep.load() is _hooks.register
+
+
+def test_plain_vllm_config_selects_the_paced_scheduler(tiny_model: Path) -> None:
+    config = _config(tiny_model, additional_config=PACING)
+    assert config.scheduler_config.scheduler_cls == _hooks.PACED_SCHEDULER
+    assert config.scheduler_config.async_scheduling is False  # the CPU platform's choice
+
+
+def test_explicit_async_scheduling_selects_the_async_class(tiny_model: Path) -> None:
+    config = _config(tiny_model, additional_config=PACING, async_scheduling=True)
+    assert config.scheduler_config.async_scheduling is True
+    assert config.scheduler_config.scheduler_cls == _hooks.PACED_ASYNC_SCHEDULER
+
+
+def test_without_the_section_vllm_is_untouched(tiny_model: Path) -> None:
+    config = _config(tiny_model, additional_config={"other": 1}, async_scheduling=True)
+    assert config.scheduler_config.scheduler_cls is None
+    assert config.scheduler_config.async_scheduling is False
+
+
+def test_start_up_refuses_another_scheduler_class(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match=r"does not support another custom scheduler class"):
+        _config(tiny_model, additional_config=PACING,
+                scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler")
+
+
+def test_start_up_refuses_speculative_decoding(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match=r"does not support speculative decoding"):
+        _config(tiny_model, additional_config=PACING, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2,
+            "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+        })
+
+
+def test_start_up_names_a_bad_key(tiny_model: Path) -> None:
+    bad = {"tokenpace": {"default_user_output_tokens_per_second": "fast"}}
+    with pytest.raises(ValueError, match=r"default_user_output_tokens_per_second"):
+        _config(tiny_model, additional_config=bad)
+
+
+# -- idle wait ---------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Queue(queue.Queue):
+    """A real queue whose timed waits advance a fake clock instead of sleeping."""
+
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        self.waits.append(timeout or 0.0)
+        try:
+            return super().get(block=False)
+        except queue.Empty:
+            self.clock.t += timeout or 0.0
+            raise
+
+
+class _Scheduler:
+    def __init__(self, clock: _Clock, ready_at: float) -> None:
+        self.clock, self.ready_at = clock, ready_at
+
+    def idle_wait_seconds(self) -> float:
+        return min(0.05, max(0.0, self.ready_at - self.clock()))
+
+
+def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNamespace:
+    handled: list[Any] = []
+    return SimpleNamespace(
+        scheduler=_Scheduler(clock, ready_at), input_queue=_Queue(clock), batch_queue=batch,
+        is_running=lambda: True, _handle_client_request=lambda *r: handled.append(r),
+        handled=handled,
+    )
+
+
+def test_waits_in_slices_until_the_earliest_user_is_ready() -> None:
+    clock = _Clock()
+    core = _core(clock, ready_at=0.12)
+    _hooks.idle_wait(core, clock)
+    assert core.input_queue.waits == pytest.approx([0.05, 0.05, 0.02])
+    assert clock.t == pytest.approx(0.12)
+
+
+def test_a_request_ends_the_wait_and_is_handled() -> None:
+    clock = _Clock()
+    core = _core(clock, ready_at=10.0)
+    core.input_queue.put(("ADD", "req"))
+    _hooks.idle_wait(core, clock)
+    assert core.handled == [("ADD", "req")] and clock.t == 0.0
+
+
+def test_long_waits_stop_after_a_second_to_see_limit_changes() -> None:
+    clock = _Clock()
+    core = _core(clock, ready_at=30.0)
+    _hooks.idle_wait(core, clock)
+    assert clock.t == pytest.approx(_hooks.MAX_IDLE_S)
+
+
+def test_no_wait_while_a_batch_with_tokens_is_in_flight() -> None:
+    clock = _Clock()
+    busy = [(None, SimpleNamespace(total_num_scheduled_tokens=3), None)]
+    core = _core(clock, ready_at=1.0, batch=busy)
+    _hooks.idle_wait(core, clock)
+    assert core.input_queue.waits == []
+    empty = [(None, SimpleNamespace(total_num_scheduled_tokens=0), None)]
+    core = _core(clock, ready_at=0.05, batch=empty)
+    _hooks.idle_wait(core, clock)
+    assert core.input_queue.waits == [pytest.approx(0.05)]
+
+
+def test_stock_schedulers_never_wait() -> None:
+    clock = _Clock()
+    core = _core(clock, ready_at=1.0)
+    core.scheduler = object()
+    _hooks.idle_wait(core, clock)
+    assert core.input_queue.waits == []

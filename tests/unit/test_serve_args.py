@@ -1,0 +1,123 @@
+"""`tokenpace serve` argument translation: validated before vLLM starts, naming the flag."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenpace.serve import GUARD_MIDDLEWARE, ServeUsageError, build_command
+
+RATE = "--default-user-output-tokens-per-second"
+USERS = "--user-output-tokens-per-second"
+EVENTS = "--output-rate-event-log"
+
+
+def _additional(args: list[str]) -> dict:
+    return json.loads(args[args.index("--additional-config") + 1])
+
+
+def test_seed_flags_become_the_tokenpace_section(tmp_path: Path) -> None:
+    cmd = build_command(
+        ["my/model", RATE, "100", USERS, '{"user-a": 100, "user-b": 500}',
+         "--max-num-seqs", "64", "--max-num-active-seqs", "16", EVENTS, "ev.jsonl"],
+        cwd=tmp_path,
+    )
+    assert cmd.pacing
+    assert cmd.vllm_args[:2] == ["--model", "my/model"]
+    assert cmd.vllm_args[2:6] == ["--max-num-seqs", "64", "--max-num-active-seqs", "16"]
+    assert _additional(cmd.vllm_args) == {"tokenpace": {
+        "default_user_output_tokens_per_second": 100,
+        "user_output_tokens_per_second": {"user-a": 100, "user-b": 500},
+        "event_log": str(tmp_path / "ev.jsonl"),
+    }}
+    assert cmd.vllm_args[-2:] == ["--middleware", GUARD_MIDDLEWARE]
+
+
+def test_without_a_default_rate_it_is_plain_vllm() -> None:
+    cmd = build_command(["m", "--port", "9000", "--async-scheduling"])
+    assert not cmd.pacing
+    assert cmd.vllm_args == ["--model", "m", "--port", "9000", "--async-scheduling"]
+
+
+def test_equals_form_underscores_and_fractional_rates(tmp_path: Path) -> None:
+    cmd = build_command([f"{RATE}=2.5", "--user_output_tokens_per_second={\"a\": 1}"])
+    section = _additional(cmd.vllm_args)["tokenpace"]
+    assert section["default_user_output_tokens_per_second"] == 2.5
+    assert section["user_output_tokens_per_second"] == {"a": 1}
+
+
+def test_limits_file_is_validated_now_and_passed_as_an_absolute_path(tmp_path: Path) -> None:
+    (tmp_path / "limits.json").write_text('{"a": 7}')
+    cmd = build_command(["m", RATE, "5", USERS, "@limits.json"], cwd=tmp_path)
+    section = _additional(cmd.vllm_args)["tokenpace"]
+    assert section["user_output_tokens_per_second"] == f"@{tmp_path / 'limits.json'}"
+
+
+def test_given_additional_config_is_kept_and_merged() -> None:
+    cmd = build_command(["m", "--additional-config", '{"other": {"x": 1}}', RATE, "10"])
+    assert _additional(cmd.vllm_args) == {
+        "other": {"x": 1}, "tokenpace": {"default_user_output_tokens_per_second": 10}
+    }
+
+
+def test_a_tokenpace_section_in_additional_config_turns_pacing_on_too() -> None:
+    cmd = build_command(
+        ["m", "--additional-config", '{"tokenpace": {"default_user_output_tokens_per_second": 3}}']
+    )
+    assert cmd.pacing and GUARD_MIDDLEWARE in cmd.vllm_args
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([RATE, "abc"], f"argument {RATE}: expected a number"),
+        ([RATE, "0"], "greater than 0"),
+        ([RATE, "nan"], "finite number"),
+        ([RATE], f"argument {RATE}: expected a value"),
+        ([RATE, "--port", "1"], f"argument {RATE}: expected a value"),
+        ([RATE, "1", RATE, "2"], "given more than once"),
+        ([USERS, '{"a": 1}'], f"argument {USERS}: needs {RATE}"),
+        ([RATE, "1", USERS, '{"a": -1}'], "rate of user 'a'"),
+        ([RATE, "1", USERS, "{not json"], USERS),
+        ([RATE, "1", USERS, "@/nonexistent/limits.json"], "cannot read limits file"),
+        ([RATE, "1", EVENTS, "/nonexistent/dir/ev.jsonl"], f"argument {EVENTS}: directory"),
+        ([RATE, "1", "--scheduler-cls", "my.Sched"], "argument --scheduler-cls"),
+        ([RATE, "1", "--additional-config", '{"tokenpace": {}}'], "use one or the other"),
+        (["--additional-config", "[1]"], "must be a JSON object"),
+        (["--additional-config", "{"], "not valid JSON"),
+        (["--additional-config", '{"tokenpace": {"default_user_output_tokens_per_second": -1}}'],
+         "argument --additional-config"),
+        (["--additional-config", '{"tokenpace": {"bogus": 1}}'], "bogus"),
+    ],
+)
+def test_bad_flags_are_refused_by_name(args: list[str], message: str) -> None:
+    with pytest.raises(ServeUsageError, match=None) as err:
+        build_command(["m", *args])
+    assert message in str(err.value)
+
+
+def test_our_scheduler_class_may_be_named_explicitly() -> None:
+    cmd = build_command(["m", RATE, "1", "--scheduler-cls", "tokenpace.engine.PacedScheduler"])
+    assert "tokenpace.engine.PacedScheduler" in cmd.vllm_args
+
+
+def test_cli_reports_a_bad_flag_and_exits_2_without_starting_vllm() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenpace.cli", "serve", "m", RATE, "fast"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"tokenpace serve: error: argument {RATE}")
+    assert "vllm" not in proc.stdout.lower()
+
+
+def test_cli_help_lists_the_pacing_flags() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tokenpace.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in (RATE, USERS, EVENTS):
+        assert flag in proc.stdout
