@@ -45,20 +45,96 @@ def _default_model_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenpace" / "tiny-model"
 
 
-def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
-    from .bench import scheduler
+def _bench_model(args: argparse.Namespace) -> Path:
     from .tiny_model import write_tiny_model
 
-    model = args.model or _default_model_dir()
-    if args.model is None:
-        write_tiny_model(model)
+    if args.model is not None:
+        return Path(args.model)
+    model = _default_model_dir()
+    write_tiny_model(model)
+    return model
+
+
+def _bench_outputs(args: argparse.Namespace, module: object, result: dict) -> int:
+    from .bench._environment import write_json
+
+    if args.json:
+        write_json(result, Path(args.json))
+        print(f"wrote {args.json}")
+    if args.plot:
+        module.plot(result, Path(args.plot))  # type: ignore[attr-defined]
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
+    from .bench import scheduler
+
     if args.quick:
         args.running, args.throttled, args.steps, args.repeats = [64], [0.0, 1.0], 20, 1
-    result = scheduler.run(model, args.running, args.throttled, args.steps, args.repeats)
-    if args.json:
-        scheduler.write_json(result, Path(args.json))
-        print(f"wrote {args.json}")
-    return 0
+    result = scheduler.run(_bench_model(args), args.running, args.throttled, args.steps,
+                           args.repeats)
+    return _bench_outputs(args, scheduler, result)
+
+
+def _cmd_bench_pacing(args: argparse.Namespace) -> int:
+    from .bench import pacing
+
+    tokens = 40 if args.quick else args.tokens
+    modes = ["sync"] if args.quick else args.modes
+    result = pacing.run(_bench_model(args), modes, tokens, [1, 4])
+    return _bench_outputs(args, pacing, result)
+
+
+def _cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from .bench import overhead
+
+    if args.quick:
+        args.streams, args.tokens, args.repeats = 8, 64, 1
+    result = overhead.run(_bench_model(args), args.streams, args.tokens, args.repeats)
+    return _bench_outputs(args, overhead, result)
+
+
+def _cmd_bench_idle(args: argparse.Namespace) -> int:
+    from .bench import idle
+
+    result = idle.run(_bench_model(args), 3.0 if args.quick else args.window)
+    return _bench_outputs(args, idle, result)
+
+
+def _modes(value: str) -> list[str]:
+    modes = value.split(",")
+    if not modes or any(m not in ("sync", "async") for m in modes):
+        raise argparse.ArgumentTypeError(f"expected sync, async or sync,async; got {value!r}")
+    return modes
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return x
+
+
+def _bench_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="model directory (default: the tiny model in the user cache)")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    p.add_argument("--plot", metavar="PNG", help="write the plot to PNG (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="a short run, for CI")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,17 +169,45 @@ def build_parser() -> argparse.ArgumentParser:
         description="Times vLLM's real scheduler with R resident decoding requests, stock "
         "and paced, with a fraction of the users throttled.",
     )
-    sched.add_argument("--model", type=Path, default=None,
-                       help="model directory (default: the tiny model in the user cache)")
+    _bench_common(sched)
     sched.add_argument("--running", type=_int_list, default=[64, 256, 1024],
                        help="resident request counts (default 64,256,1024)")
     sched.add_argument("--throttled", type=_fraction_list, default=[0.0, 0.5, 1.0],
                        help="throttled fractions of users (default 0,0.5,1)")
-    sched.add_argument("--steps", type=int, default=200, help="timed steps per run")
-    sched.add_argument("--repeats", type=int, default=3, help="alternating runs per case")
-    sched.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
-    sched.add_argument("--quick", action="store_true", help="a few seconds, for CI")
+    sched.add_argument("--steps", type=_positive_int, default=200, help="timed steps per run")
+    sched.add_argument("--repeats", type=_positive_int, default=3,
+                       help="alternating runs per case")
     sched.set_defaults(func=_cmd_bench_scheduler)
+
+    pac = bench_sub.add_parser(
+        "pacing",
+        help="the seed's experiment: measured rates and token gaps on a real server",
+        description="A 20 tok/s user with 1 and with 4 streams next to a 100 tok/s user on "
+        "tokenpace serve with the tiny model; rates at the engine and the client.",
+    )
+    _bench_common(pac)
+    pac.add_argument("--tokens", type=_positive_int, default=200, help="tokens per stream")
+    pac.add_argument("--modes", type=_modes, default=["sync", "async"],
+                     help="scheduling modes (default sync,async)")
+    pac.set_defaults(func=_cmd_bench_pacing)
+
+    ovh = bench_sub.add_parser(
+        "overhead",
+        help="output tokens/s of tokenpace serve vs stock vLLM, limits never reached",
+    )
+    _bench_common(ovh)
+    ovh.add_argument("--streams", type=_positive_int, default=32, help="concurrent streams")
+    ovh.add_argument("--tokens", type=_positive_int, default=256, help="tokens per stream")
+    ovh.add_argument("--repeats", type=_positive_int, default=6, help="alternating runs")
+    ovh.set_defaults(func=_cmd_bench_overhead)
+
+    idl = bench_sub.add_parser(
+        "idle", help="server CPU while every request is throttled, with and without idle wait",
+    )
+    _bench_common(idl)
+    idl.add_argument("--window", type=_positive_float, default=10.0,
+                     help="measurement window in seconds (default 10)")
+    idl.set_defaults(func=_cmd_bench_idle)
     return parser
 
 

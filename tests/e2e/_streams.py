@@ -45,7 +45,7 @@ async def stream(api: AsyncOpenAI, user: str, max_tokens: int, prompt: str = "He
         extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": user}},
     )
     async for chunk in chunks:
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices:  # text may be empty: the detokenizer holds back partial UTF-8
             record.token_times.append(time.monotonic())
         if chunk.usage is not None:
             record.completion_tokens = chunk.usage.completion_tokens

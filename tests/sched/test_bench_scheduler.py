@@ -8,9 +8,10 @@ from tokenpace.cli import main
 
 
 def test_quick_bench_writes_cases(tiny_model, tmp_path):
-    out = tmp_path / "sched.json"
+    out, png = tmp_path / "sched.json", tmp_path / "sched.png"
     assert main(["bench", "scheduler", "--quick", "--model", str(tiny_model),
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
     assert data["vllm"].startswith("0.32.") and data["cpu"]
     assert [(c["running"], c["throttled_fraction"]) for c in data["cases"]] == [(64, 0.0), (64, 1.0)]

@@ -210,15 +210,30 @@ def test_idle_wait_when_every_request_is_throttled(tiny_model, is_async):
     limiter = sim.scheduler.planner.limiter
     waits = []
     for _ in range(30):
-        out = sim.step()
+        sim.step()
         wait = sim.scheduler.idle_wait_seconds()
-        if out.total_num_scheduled_tokens:
-            assert wait == 0.0
-        else:
-            expected = min(0.05, max(0, limiter.ready_at_ns("u") - sim.clock.now_ns) / NS)
-            assert wait == pytest.approx(expected)
+        ready_in = max(0, limiter.ready_at_ns("u") - sim.clock.now_ns) / NS
+        # Asked only after a step that refused someone (else the next step finds out).
+        expected = min(0.05, ready_in) if sim.scheduler.planner.refused_any else 0.0
+        assert wait == pytest.approx(expected)
+        if wait:
             waits.append(wait)
     assert len(waits) >= 20 and max(waits) > 0.02, waits
+
+
+def test_no_idle_wait_while_some_request_can_run(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(10, free=1e6))
+    sim.add("r0", "u", max_tokens=100)
+    sim.run(0.3)  # u is throttled now and then
+    assert any(sim.scheduler.idle_wait_seconds() > 0 for _ in [sim.step() for _ in range(5)])
+    sim.add("r1", "free", max_tokens=100)
+    for _ in range(10):
+        sim.step()
+        assert sim.scheduler.idle_wait_seconds() == 0.0  # the free user always can run
+    sim.abort("r1")
+    sim.add("r2", "u", prompt_len=1800, max_tokens=5)  # several 512-token prefill chunks
+    sim.step()
+    assert sim.scheduler.idle_wait_seconds() == 0.0  # intermediate chunks need no quota
 
 
 def test_feature_off_is_stock_behaviour(tiny_model, is_async):

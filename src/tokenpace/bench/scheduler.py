@@ -9,11 +9,11 @@ Stock and paced runs of a case alternate, and the median of the repeats is repor
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from ._environment import environment, write_json
 from ._simulate import Sim, make_sim
 
 THROTTLED_RATE = 1e-6  # tokens per second: one token, then none for ~11 days
@@ -71,28 +71,31 @@ def run(model: Path, running_counts: list[int], fractions: list[float], steps: i
             })
             print(f"running={running:5d} throttled={fraction:.2f} "
                   f"stock={s:9.1f} us/step paced={p:9.1f} us/step ratio={p / s:.3f}", flush=True)
-    return {"steps": steps, "repeats": repeats, "cases": cases, **_environment()}
+    return {"benchmark": "scheduler", "steps": steps, "repeats": repeats, "cases": cases,
+            **environment()}
 
 
-def _environment() -> dict[str, Any]:
-    import platform
+def plot(result: dict[str, Any], path: Path) -> None:
+    """CPU per step, stock vs paced, one group of bars per (running, throttled) case."""
+    from ._plots import pyplot
 
-    import vllm
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from .. import __version__
-
-    return {"tokenpace": __version__, "vllm": vllm.__version__,
-            "python": platform.python_version(), "cpu": cpu}
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    plt = pyplot()
+    cases = result["cases"]
+    labels = [f"{c['running']}\n{c['throttled_fraction']:.0%} thr." for c in cases]
+    xs = range(len(cases))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(cases) + 2), 3.6))
+    ax.bar([x - 0.2 for x in xs], [c["stock_us_per_step"] / 1000 for c in cases], 0.4,
+           label="stock vLLM")
+    ax.bar([x + 0.2 for x in xs], [c["paced_us_per_step"] / 1000 for c in cases], 0.4,
+           label="tokenpace")
+    for x, c in zip(xs, cases):
+        ax.annotate(f"x{c['ratio']:.2f}", (x + 0.2, c["paced_us_per_step"] / 1000),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("CPU ms per step (schedule + update)")
+    ax.set_xlabel("running requests, throttled share of users")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -25,7 +25,8 @@ SECTION = "tokenpace"
 KEY_DEFAULT = "default_user_output_tokens_per_second"
 KEY_OVERRIDES = "user_output_tokens_per_second"
 KEY_EVENT_LOG = "event_log"
-KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG)
+KEY_IDLE_WAIT = "idle_wait"
+KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT)
 
 
 class PacingConfigError(ValueError):
@@ -39,6 +40,7 @@ class PacingConfig:
     limits: UserRateLimits | None
     limits_file: Path | None = None
     event_log: Path | None = None
+    idle_wait: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +64,9 @@ class PacingConfig:
                 f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
                 f"known keys are {', '.join(KNOWN_KEYS)}"
             )
+        idle_wait = section.get(KEY_IDLE_WAIT, True)
+        if not isinstance(idle_wait, bool):
+            raise PacingConfigError(f"{where}[{KEY_IDLE_WAIT!r}] must be true or false")
         event_log = section.get(KEY_EVENT_LOG)
         if event_log is not None and (not isinstance(event_log, str) or not event_log):
             raise PacingConfigError(f"{where}[{KEY_EVENT_LOG!r}] must be a non-empty path string")
@@ -84,6 +89,7 @@ class PacingConfig:
             limits=limits,
             limits_file=limits_file,
             event_log=Path(event_log) if event_log else None,
+            idle_wait=idle_wait,
         )
 
 

@@ -9,12 +9,12 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    and select ``PacedScheduler`` or ``PacedAsyncScheduler`` to match the async-scheduling
    mode vLLM settled on. This is what makes plain ``vllm serve --additional-config``
    paced.
-2. ``EngineCoreProc._process_engine_step`` (engine process): after a step that ran
-   nothing because every request is throttled, block on the engine's input queue for
-   ``scheduler.idle_wait_seconds()`` instead of re-running ``schedule()`` every
-   millisecond. A new request, an abort or a shutdown arrives on that queue, so it ends
-   the wait at once; the wait never happens inside ``schedule()``. Only the step that
-   finds everyone throttled reaches the workers, not one every 50 ms.
+2. ``EngineCoreProc._process_engine_step`` (engine process): before a step, while no
+   request can run because every user with work is out of quota, block on the engine's
+   input queue for ``scheduler.idle_wait_seconds()`` instead of re-running ``schedule()``
+   every millisecond. A new request, an abort or a shutdown arrives on that queue, so it
+   ends the wait at once; the wait never happens inside ``schedule()``, and steps that
+   would run nothing do not reach the model workers.
 3. ``WorkerProc._init_message_queues`` (worker processes): vLLM's workers spin on their
    shared-memory input queue for one second after each message. A paced engine steps
    with gaps (a 5 tok/s user with every stream throttled: five steps a second), so the
@@ -128,13 +128,13 @@ def install_config_hook(engine_args_cls: type) -> bool:
 
 
 def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
-    """Block on the engine's input queue while every request is throttled.
+    """Before a step: block on the engine's input queue while no request can run.
 
     Waits in slices of ``scheduler.idle_wait_seconds()`` (at most 50 ms each) until the
-    earliest throttled user has quota again, so that the empty steps in between never
+    earliest throttled user has quota again, so that steps which would run nothing never
     reach the model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit
-    that makes someone ready sooner is seen. Handles the one request that ended the
-    wait; vLLM's loop drains the rest next. With async scheduling, a batch in flight
+    that makes someone ready sooner is seen. A request that ends the wait is handled here
+    (vLLM's loop drains the rest after the step). With async scheduling, a batch in flight
     that ran tokens must be collected first, so there is no wait then.
     """
     wait_seconds = getattr(core.scheduler, "idle_wait_seconds", None)
@@ -159,10 +159,8 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
 def install_idle_wait(engine_core_proc_cls: type) -> bool:
     def make(original: Any) -> Any:
         def _process_engine_step(self: Any) -> bool:
-            executed = original(self)
-            if not executed:
-                idle_wait(self)
-            return executed
+            idle_wait(self)
+            return bool(original(self))
 
         return _process_engine_step
 
@@ -182,10 +180,10 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
     its safety; after ``WORKER_SPIN_S`` it naps between looks, longer the longer it idles.
     """
     try:
-        enabled = PacingConfig.from_additional_config(vllm_config.additional_config).enabled
+        pacing = PacingConfig.from_additional_config(vllm_config.additional_config)
     except ValueError:
         return  # the engine process reports configuration errors
-    if not enabled:
+    if not pacing.enabled or not pacing.idle_wait:
         return
     condition = getattr(getattr(worker, "rpc_broadcast_mq", None), "_spin_condition", None)
     if condition is None or not hasattr(condition, "last_read"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ..pacing import (
@@ -104,7 +105,6 @@ class _PacingMixin:
         self._event_log: EventLog | None = None
         self._users: dict[str, str] = {}
         self._steps = 0
-        self._nothing_ran = False
         if not config.enabled:
             return
         refused = unsupported_modes(self.vllm_config, self)
@@ -139,11 +139,27 @@ class _PacingMixin:
         return self._planner
 
     def idle_wait_seconds(self) -> float:
-        """How long the engine loop may block on its input queue: min(50 ms, time until
-        the earliest refused user has quota) when the last step ran nothing, else 0."""
-        if self._planner is None:
+        """How long the engine loop may block on its input queue before stepping.
+
+        0 unless some user was refused in the last step and no request can run now; then
+        min(50 ms, time until the earliest user with a runnable request has quota). The
+        engine asks before each step, so a step that would run nothing is not taken.
+        """
+        planner = self._planner
+        if planner is None or not self.pacing_config.idle_wait or not planner.refused_any:
             return 0.0
-        return self._planner.idle_wait_seconds(self._nothing_ran)
+        return planner.idle_wait_seconds(self._quota_needs())
+
+    def _quota_needs(self) -> Iterator[str | None]:
+        """For each request that could be scheduled: the user its next step charges, or
+        None when that step samples nothing (it runs without quota)."""
+        cap = self.max_num_scheduled_tokens
+        for req in self.running:
+            remaining = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
+            if remaining > 0:
+                yield self._user_of(req) if remaining <= cap else None
+        for req in self.waiting:  # type: ignore[attr-defined]
+            yield self._user_of(req) if req.num_tokens - req.num_computed_tokens <= cap else None
 
     def _user_of(self, request: Request) -> str:
         user = self._users.get(request.request_id)
@@ -221,7 +237,6 @@ class _PacingMixin:
                 self._restore_arrival_times(bumped)
 
         self._settle(output)
-        self._nothing_ran = output.total_num_scheduled_tokens == 0
         return output
 
     def _reload_limits(self, watcher: LimitsFileWatcher) -> None:

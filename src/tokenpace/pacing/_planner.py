@@ -20,7 +20,7 @@ Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -219,12 +219,35 @@ class StepPlanner:
         self._charged.clear()
         return result
 
-    def idle_wait_seconds(self, nothing_ran: bool) -> float:
-        """How long the engine loop may block on its input queue after this step."""
-        if not nothing_ran or not self._refused:
+    @property
+    def refused_any(self) -> bool:
+        """Whether some user was refused a token in the last step."""
+        return bool(self._refused)
+
+    def idle_wait_seconds(self, quota_needs: Iterable[str | None]) -> float:
+        """How long nothing can run: 0 if some request can, else up to ``MAX_IDLE_WAIT_S``.
+
+        ``quota_needs`` has one item per request that could be scheduled: the user whose
+        quota its next step needs, or None for a step that needs none (an intermediate
+        prefill chunk), which can always run.
+        """
+        limiter = self.limiter
+        seen: set[str] = set()
+        earliest: int | None = None
+        for user in quota_needs:
+            if user is None:
+                return 0.0
+            if user in seen:
+                continue
+            seen.add(user)
+            ready = limiter.ready_at_ns(user)  # never before its own reading of the clock
+            if ready <= limiter.now_ns():
+                return 0.0
+            if earliest is None or ready < earliest:
+                earliest = ready
+        if earliest is None:
             return 0.0
-        wait_ns = min(self._refused.values()) - self.limiter.now_ns()
-        return min(MAX_IDLE_WAIT_S, max(0.0, wait_ns / 1e9))
+        return min(MAX_IDLE_WAIT_S, max(0.0, (earliest - limiter.now_ns()) / 1e9))
 
     # -- housekeeping ---------------------------------------------------------------
 

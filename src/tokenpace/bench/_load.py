@@ -1,0 +1,79 @@
+"""A streaming load generator for vLLM's OpenAI API, timing every token at the client.
+
+It asks for ``return_token_ids`` so each server-sent chunk says exactly how many tokens it
+carries (the text of a chunk can be empty while the detokenizer holds back partial UTF-8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class StreamRecord:
+    """One streamed completion: when each of its tokens reached the client."""
+
+    user: str
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int | None = None  # from the final usage chunk
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, base_url: str, user: str | None, max_tokens: int,
+    prompt: str = "Hello",
+) -> StreamRecord:
+    """Stream one ``ignore_eos`` completion for ``user`` (None: no identity)."""
+    body: dict[str, object] = {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        "ignore_eos": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    if user is not None:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    record = StreamRecord(user=user or "", start=time.monotonic())
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                record.token_times.extend([now] * len(choice.get("token_ids") or ()))
+            usage = chunk.get("usage")
+            if usage:
+                record.completion_tokens = usage["completion_tokens"]
+    return record
+
+
+async def run_streams(
+    base_url: str, plan: Sequence[tuple[str | None, int, int]], timeout_s: float = 900.0,
+) -> list[StreamRecord]:
+    """Run ``(user, streams, max_tokens)`` concurrently; results in plan order."""
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        jobs = [
+            stream_completion(client, base_url, user, tokens)
+            for user, count, tokens in plan
+            for _ in range(count)
+        ]
+        return list(await asyncio.gather(*jobs))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]

@@ -1,0 +1,97 @@
+"""`tokenpace bench overhead`: what pacing costs when it never throttles.
+
+Two servers on the same model: stock vLLM (tokenpace installed, no ``tokenpace`` section,
+so the plugin does nothing) and ``tokenpace serve`` with a default rate far above what the
+engine can produce. The same workload (N concurrent streams, one user each, M tokens each,
+``ignore_eos``) runs on each in turn, alternating, R times; output tokens per second is
+total tokens over the wall time from the first request to the last token. The ratio is
+paced / stock per adjacent pair, reported as median with min and max.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ._environment import environment
+from ._load import run_streams
+from ._server import Server, free_port, start_all, tokenpace_serve_argv, vllm_server_argv
+
+NEVER_THROTTLED = 1_000_000
+
+
+def _throughput(server: Server, streams: int, tokens: int) -> float:
+    plan = [(f"user-{i}", 1, tokens) for i in range(streams)]
+    start = time.monotonic()
+    records = asyncio.run(run_streams(server.base_url, plan))
+    elapsed = max(r.token_times[-1] for r in records) - start
+    total = sum(r.completion_tokens or 0 for r in records)
+    if total != streams * tokens:
+        raise RuntimeError(f"expected {streams * tokens} tokens, got {total}")
+    return total / elapsed
+
+
+def run(model: Path, streams: int, tokens: int, repeats: int,
+        workdir: Path | None = None) -> dict[str, Any]:
+    home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-overhead-"))
+    common = ["--max-num-seqs", str(max(streams, 16))]
+    stock_port, paced_port = free_port(), free_port()
+    stock = Server(vllm_server_argv(model, stock_port, *common), stock_port,
+                   home / "vllm-stock.log")
+    paced = Server(
+        tokenpace_serve_argv(model, paced_port, "--default-user-output-tokens-per-second",
+                             str(NEVER_THROTTLED), *common),
+        paced_port, home / "vllm-paced.log",
+    )
+    start_all([stock, paced])
+    stock_tps: list[float] = []
+    paced_tps: list[float] = []
+    try:
+        for server in (stock, paced):
+            _throughput(server, streams, min(tokens, 32))  # warm-up
+        for i in range(repeats):
+            order = [(stock, stock_tps), (paced, paced_tps)]
+            if i % 2:
+                order.reverse()  # neither always runs first
+            for server, sink in order:
+                sink.append(_throughput(server, streams, tokens))
+            print(f"run {i + 1}/{repeats}: stock {stock_tps[-1]:8.1f} tok/s, "
+                  f"paced {paced_tps[-1]:8.1f} tok/s, ratio {paced_tps[-1] / stock_tps[-1]:.3f}",
+                  flush=True)
+    finally:
+        stock.stop()
+        paced.stop()
+    ratios = [p / s for p, s in zip(paced_tps, stock_tps)]
+    return {
+        "benchmark": "overhead", "streams": streams, "tokens_per_stream": tokens,
+        "repeats": repeats,
+        "stock_tokens_per_s": [round(x, 1) for x in stock_tps],
+        "paced_tokens_per_s": [round(x, 1) for x in paced_tps],
+        "ratio_median": round(statistics.median(ratios), 4),
+        "ratio_min": round(min(ratios), 4),
+        "ratio_max": round(max(ratios), 4),
+        **environment(),
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from ._plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    runs = range(1, len(result["stock_tokens_per_s"]) + 1)
+    ax.plot(runs, result["stock_tokens_per_s"], marker="o", label="stock vLLM")
+    ax.plot(runs, result["paced_tokens_per_s"], marker="s", label="tokenpace serve")
+    ax.set_xlabel("run (alternating)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"paced / stock: median x{result['ratio_median']:.3f} "
+                 f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,177 @@
+"""`tokenpace bench pacing`: the seed's experiment on a real server with the tiny model.
+
+A 20 tok/s user with 1 and then with 4 streams runs next to a 100 tok/s user, 200 tokens
+per stream, ``ignore_eos``, under synchronous and asynchronous scheduling. Each user's
+rate is measured twice: at the engine (its event log: charges net of refunds) and at the
+client (token arrival times). Rates are net of the GCRA burst allowance: ``N`` tokens at
+``r`` tok/s span at least ``(N - 1 - 0.1 r) / r`` seconds, so the reported rate is
+``(N - 1 - 0.1 r) / span``. Token gaps are measured over all of a user's streams merged,
+and compared with ``1 / limit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._environment import environment
+from ._load import StreamRecord, percentile, run_streams
+from ._server import Server, free_port, start_all, tokenpace_serve_argv
+
+SLOW_RATE = 20.0
+FAST_RATE = 100.0
+BURST_S = 0.1
+
+
+def _net_rate(times: list[float], limit: float) -> float:
+    span = max(times) - min(times)
+    return (len(times) - 1 - BURST_S * limit) / span if span > 0 else float("nan")
+
+
+def _gaps(times: list[float]) -> list[float]:
+    ordered = sorted(times)
+    return [b - a for a, b in zip(ordered, ordered[1:])]
+
+
+def _engine_times(event_log: Path, users: set[str]) -> dict[str, list[float]]:
+    """Per user, the instants of charges that were not refunded (seconds)."""
+    charges: dict[tuple[str, str], list[int]] = {}
+    for line in event_log.read_text().splitlines():
+        event = json.loads(line)
+        if event["user"] not in users:
+            continue
+        key = (event["user"], event["request_id"])
+        if event["event"] == "charge":
+            charges.setdefault(key, []).append(event["t_ns"])
+        elif charges.get(key):
+            charges[key].pop()  # a refund cancels the latest charge of that request
+    out: dict[str, list[float]] = {}
+    for (user, _), stamps in charges.items():
+        out.setdefault(user, []).extend(t / 1e9 for t in stamps)
+    return out
+
+
+def _user_summary(user: str, limit: float, records: list[StreamRecord],
+                  engine: list[float]) -> dict[str, Any]:
+    client_times = [t for r in records for t in r.token_times]
+    gaps = _gaps(client_times)
+    engine_gaps = _gaps(engine)
+    return {
+        "user": user,
+        "limit": limit,
+        "streams": len(records),
+        "tokens": sum(r.completion_tokens or 0 for r in records),
+        "client_rate": round(_net_rate(client_times, limit), 3),
+        "engine_rate": round(_net_rate(engine, limit), 3),
+        "client_gap_p50_s": round(percentile(gaps, 50), 4),
+        "client_gap_p99_s": round(percentile(gaps, 99), 4),
+        "engine_gap_p50_s": round(percentile(engine_gaps, 50), 4),
+        "engine_gap_p99_s": round(percentile(engine_gaps, 99), 4),
+        "ideal_gap_s": round(1 / limit, 4),
+        "stream_finish_spread_s": round(
+            max(r.token_times[-1] for r in records) - min(r.token_times[-1] for r in records), 3
+        ),
+    }
+
+
+def _scenario(server: Server, event_log: Path, streams: int, tokens: int) -> dict[str, Any]:
+    slow, fast = f"slow-{streams}", f"fast-{streams}"
+    records = asyncio.run(run_streams(server.base_url, [(slow, streams, tokens), (fast, 1, tokens)]))
+    origin = min(r.start for r in records)
+    engine = _wait_for_engine_log(event_log, {slow, fast}, streams * tokens + tokens)
+    engine_origin = min(min(v) for v in engine.values())
+    users = {
+        slow: (SLOW_RATE, [r for r in records if r.user == slow]),
+        fast: (FAST_RATE, [r for r in records if r.user == fast]),
+    }
+    return {
+        "slow_streams": streams,
+        "tokens_per_stream": tokens,
+        "users": [_user_summary(u, lim, recs, engine.get(u, [])) for u, (lim, recs) in users.items()],
+        "series": {  # cumulative tokens over time, for the plot
+            u: {
+                "client_s": [round(t - origin, 4) for t in sorted(x for r in recs for x in r.token_times)],
+                "engine_s": [round(t - engine_origin, 4) for t in sorted(engine.get(u, []))],
+            }
+            for u, (_, recs) in users.items()
+        },
+    }
+
+
+def _wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict[str, list[float]]:
+    """The event log is written by a background thread: wait until it has every token."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        times = _engine_times(event_log, users)
+        if sum(len(v) for v in times.values()) >= expected or time.monotonic() > deadline:
+            return times
+        time.sleep(0.2)
+
+
+def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
+        workdir: Path | None = None) -> dict[str, Any]:
+    home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-pacing-"))
+    servers: dict[str, tuple[Server, Path]] = {}
+    for mode in modes:
+        port = free_port()
+        events = home / f"events-{mode}.jsonl"
+        overrides = {f"fast-{n}": FAST_RATE for n in stream_counts}
+        argv = tokenpace_serve_argv(
+            model, port,
+            "--default-user-output-tokens-per-second", str(SLOW_RATE),
+            "--user-output-tokens-per-second", json.dumps(overrides),
+            "--output-rate-event-log", str(events),
+            "--async-scheduling" if mode == "async" else "--no-async-scheduling",
+        )
+        servers[mode] = (Server(argv, port, home / f"vllm-{mode}.log"), events)
+    start_all([s for s, _ in servers.values()])
+    results = []
+    try:
+        for mode, (server, events) in servers.items():
+            asyncio.run(run_streams(server.base_url, [("warm-up", 8, 32)]))
+            for n in stream_counts:  # one server busy at a time: 2 cores are easily disturbed
+                result = {"mode": mode, **_scenario(server, events, n, tokens)}
+                results.append(result)
+                for u in result["users"]:
+                    print(f"{mode:5s} slow streams={n} {u['user']:8s} limit={u['limit']:5.0f} "
+                          f"client={u['client_rate']:7.2f} engine={u['engine_rate']:7.2f} tok/s "
+                          f"gap p50={u['client_gap_p50_s'] * 1000:6.1f} ms "
+                          f"p99={u['client_gap_p99_s'] * 1000:6.1f} ms "
+                          f"(ideal {u['ideal_gap_s'] * 1000:.0f} ms)", flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    return {"benchmark": "pacing", "tokens_per_stream": tokens, "scenarios": results,
+            **environment()}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Cumulative tokens per user over time, one panel per mode and scenario."""
+    from ._plots import pyplot
+
+    plt = pyplot()
+    scenarios = result["scenarios"]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios):
+        for user, series in sc["series"].items():
+            limit = SLOW_RATE if user.startswith("slow") else FAST_RATE
+            xs = series["client_s"]
+            ax.step(xs, range(1, len(xs) + 1), where="post", label=f"{user} (client)")
+            ex = series["engine_s"]
+            ax.plot(ex, range(1, len(ex) + 1), linestyle=":", label=f"{user} (engine)")
+            if xs:
+                ax.plot([xs[0], xs[-1]], [1, 1 + limit * (xs[-1] - xs[0])], color="grey",
+                        linewidth=0.6)
+        ax.set_title(f"{sc['mode']}: 20 tok/s user x{sc['slow_streams']} + 100 tok/s user",
+                     fontsize=9)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("cumulative output tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
