@@ -156,8 +156,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     plt = pyplot()
     scenarios = result["scenarios"]
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False)
-    for ax, sc in zip(axes[0], scenarios):
+    cols = min(2, len(scenarios))
+    rows = -(-len(scenarios) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, sc in zip(axes.flat, scenarios):
         for user, series in sc["series"].items():
             limit = SLOW_RATE if user.startswith("slow") else FAST_RATE
             xs = series["client_s"]

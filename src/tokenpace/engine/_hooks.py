@@ -37,14 +37,16 @@ logger = logging.getLogger("vllm.tokenpace.engine")
 
 PACED_SCHEDULER = "tokenpace.engine.PacedScheduler"
 PACED_ASYNC_SCHEDULER = "tokenpace.engine.PacedAsyncScheduler"
-WORKER_SPIN_S = 0.002
-"""Busy-wait time of a worker after a step: back-to-back decode steps arrive sooner."""
+WORKER_SPIN_S = 0.01
+"""How long a worker that has finished a step spins for the next one: the engine's own work
+between two decode steps (output processing, ``schedule()``) takes a few milliseconds on a
+slow CPU, and a nap there would delay every step."""
 WORKER_NAP_S = 0.0005
 WORKER_MAX_NAP_S = 0.02
 """After that, the worker naps between looks at its queue until vLLM's own one-second
-spin ends; each nap is a tenth of the idle time so far (0.5 to 20 ms). A step that follows
-a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a core
-instead of a whole one."""
+spin ends; each nap is a tenth of the time waited so far (0.5 to 20 ms). A step that
+follows a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a
+core instead of a whole one."""
 MAX_IDLE_S = 1.0
 """Longest idle wait without a step (each slice is at most 50 ms)."""
 
@@ -189,13 +191,21 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
     if condition is None or not hasattr(condition, "last_read"):
         return
     spin_wait = condition.wait
+    # vLLM stamps last_read when the worker *takes* a step, so by the time the step has run
+    # that stamp is old; the wait that matters starts at the first look after a new read.
+    seen_read = condition.last_read
+    waiting_since = time.monotonic()
 
     def wait(timeout_ms: int | None = None) -> None:
-        idle = time.monotonic() - condition.last_read
-        if WORKER_SPIN_S < idle <= condition.busy_loop_s:
-            time.sleep(min(WORKER_MAX_NAP_S, max(WORKER_NAP_S, idle / 10)))
+        nonlocal seen_read, waiting_since
+        now = time.monotonic()
+        if condition.last_read != seen_read:
+            seen_read, waiting_since = condition.last_read, now
+        waited = now - waiting_since
+        if waited <= WORKER_SPIN_S or now - condition.last_read > condition.busy_loop_s:
+            spin_wait(timeout_ms)  # vLLM's spin, or after its busy period its socket wait
         else:
-            spin_wait(timeout_ms)
+            time.sleep(min(WORKER_MAX_NAP_S, max(WORKER_NAP_S, waited / 10)))
 
     condition.wait = wait
 
