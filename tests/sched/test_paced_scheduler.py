@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -270,3 +271,24 @@ def test_priority_policy_preempts_throttled_first_within_its_level(tiny_model, i
     assert sim.scheduler.requests["slow"].arrival_time == 0.0
     sim.run(0.5)
     assert sim.scheduler.requests["slow"].arrival_time == 0.0
+
+
+def test_limits_file_edit_applies_between_steps(tiny_model, is_async, tmp_path):
+    limits = tmp_path / "limits.json"
+    limits.write_text('{"u": 10}')
+    sim = make_sim(tiny_model, is_async=is_async, pacing={
+        "default_user_output_tokens_per_second": 5,
+        "user_output_tokens_per_second": f"@{limits}",
+    })
+    sim.add("r0", "u", max_tokens=400)
+    sim.run(2)
+    assert_rate(sim, "u", 10, 2)
+    limits.write_text('{"u": 40, "v": 1}')
+    os.utime(limits, ns=(1, 2))  # a distinct mtime even on coarse file systems
+    sim.run(1.5)  # looked at once a second of the engine clock
+    assert sim.scheduler.planner.limiter.limits.rate("u") == 40
+    assert sim.scheduler.planner.limiter.limits.rate("v") == 1
+    limits.write_text('{"u": ')  # half-written: the last good limits stay
+    os.utime(limits, ns=(3, 4))
+    sim.run(1.5)
+    assert sim.scheduler.planner.limiter.limits.rate("u") == 40
