@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -109,24 +109,23 @@ def _modes(value: str) -> list[str]:
     return modes
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+def _positive(convert: Callable[[str], float], what: str) -> Callable[[str], float]:
+    """An argparse type: ``convert(value)`` if it is greater than zero."""
+
+    def parse(value: str) -> float:
+        try:
+            x = convert(value)
+        except ValueError:
+            x = 0
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {value!r}")
+        return x
+
+    return parse
 
 
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = 0.0
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return x
+_positive_int = _positive(int, "integer")
+_positive_float = _positive(float, "number")
 
 
 def _bench_common(p: argparse.ArgumentParser) -> None:

@@ -5,31 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from openai import AsyncOpenAI
 
+from tokenpace.bench._load import StreamRecord
 
-@dataclass
-class Stream:
-    """One streamed completion as the client saw it."""
 
-    user: str
-    start: float
-    token_times: list[float] = field(default_factory=list)
-    completion_tokens: int | None = None  # from the final usage chunk
-
-    @property
-    def first(self) -> float:
-        return self.token_times[0]
-
-    @property
-    def last(self) -> float:
-        return self.token_times[-1]
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.start
+Stream = StreamRecord  # one streamed completion as the client saw it
 
 
 def client(base_url: str) -> AsyncOpenAI:

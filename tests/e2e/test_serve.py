@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from tokenpace.bench.pacing import wait_for_engine_log
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv, tree_cpu_seconds
 from tests.e2e._streams import Stream, client, stream, streams, user_rate
 
@@ -91,17 +92,8 @@ def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:
 
 def _engine_tokens(event_log: Path) -> dict[str, int]:
     """Tokens charged minus refunded per user, from the engine's event log."""
-    deadline = time.monotonic() + 5  # the log is written by a background thread
-    while True:
-        net: dict[str, int] = {}
-        for line in event_log.read_text().splitlines():
-            event = json.loads(line)
-            net[event["user"]] = net.get(event["user"], 0) + (
-                1 if event["event"] == "charge" else -1
-            )
-        if net.get("user-a", 0) >= 800 or time.monotonic() > deadline:
-            return net
-        time.sleep(0.2)
+    times = wait_for_engine_log(event_log, {"user-a", "user-b"}, 1800)
+    return {user: len(stamps) for user, stamps in times.items()}
 
 
 async def _isolation(base_url: str) -> tuple[list[Stream], list[Stream]]:

@@ -25,8 +25,16 @@ class StreamRecord:
     completion_tokens: int | None = None  # from the final usage chunk
 
     @property
+    def first(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def last(self) -> float:
+        return self.token_times[-1]
+
+    @property
     def ttft(self) -> float:
-        return self.token_times[0] - self.start
+        return self.first - self.start
 
 
 async def stream_completion(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -16,3 +17,10 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig: Any, path: Path) -> None:
+    """Lay out, write the PNG and free the figure (pyplot keeps every open one)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

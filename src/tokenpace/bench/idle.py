@@ -77,7 +77,7 @@ def run(model: Path, window_s: float, workdir: Path | None = None) -> dict[str, 
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    from ._plots import pyplot
+    from ._plots import pyplot, save
 
     plt = pyplot()
     names = ["idle_wait", "busy_loop"]
@@ -92,6 +92,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks([0, 1], labels)
     ax.set_ylabel("server CPU (cores)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

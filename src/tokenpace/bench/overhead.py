@@ -28,7 +28,7 @@ def _throughput(server: Server, streams: int, tokens: int) -> float:
     plan = [(f"user-{i}", 1, tokens) for i in range(streams)]
     start = time.monotonic()
     records = asyncio.run(run_streams(server.base_url, plan))
-    elapsed = max(r.token_times[-1] for r in records) - start
+    elapsed = max(r.last for r in records) - start
     total = sum(r.completion_tokens or 0 for r in records)
     if total != streams * tokens:
         raise RuntimeError(f"expected {streams * tokens} tokens, got {total}")
@@ -79,7 +79,7 @@ def run(model: Path, streams: int, tokens: int, repeats: int,
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    from ._plots import pyplot
+    from ._plots import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
@@ -92,6 +92,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"paced / stock: median x{result['ratio_median']:.3f} "
                  f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

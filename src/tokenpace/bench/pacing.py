@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def _user_summary(user: str, limit: float, records: list[StreamRecord],
         "engine_gap_p99_s": round(percentile(engine_gaps, 99), 4),
         "ideal_gap_s": round(1 / limit, 4),
         "stream_finish_spread_s": round(
-            max(r.token_times[-1] for r in records) - min(r.token_times[-1] for r in records), 3
+            max(r.last for r in records) - min(r.last for r in records), 3
         ),
     }
 
@@ -81,7 +82,7 @@ def _scenario(server: Server, event_log: Path, streams: int, tokens: int) -> dic
     slow, fast = f"slow-{streams}", f"fast-{streams}"
     records = asyncio.run(run_streams(server.base_url, [(slow, streams, tokens), (fast, 1, tokens)]))
     origin = min(r.start for r in records)
-    engine = _wait_for_engine_log(event_log, {slow, fast}, streams * tokens + tokens)
+    engine = wait_for_engine_log(event_log, {slow, fast}, streams * tokens + tokens)
     engine_origin = min(min(v) for v in engine.values())
     users = {
         slow: (SLOW_RATE, [r for r in records if r.user == slow]),
@@ -101,10 +102,8 @@ def _scenario(server: Server, event_log: Path, streams: int, tokens: int) -> dic
     }
 
 
-def _wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict[str, list[float]]:
+def wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict[str, list[float]]:
     """The event log is written by a background thread: wait until it has every token."""
-    import time
-
     deadline = time.monotonic() + 10
     while True:
         times = _engine_times(event_log, users)
@@ -152,7 +151,7 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Cumulative tokens per user over time, one panel per mode and scenario."""
-    from ._plots import pyplot
+    from ._plots import pyplot, save
 
     plt = pyplot()
     scenarios = result["scenarios"]
@@ -174,6 +173,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("seconds")
         ax.set_ylabel("cumulative output tokens")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

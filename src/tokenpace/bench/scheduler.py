@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ._environment import environment, write_json
+from ._environment import environment
 from ._simulate import Sim, make_sim
 
 THROTTLED_RATE = 1e-6  # tokens per second: one token, then none for ~11 days
@@ -77,7 +77,7 @@ def run(model: Path, running_counts: list[int], fractions: list[float], steps: i
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """CPU per step, stock vs paced, one group of bars per (running, throttled) case."""
-    from ._plots import pyplot
+    from ._plots import pyplot, save
 
     plt = pyplot()
     cases = result["cases"]
@@ -96,6 +96,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("CPU ms per step (schedule + update)")
     ax.set_xlabel("running requests, throttled share of users")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

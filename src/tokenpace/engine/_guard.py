@@ -58,11 +58,10 @@ def check_request_body(body: Any) -> None:
             raise RequestRefused(str(exc), USER_PARAM) from None
 
 
-def error_body(message: str, param: str | None, status: int = 400) -> bytes:
-    """An error in OpenAI's (and vLLM's) wire format, so SDKs raise their own exceptions."""
-    kind = {400: "BadRequestError"}.get(status, "Error")
+def error_body(message: str, param: str | None) -> bytes:
+    """A 400 in OpenAI's (and vLLM's) wire format, so SDKs raise ``BadRequestError``."""
     return json.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
     ).encode()
 
 

@@ -145,6 +145,8 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
     for _, scheduler_output, _ in core.batch_queue or ():
         if scheduler_output.total_num_scheduled_tokens > 0:
             return
+    if wait_seconds() <= 0:
+        return  # the usual case, on every step: something can run
     deadline = clock() + MAX_IDLE_S
     while core.is_running():
         timeout = min(wait_seconds(), deadline - clock())
