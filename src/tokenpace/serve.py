@@ -28,14 +28,19 @@ from .pacing import LimitsError, limits_file_of, parse_overrides_arg, validate_r
 FLAG_DEFAULT = "--default-user-output-tokens-per-second"
 FLAG_OVERRIDES = "--user-output-tokens-per-second"
 FLAG_EVENT_LOG = "--output-rate-event-log"
+FLAG_TRUSTED_GATEWAY = "--trusted-gateway"
 OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG)
+"""Our flags that take a value."""
+OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY,)
+"""Our flags that take no value."""
 GUARD_MIDDLEWARE = "tokenpace.engine.RequestGuard"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 USAGE = f"""\
 usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
                        [{FLAG_OVERRIDES} JSON|@FILE]
-                       [{FLAG_EVENT_LOG} PATH] [any vllm serve flag ...]
+                       [{FLAG_EVENT_LOG} PATH] [{FLAG_TRUSTED_GATEWAY}]
+                       [any vllm serve flag ...]
 
 Start vLLM's OpenAI-compatible server with per-user output-token pacing.
 
@@ -43,13 +48,19 @@ pacing flags:
   {FLAG_DEFAULT} N
         output tokens per second for every user (vllm_xargs.output_rate_user in the
         request body; requests without it share the "__anonymous__" quota). Without
-        this flag pacing is off and the server is plain vLLM.
+        this flag and without {FLAG_TRUSTED_GATEWAY} pacing is off and the server is
+        plain vLLM.
   {FLAG_OVERRIDES} JSON|@FILE
         per-user rates, e.g. '{{"user-a": 100, "user-b": 500}}', or @/path/limits.json;
         edits to the file take effect within about a second, without a restart.
   {FLAG_EVENT_LOG} PATH
         append one JSON line per charged or refunded token (t_ns, user, request_id,
         event), to check rates and token spacing at the engine.
+  {FLAG_TRUSTED_GATEWAY}
+        requests may carry vllm_xargs.output_rate_tokens_per_second, the rate of their
+        output_rate_user; use only when nothing but a trusted gateway (tokenpace
+        gateway) can reach this server. Turns pacing on; without a default rate,
+        users whose requests carry no rate are not paced.
 
 Every other flag goes to vLLM unchanged (--max-num-seqs, --max-num-active-seqs,
 --async-scheduling, --port, --api-key, ...): see `python -m {VLLM_SERVER_MODULE} --help`.
@@ -88,6 +99,7 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
     """Translate ``tokenpace serve`` arguments into vLLM server arguments."""
     base = cwd or Path.cwd()
     ours: dict[str, str] = {}
+    switches: set[str] = set()
     rest: list[str] = []
     i = 0
     if args and not args[0].startswith("-"):
@@ -99,10 +111,18 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
             if name in ours:
                 raise ServeUsageError(f"argument {name}: given more than once")
             ours[name], i = _take_value(args, i, name, inline)
+        elif name in OUR_SWITCHES:
+            if inline is not None:
+                raise ServeUsageError(f"argument {name}: takes no value, got {inline!r}")
+            if name in switches:
+                raise ServeUsageError(f"argument {name}: given more than once")
+            switches.add(name)
+            i += 1
         else:
             rest.append(args[i])
             i += 1
 
+    trusted = FLAG_TRUSTED_GATEWAY in switches
     section: dict[str, object] = {}
     if FLAG_DEFAULT in ours:
         raw = ours[FLAG_DEFAULT]
@@ -118,10 +138,10 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
             raise ServeUsageError(str(exc)) from None
         section["default_user_output_tokens_per_second"] = int(rate) if rate.is_integer() else rate
     if FLAG_OVERRIDES in ours:
-        if FLAG_DEFAULT not in ours:
+        if FLAG_DEFAULT not in ours and not trusted:
             raise ServeUsageError(
-                f"argument {FLAG_OVERRIDES}: needs {FLAG_DEFAULT} (without a default rate "
-                "pacing is off)"
+                f"argument {FLAG_OVERRIDES}: needs {FLAG_DEFAULT} or {FLAG_TRUSTED_GATEWAY} "
+                "(without either pacing is off)"
             )
         value = ours[FLAG_OVERRIDES]
         try:
@@ -144,6 +164,8 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
                 f"argument {FLAG_EVENT_LOG}: directory {str(log.parent)!r} does not exist"
             )
         section["event_log"] = str(log)
+    if trusted:
+        section["trusted_gateway"] = True
 
     rest, additional = _pop_additional_config(rest)
     if section:

@@ -49,3 +49,51 @@ def test_overrides_from_file(tmp_path):
 def test_refusals_name_the_key(section, message):
     with pytest.raises(PacingConfigError, match=message):
         PacingConfig.from_section(section)
+
+
+def test_trusted_gateway_alone_turns_pacing_on_with_no_default_rate():
+    cfg = PacingConfig.from_additional_config({"tokenpace": {"trusted_gateway": True}})
+    assert cfg.enabled and cfg.trusted_gateway
+    assert cfg.limits.default is None and cfg.limits.rate("anyone") is None
+    assert cfg.idle_wait
+
+
+def test_trusted_gateway_allows_overrides_without_a_default(tmp_path):
+    path = tmp_path / "limits.json"
+    path.write_text('{"a": 3}')
+    cfg = PacingConfig.from_section({
+        "trusted_gateway": True, "idle_wait": False,
+        "user_output_tokens_per_second": f"@{path}",
+    })
+    assert cfg.limits.rate("a") == 3 and cfg.limits.rate("b") is None
+    assert cfg.limits_file == path and not cfg.idle_wait
+
+
+def test_trusted_gateway_keeps_a_given_default():
+    cfg = PacingConfig.from_section({
+        "trusted_gateway": True, "default_user_output_tokens_per_second": 7,
+    })
+    assert cfg.trusted_gateway and cfg.limits.rate("b") == 7
+
+
+def test_without_trusted_gateway_nothing_changes():
+    assert not PacingConfig.from_section({"trusted_gateway": False}).enabled
+    cfg = PacingConfig.from_section({"default_user_output_tokens_per_second": 1})
+    assert not cfg.trusted_gateway
+    with pytest.raises(PacingConfigError, match="needs 'default_user_output_tokens_per_second'"):
+        PacingConfig.from_section({
+            "trusted_gateway": False, "user_output_tokens_per_second": {"a": 1},
+        })
+
+
+@pytest.mark.parametrize("value", ["true", 1, 0, None, [True]])
+def test_trusted_gateway_must_be_a_boolean(value):
+    with pytest.raises(PacingConfigError, match=r"\['trusted_gateway'\] must be true or false"):
+        PacingConfig.from_section({"trusted_gateway": value})
+
+
+def test_trusted_gateway_still_checks_the_default_rate():
+    with pytest.raises(PacingConfigError, match="default_user_output_tokens_per_second"):
+        PacingConfig.from_section({
+            "trusted_gateway": True, "default_user_output_tokens_per_second": 0,
+        })

@@ -12,6 +12,11 @@ import pytest
 from tokenpace.engine._guard import RequestGuard, RequestRefused, check_request_body
 
 USER = "vllm_xargs.output_rate_user"
+RATE = "vllm_xargs.output_rate_tokens_per_second"
+
+
+def _rate(value: Any) -> dict:
+    return {"vllm_xargs": {"output_rate_user": "alice", "output_rate_tokens_per_second": value}}
 
 
 @pytest.mark.parametrize(
@@ -23,6 +28,16 @@ USER = "vllm_xargs.output_rate_user"
         ({"vllm_xargs": {"output_rate_user": 7}}, USER),
         ({"vllm_xargs": {"output_rate_user": ["a"]}}, USER),
         ({"vllm_xargs": {"output_rate_user": "u" * 257}}, USER),
+        (_rate("100"), RATE),
+        (_rate(True), RATE),
+        (_rate(None), RATE),
+        (_rate([100]), RATE),
+        (_rate(0), RATE),
+        (_rate(-5), RATE),
+        (_rate(float("inf")), RATE),
+        (_rate(float("nan")), RATE),
+        (_rate(10**400), RATE),
+        ({"vllm_xargs": {"output_rate_tokens_per_second": 0}}, RATE),
     ],
 )
 def test_refused_bodies_name_the_field(body: dict, param: str) -> None:
@@ -37,6 +52,10 @@ def test_refused_bodies_name_the_field(body: dict, param: str) -> None:
         {"use_beam_search": False},
         {"vllm_xargs": {"output_rate_user": "u" * 256}},
         {"vllm_xargs": {"other": 1}},
+        _rate(1),
+        _rate(2.5),
+        _rate(1e6),
+        {"vllm_xargs": {"output_rate_tokens_per_second": 50}},  # the engine decides on trust
         {"vllm_xargs": "not an object: vLLM's own validation answers this"},
         [1, 2],
         "text",
@@ -97,6 +116,15 @@ def test_bad_body_gets_an_openai_style_400() -> None:
 def test_what_the_guard_cannot_read_goes_to_vllm_unchanged(content: bytes, content_type: str) -> None:
     resp = _post(content, content_type)
     assert resp.status_code == 200 and resp.content == content
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b"1e999", b"-1", b"0", b"true", b'"100"'])
+def test_malformed_rate_gets_a_400_naming_the_field(raw: bytes) -> None:
+    body = b'{"prompt": "x", "vllm_xargs": {"output_rate_tokens_per_second": ' + raw + b"}}"
+    resp = _post(body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == RATE and RATE in error["message"]
 
 
 def test_other_methods_pass() -> None:

@@ -14,6 +14,7 @@ from tokenpace.serve import GUARD_MIDDLEWARE, ServeUsageError, build_command
 RATE = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
 EVENTS = "--output-rate-event-log"
+TRUSTED = "--trusted-gateway"
 
 
 def _additional(args: list[str]) -> dict:
@@ -100,6 +101,45 @@ def test_bad_flags_are_refused_by_name(args: list[str], message: str) -> None:
     assert message in str(err.value)
 
 
+def test_trusted_gateway_alone_turns_pacing_on() -> None:
+    cmd = build_command(["m", TRUSTED, "--port", "9000"])
+    assert cmd.pacing
+    assert cmd.vllm_args[:4] == ["--model", "m", "--port", "9000"]
+    assert _additional(cmd.vllm_args) == {"tokenpace": {"trusted_gateway": True}}
+    assert cmd.vllm_args[-2:] == ["--middleware", GUARD_MIDDLEWARE]
+
+
+def test_trusted_gateway_with_rates_and_underscores(tmp_path: Path) -> None:
+    (tmp_path / "limits.json").write_text('{"a": 7}')
+    cmd = build_command(["m", USERS, "@limits.json", "--trusted_gateway"], cwd=tmp_path)
+    assert _additional(cmd.vllm_args)["tokenpace"] == {
+        "user_output_tokens_per_second": f"@{tmp_path / 'limits.json'}",
+        "trusted_gateway": True,
+    }
+    cmd = build_command(["m", TRUSTED, RATE, "10"])
+    assert _additional(cmd.vllm_args)["tokenpace"] == {
+        "default_user_output_tokens_per_second": 10, "trusted_gateway": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([f"{TRUSTED}=x"], f"argument {TRUSTED}: takes no value, got 'x'"),
+        ([f"{TRUSTED}="], f"argument {TRUSTED}: takes no value"),
+        ([TRUSTED, TRUSTED], f"argument {TRUSTED}: given more than once"),
+        ([TRUSTED, "--additional-config", '{"tokenpace": {}}'], "use one or the other"),
+        (["--additional-config", '{"tokenpace": {"trusted_gateway": "yes"}}'],
+         "argument --additional-config: additional_config['tokenpace']['trusted_gateway']"),
+        ([TRUSTED, "--scheduler-cls", "my.Sched"], "argument --scheduler-cls"),
+    ],
+)
+def test_bad_trusted_gateway_flags_are_refused_by_name(args: list[str], message: str) -> None:
+    with pytest.raises(ServeUsageError) as err:
+        build_command(["m", *args])
+    assert message in str(err.value)
+
+
 def test_our_scheduler_class_may_be_named_explicitly() -> None:
     cmd = build_command(["m", RATE, "1", "--scheduler-cls", "tokenpace.engine.PacedScheduler"])
     assert "tokenpace.engine.PacedScheduler" in cmd.vllm_args
@@ -119,5 +159,6 @@ def test_cli_help_lists_the_pacing_flags() -> None:
     proc = subprocess.run([sys.executable, "-m", "tokenpace.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
-    for flag in (RATE, USERS, EVENTS):
+    for flag in (RATE, USERS, EVENTS, TRUSTED):
         assert flag in proc.stdout
+    assert "vllm_xargs.output_rate_tokens_per_second" in proc.stdout

@@ -68,9 +68,12 @@ class Sim:
     _inflight: tuple[Any, set[str]] | None = None
 
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
-            priority: int = 0, arrival: float | None = None) -> None:
-        extra = {"output_rate_user": user} if user is not None else None
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+            priority: int = 0, arrival: float | None = None,
+            xargs: dict[str, Any] | None = None) -> None:
+        """Add a request; ``xargs`` are further ``vllm_xargs`` (e.g. a gateway's rate)."""
+        extra = {"output_rate_user": user} if user is not None else {}
+        extra.update(xargs or {})
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
         seed = zlib.crc32(rid.encode())
         prompt = [(seed + i) % 400 + 3 for i in range(prompt_len)]
         req = Request(rid, prompt, params, None,

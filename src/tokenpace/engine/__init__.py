@@ -1,9 +1,11 @@
 """The vLLM adapter: paced scheduler subclasses, their configuration and vLLM hooks.
 
-Names are loaded on first use: the configuration and the HTTP guard import nothing from
-vLLM (so ``tokenpace serve`` validates flags in milliseconds), while the schedulers and
-hooks import vLLM. vLLM resolves ``--scheduler-cls tokenpace.engine.PacedScheduler`` and
-``--middleware tokenpace.engine.RequestGuard`` through these lazy names.
+Names are loaded on first use: the configuration, the HTTP guard and the ``vllm_xargs``
+field names (``USER_EXTRA_ARG``, ``RATE_EXTRA_ARG``) import nothing from vLLM (so
+``tokenpace serve`` validates flags in milliseconds and a gateway can share the names),
+while the schedulers and hooks import vLLM. vLLM resolves ``--scheduler-cls
+tokenpace.engine.PacedScheduler`` and ``--middleware tokenpace.engine.RequestGuard``
+through these lazy names.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from ._guard import RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
+    from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
 
 _WHERE = {
     "PacingConfig": "_config",
@@ -28,6 +31,8 @@ _WHERE = {
     "ANONYMOUS_USER": "_scheduler",
     "PacedAsyncScheduler": "_scheduler",
     "PacedScheduler": "_scheduler",
+    "RATE_EXTRA_ARG": "_xargs",
+    "USER_EXTRA_ARG": "_xargs",
     "request_user": "_scheduler",
 }
 

@@ -26,7 +26,8 @@ KEY_DEFAULT = "default_user_output_tokens_per_second"
 KEY_OVERRIDES = "user_output_tokens_per_second"
 KEY_EVENT_LOG = "event_log"
 KEY_IDLE_WAIT = "idle_wait"
-KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT)
+KEY_TRUSTED_GATEWAY = "trusted_gateway"
+KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY)
 
 
 class PacingConfigError(ValueError):
@@ -35,12 +36,20 @@ class PacingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PacingConfig:
-    """What the paced scheduler needs: limits (None: pacing off) and where to log events."""
+    """What the paced scheduler needs: limits (None: pacing off) and where to log events.
+
+    ``trusted_gateway``: requests may carry their user's rate
+    (``vllm_xargs.output_rate_tokens_per_second``) and the scheduler adopts it, so that a
+    gateway's tenant configuration is the only place rates live. It turns pacing on by
+    itself: without a default rate, users that no request gave a rate are not paced
+    (``limits.default`` is None).
+    """
 
     limits: UserRateLimits | None
     limits_file: Path | None = None
     event_log: Path | None = None
     idle_wait: bool = True
+    trusted_gateway: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -67,20 +76,27 @@ class PacingConfig:
         idle_wait = section.get(KEY_IDLE_WAIT, True)
         if not isinstance(idle_wait, bool):
             raise PacingConfigError(f"{where}[{KEY_IDLE_WAIT!r}] must be true or false")
+        trusted = section.get(KEY_TRUSTED_GATEWAY, False)
+        if not isinstance(trusted, bool):
+            raise PacingConfigError(f"{where}[{KEY_TRUSTED_GATEWAY!r}] must be true or false")
         event_log = section.get(KEY_EVENT_LOG)
         if event_log is not None and (not isinstance(event_log, str) or not event_log):
             raise PacingConfigError(f"{where}[{KEY_EVENT_LOG!r}] must be a non-empty path string")
         default = section.get(KEY_DEFAULT)
         overrides_value = section.get(KEY_OVERRIDES)
-        if default is None:
+        if default is None and not trusted:
             if overrides_value is not None:
                 raise PacingConfigError(
-                    f"{where}[{KEY_OVERRIDES!r}] needs {KEY_DEFAULT!r}: without a default "
-                    "rate pacing is off"
+                    f"{where}[{KEY_OVERRIDES!r}] needs {KEY_DEFAULT!r} (or "
+                    f"{KEY_TRUSTED_GATEWAY!r}): without a default rate pacing is off"
                 )
             return cls(limits=None, event_log=Path(event_log) if event_log else None)
         try:
-            default_rate = validate_rate(default, f"{where}[{KEY_DEFAULT!r}]")
+            # A trusted gateway sends each user's rate, so a default is optional there:
+            # None leaves users the gateway has not given a rate unpaced.
+            default_rate = (
+                None if default is None else validate_rate(default, f"{where}[{KEY_DEFAULT!r}]")
+            )
             overrides, limits_file = _overrides(overrides_value, f"{where}[{KEY_OVERRIDES!r}]")
             limits = UserRateLimits(default_rate, overrides)
         except LimitsError as exc:
@@ -90,6 +106,7 @@ class PacingConfig:
             limits_file=limits_file,
             event_log=Path(event_log) if event_log else None,
             idle_wait=idle_wait,
+            trusted_gateway=trusted,
         )
 
 

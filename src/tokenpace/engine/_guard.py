@@ -7,7 +7,12 @@ An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.Reques
   tokens the scheduler cannot attribute to one stream, so the rate promise would not hold;
 - a malformed ``vllm_xargs.output_rate_user`` (not a string, empty, over 256
   characters): the client meant a specific identity, and pacing it as anonymous instead
-  would silently share someone else's quota.
+  would silently share someone else's quota;
+- a malformed ``vllm_xargs.output_rate_tokens_per_second`` (not a number, a boolean,
+  zero or less, not finite): a gateway that sends rates has a broken tenant
+  configuration, and the engine would otherwise only log and ignore the value. A
+  well-formed rate passes whether or not the engine trusts it (``trusted_gateway``):
+  the guard does not know the engine's configuration, and the engine decides.
 
 It only looks inside JSON bodies of POST requests and passes everything else through
 untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
@@ -21,7 +26,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ..pacing import LimitsError, validate_user_id
+from ..pacing import LimitsError, validate_rate, validate_user_id
+from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -29,7 +35,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-USER_PARAM = "vllm_xargs.output_rate_user"
+USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
+RATE_PARAM = f"vllm_xargs.{RATE_EXTRA_ARG}"
 
 
 class RequestRefused(ValueError):
@@ -51,11 +58,18 @@ def check_request_body(body: Any) -> None:
             "use_beam_search",
         )
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "output_rate_user" in xargs:
+    if not isinstance(xargs, dict):
+        return
+    if USER_EXTRA_ARG in xargs:
         try:
-            validate_user_id(xargs["output_rate_user"], USER_PARAM)
+            validate_user_id(xargs[USER_EXTRA_ARG], USER_PARAM)
         except LimitsError as exc:
             raise RequestRefused(str(exc), USER_PARAM) from None
+    if RATE_EXTRA_ARG in xargs:
+        try:
+            validate_rate(xargs[RATE_EXTRA_ARG], RATE_PARAM)
+        except LimitsError as exc:
+            raise RequestRefused(str(exc), RATE_PARAM) from None
 
 
 def error_body(message: str, param: str | None) -> bytes:

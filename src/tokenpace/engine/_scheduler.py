@@ -35,6 +35,8 @@ from ..pacing import (
     LimitsFileWatcher,
     OutputRateLimiter,
     StepPlanner,
+    UserRateLimits,
+    validate_rate,
     validate_user_id,
 )
 from ._config import PacingConfig
@@ -50,15 +52,26 @@ from ._vllm import (
     SchedulingPolicy,
     internals_problems,
 )
+from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
 
 # Under "vllm." so that vLLM's logging configuration (format, level) applies in the engine process.
 logger = logging.getLogger("vllm.tokenpace.engine")
 
 ANONYMOUS_USER = "__anonymous__"
-USER_EXTRA_ARG = "output_rate_user"
 CLEANUP_EVERY_STEPS = 256
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priority level
+
+# A rate sent to an engine that does not trust it is reported once per process: every
+# request of a misconfigured deployment carries one, and the log must stay readable.
+_untrusted_rate_reported = False
+
+
+def _extra_args(request: Any) -> dict[str, Any] | None:
+    """``vllm_xargs`` as it reaches the engine (``sampling_params.extra_args``), if any."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None)
+    return extra if extra and isinstance(extra, dict) else None
 
 
 def request_user(request: Any) -> str:
@@ -67,11 +80,10 @@ def request_user(request: Any) -> str:
     A malformed identity cannot crash the engine: the API layer refuses it with HTTP 400
     when tokenpace serves; anything that still gets here is paced as anonymous.
     """
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None)
-    if not extra:
+    extra = _extra_args(request)
+    if extra is None:
         return ANONYMOUS_USER
-    user = extra.get(USER_EXTRA_ARG) if isinstance(extra, dict) else None
+    user = extra.get(USER_EXTRA_ARG)
     if user is None:
         return ANONYMOUS_USER
     try:
@@ -124,12 +136,14 @@ class _PacingMixin:
         if config.event_log is not None:
             self._event_log = EventLog(config.event_log)
         logger.info(
-            "tokenpace: pacing output tokens with %s, %s scheduling: default %s tok/s, "
-            "%d user override(s)%s",
+            "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
+            "%d user override(s)%s%s",
             type(self).__name__,
             "async" if self.vllm_config.scheduler_config.async_scheduling else "sync",
-            config.limits.default, len(config.limits.overrides),
+            _default_text(config.limits.default), len(config.limits.overrides),
             f" from {config.limits_file} (reloaded on change)" if config.limits_file else "",
+            f"; rates sent in vllm_xargs.{RATE_EXTRA_ARG} are trusted"
+            if config.trusted_gateway else "",
         )
 
     # -- public surface used by the engine loop and by tests ------------------------
@@ -168,9 +182,50 @@ class _PacingMixin:
         return user
 
     def add_request(self, request: Request) -> None:
+        """Resolve the request's user once (not every step) and adopt a gateway's rate.
+
+        With ``trusted_gateway`` a request may carry its user's rate; the user's rate
+        becomes that value from now on, for all of its requests. A limits-file reload
+        replaces every override, so gateway-sent rates are forgotten then and each user's
+        next request sends its rate again; until it does, the user's running requests
+        get the default rate (or, without a default, are not paced).
+        """
         if self._planner is not None:
-            self._user_of(request)  # resolved once, not every step
+            self._user_of(request)
+        extra = _extra_args(request)
+        if extra is not None and RATE_EXTRA_ARG in extra:
+            if self._planner is not None and self.pacing_config.trusted_gateway:
+                self._adopt_rate(request, extra)
+            else:
+                _report_untrusted_rate(request)
         super().add_request(request)  # type: ignore[misc]
+
+    def _adopt_rate(self, request: Request, extra: dict[str, Any]) -> None:
+        """Make the request's user's rate the one its trusted gateway sent.
+
+        A bad value is logged and ignored, never raised: the engine serves everyone, and
+        the guard already answers HTTP 400 to such requests when it is installed.
+        """
+        assert self._planner is not None
+        try:
+            rate = validate_rate(extra[RATE_EXTRA_ARG], f"vllm_xargs.{RATE_EXTRA_ARG}")
+        except LimitsError as exc:
+            logger.warning("tokenpace: request %s: %s; rate ignored", request.request_id, exc)
+            return
+        user = self._user_of(request)
+        if user == ANONYMOUS_USER and extra.get(USER_EXTRA_ARG) not in (None, ANONYMOUS_USER):
+            # The identity was malformed (paced as anonymous): the rate belongs to someone
+            # else, and must not retune the quota that every anonymous request shares.
+            logger.warning("tokenpace: request %s: rate ignored, its %s is malformed",
+                           request.request_id, USER_EXTRA_ARG)
+            return
+        limiter = self._planner.limiter
+        limits = limiter.limits
+        if limits.rate(user) != rate:
+            # set_limits keeps every user's place in time (rescaled), so a rate change
+            # grants no fresh burst.
+            limiter.set_limits(UserRateLimits(limits.default, {**limits.overrides, user: rate}))
+            logger.debug("tokenpace: user %r paced at %s tok/s (sent by the gateway)", user, rate)
 
     def shutdown(self) -> None:
         if self._event_log is not None:
@@ -250,8 +305,8 @@ class _PacingMixin:
         assert result.limits is not None and self._planner is not None
         self._planner.limiter.set_limits(result.limits)
         logger.info(
-            "tokenpace: reloaded %s: default %s tok/s, %d user override(s)",
-            watcher.path, result.limits.default, len(result.limits.overrides),
+            "tokenpace: reloaded %s: default %s, %d user override(s)",
+            watcher.path, _default_text(result.limits.default), len(result.limits.overrides),
         )
 
     def _move_to_victim_end(self, throttled: list[Request]) -> None:
@@ -325,6 +380,23 @@ class _PacingMixin:
         live = self.requests
         self._planner.forget(live.__contains__)
         self._users = {k: v for k, v in self._users.items() if k in live}
+
+
+def _default_text(default: float | None) -> str:
+    return "none (users without a rate are not paced)" if default is None else f"{default} tok/s"
+
+
+def _report_untrusted_rate(request: Request) -> None:
+    """Warn, once per process, that a rate sent without ``trusted_gateway`` is ignored."""
+    global _untrusted_rate_reported
+    if _untrusted_rate_reported:
+        return
+    _untrusted_rate_reported = True
+    logger.warning(
+        "tokenpace: request %s carries vllm_xargs.%s, ignored: start with --trusted-gateway "
+        "(additional_config tokenpace.trusted_gateway) to trust rates sent by a gateway",
+        request.request_id, RATE_EXTRA_ARG,
+    )
 
 
 class PacedScheduler(_PacingMixin, Scheduler):

@@ -26,13 +26,19 @@ def validate_rate(value: Any, what: str) -> float:
     """Return ``value`` as a float if it is a finite, positive number of tokens per second.
 
     Booleans are refused although Python treats them as ints: ``true`` in a JSON limits
-    file is a mistake, not a rate of one token per second.
+    file is a mistake, not a rate of one token per second. An integer too large for a
+    float (JSON allows ``1`` followed by 400 zeros) counts as infinite, so that it is
+    refused with ``LimitsError`` like any other bad rate instead of escaping as
+    ``OverflowError`` into the engine or the HTTP guard.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LimitsError(
             f"{what}: rate must be a number of tokens per second, got {value!r}"
         )
-    rate = float(value)
+    try:
+        rate = float(value)
+    except OverflowError:
+        rate = math.inf
     if not math.isfinite(rate) or rate <= 0:
         raise LimitsError(
             f"{what}: rate must be a finite number greater than 0, got {value!r}"

@@ -42,13 +42,15 @@ class LimitsFileWatcher:
     """Re-reads a limits file when its metadata changes; keeps the default rate fixed.
 
     The default rate comes from the command line, the per-user overrides from the file,
-    so a reload only changes overrides (and users that fall back to the default).
+    so a reload only changes overrides (and users that fall back to the default). The
+    default may be None (users without an override are not paced): a trusted gateway
+    sends the other users' rates with their requests.
     """
 
     def __init__(
         self,
         path: Path,
-        default: float,
+        default: float | None,
         clock_ns: Callable[[], int],
         interval_ns: int = RELOAD_CHECK_NS,
     ) -> None:

@@ -1,0 +1,23 @@
+"""Pure fairness and quota policy: token budgets, cost model, dispatch order.
+
+Nothing here imports vLLM or a web stack; time is passed in, so tests and simulations
+drive it exactly.
+"""
+
+from ._budget import (
+    BudgetRefusal,
+    BudgetSpec,
+    TenantBudgets,
+    TokenBucket,
+    parse_duration,
+)
+from ._cost import CostModel
+
+__all__ = [
+    "BudgetRefusal",
+    "BudgetSpec",
+    "CostModel",
+    "TenantBudgets",
+    "TokenBucket",
+    "parse_duration",
+]

@@ -1,0 +1,172 @@
+"""Token budgets: reserve on admission, settle to actual usage when the request ends.
+
+A budget of ``T`` tokens per ``P`` is a bucket that holds at most ``T`` cost units and
+refills continuously at ``T / P`` per second. A short budget (``20000 per 10s``) bounds
+bursts, a long one (``2000000 per 1d``) the sustained use; a tenant may have several and a
+request must fit in all of them.
+
+Why reserve ``max_tokens`` and settle later: the output length is unknown when a request is
+admitted, so admission has to assume the worst (otherwise many concurrent requests could all
+be admitted against the same remaining budget); charging the worst case for good would
+punish clients that set generous limits but stop early, so the difference goes back to the
+bucket when the real usage is known. A request that used more than it reserved (it cannot
+with an enforced ``max_tokens``, but costs may be re-priced by a reload) drives the level
+below zero: the debt delays the next admission instead of being forgiven.
+
+Times are plain seconds from an injected clock; nothing here reads the time itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """``tokens`` cost units per ``period_s`` seconds."""
+
+    tokens: float
+    period_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tokens) and self.tokens > 0):
+            raise ValueError(f"budget tokens must be a positive number, got {self.tokens!r}")
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"budget period must be positive, got {self.period_s!r}")
+
+    @property
+    def key(self) -> str:
+        """A stable name, e.g. ``20000/10s``: labels metrics and keys persisted state."""
+        return f"{_number(self.tokens)}/{_duration(self.period_s)}"
+
+    @property
+    def refill_per_s(self) -> float:
+        return self.tokens / self.period_s
+
+
+class TokenBucket:
+    """One budget's bucket. ``level`` may go negative (debt), never above ``tokens``."""
+
+    __slots__ = ("spec", "_level", "_at")
+
+    def __init__(self, spec: BudgetSpec, now: float, level: float | None = None) -> None:
+        self.spec = spec
+        self._level = spec.tokens if level is None else min(level, spec.tokens)
+        self._at = now
+
+    def level(self, now: float) -> float:
+        """Cost units available at ``now`` (refilled since the last change)."""
+        if now > self._at:
+            self._level = min(self.spec.tokens, self._level + (now - self._at) * self.spec.refill_per_s)
+            self._at = now
+        return self._level
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """Seconds until ``cost`` fits: 0 if it fits now, ``inf`` if it never can."""
+        if cost > self.spec.tokens:
+            return math.inf
+        missing = cost - self.level(now)
+        return 0.0 if missing <= 0 else missing / self.spec.refill_per_s
+
+    def until_full(self, now: float) -> float:
+        """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-tokens``)."""
+        return max(0.0, self.spec.tokens - self.level(now)) / self.spec.refill_per_s
+
+    def adjust(self, delta: float, now: float) -> None:
+        """Add ``delta`` (negative: take) cost units, capped at the bucket size."""
+        self._level = min(self.spec.tokens, self.level(now) + delta)
+
+
+@dataclass(frozen=True)
+class BudgetRefusal:
+    """Why a reservation did not fit, in the terms of OpenAI's rate-limit headers."""
+
+    budget: BudgetSpec
+    cost: float
+    retry_after_s: float  # inf: larger than the budget itself, retrying cannot help
+    remaining: float
+    reset_s: float
+
+
+class TenantBudgets:
+    """All budgets of one tenant, reserved and settled together."""
+
+    def __init__(self, specs: list[BudgetSpec], now: float,
+                 levels: dict[str, float] | None = None) -> None:
+        levels = levels or {}
+        self.buckets = [TokenBucket(s, now, levels.get(s.key)) for s in specs]
+
+    def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
+        """Take ``cost`` from every bucket, or nothing and say which budget refused.
+
+        When several budgets refuse, the one with the longest wait is reported: retrying
+        any earlier would be refused again.
+        """
+        worst: TokenBucket | None = None
+        worst_wait = 0.0
+        for bucket in self.buckets:
+            wait = bucket.wait_for(cost, now)
+            if wait > worst_wait:
+                worst, worst_wait = bucket, wait
+        if worst is not None:
+            return BudgetRefusal(
+                budget=worst.spec,
+                cost=cost,
+                retry_after_s=worst_wait,
+                remaining=max(0.0, worst.level(now)),
+                reset_s=worst.until_full(now),
+            )
+        for bucket in self.buckets:
+            bucket.adjust(-cost, now)
+        return None
+
+    def settle(self, reserved: float, actual: float, now: float) -> None:
+        """Replace a reservation by the actual cost: give back (or take) the difference."""
+        for bucket in self.buckets:
+            bucket.adjust(reserved - actual, now)
+
+    def levels(self, now: float) -> dict[str, float]:
+        """Budget key -> level, for metrics and for persisting across restarts."""
+        return {b.spec.key: b.level(now) for b in self.buckets}
+
+    def carry_over(self, old: TenantBudgets, now: float) -> None:
+        """After a reload keep the levels of budgets that did not change (by key)."""
+        levels = old.levels(now)
+        for bucket in self.buckets:
+            if bucket.spec.key in levels:
+                bucket.adjust(levels[bucket.spec.key] - bucket.level(now), now)
+
+
+_UNITS = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001))
+
+
+def parse_duration(text: str) -> float:
+    """``"500ms"``, ``"10s"``, ``"15m"``, ``"2h"``, ``"1d"`` -> seconds (positive)."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected a duration such as '10s', '15m', '1h' or '1d', got {text!r}")
+    raw = text.strip()
+    for suffix, scale in sorted(_UNITS, key=lambda u: -len(u[0])):
+        if raw.endswith(suffix):
+            number = raw[: -len(suffix)]
+            break
+    else:
+        raise ValueError(f"expected a duration such as '10s', '15m', '1h' or '1d', got {text!r}")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"expected a duration such as '10s', '15m', '1h' or '1d', got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"duration must be positive, got {text!r}")
+    return value * scale
+
+
+def _duration(seconds: float) -> str:
+    for suffix, scale in _UNITS:
+        if seconds >= scale and (seconds / scale).is_integer():
+            return f"{int(seconds / scale)}{suffix}"
+    return f"{_number(seconds)}s"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

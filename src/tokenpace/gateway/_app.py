@@ -1,0 +1,210 @@
+"""The gateway's ASGI application: routes, start-up and shutdown, reload.
+
+Start-up opens the ledger and restores budget levels from it (budgets survive a restart),
+then starts two background loops: engine health checks and budget snapshots. Shutdown
+writes a last snapshot and flushes the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import _metrics as metrics
+from ._config import ConfigError, GatewayConfig, load_config
+from ._dispatch import Dispatcher
+from ._errors import GatewayError, error_response
+from ._ledger import BudgetState, Ledger, open_ledger
+from ._proxy import Runtime, authenticate, bearer_key, handle
+from ._tenants import Tenants
+
+logger = logging.getLogger("tokenpace.gateway")
+
+HEALTH_INTERVAL_S = 2.0
+SNAPSHOT_INTERVAL_S = 1.0
+
+
+class Gateway:
+    """Owns the runtime; ``app`` is the ASGI application to serve."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.rt: Runtime | None = None
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/admin/reload", self._admin_reload, methods=["POST"]),
+            ],
+            lifespan=self._lifespan,
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        ledger = open_ledger(self.config.ledger)
+        try:
+            tenants = Tenants(self.config, self.clock, _restore_levels(ledger.load_budgets()))
+            clients = {
+                e.url: httpx.AsyncClient(
+                    base_url=e.url,
+                    timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+                    limits=httpx.Limits(max_connections=e.max_inflight + 8,
+                                        max_keepalive_connections=e.max_inflight + 8),
+                )
+                for e in self.config.engines
+            }
+            self.rt = Runtime(self.config, tenants, Dispatcher(list(self.config.engines)),
+                              clients, ledger, self.clock)
+            tasks = [asyncio.create_task(self._health_loop()),
+                     asyncio.create_task(self._snapshot_loop())]
+            logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
+                        len(self.config.tenants), len(self.config.engines), self.config.ledger)
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for client in clients.values():
+                    await client.aclose()
+                self._snapshot()
+        finally:
+            ledger.close()
+
+    def _snapshot(self) -> None:
+        rt = self.rt
+        if rt is None:
+            return
+        now = time.time()
+        rt.ledger.save_budgets([
+            BudgetState(tenant, key, level, now)
+            for tenant, levels in rt.tenants.budget_levels().items()
+            for key, level in levels.items()
+        ])
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            self._snapshot()
+
+    async def _health_loop(self) -> None:
+        assert self.rt is not None
+        while True:
+            for engine in self.rt.dispatcher.engines:
+                try:
+                    resp = await self.rt.clients[engine.url].get("/health", timeout=2.0)
+                    healthy = resp.status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy != engine.healthy:
+                    logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                engine.healthy = healthy
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    def reload(self) -> GatewayConfig:
+        """Re-read the configuration file; in-flight requests are not touched.
+
+        Tenants, lanes, costs, timeouts and admin keys change; engines and the ledger are
+        fixed for the life of the process (moving a tenant's engine would split its
+        engine-side quota), so a file that changes them is refused as a whole.
+        """
+        if self.config.source is None:
+            raise ConfigError("the gateway was not started from a file; nothing to reload")
+        new = load_config(self.config.source)
+        if new.engines != self.config.engines:
+            raise ConfigError("engines: changing the engine list needs a restart")
+        if new.ledger != self.config.ledger:
+            raise ConfigError("ledger: changing the ledger needs a restart")
+        assert self.rt is not None
+        self.rt.tenants.apply(new)
+        self.rt.config = new
+        self.config = new
+        logger.info("tokenpace gateway: reloaded %s: %d tenant(s)", new.source, len(new.tenants))
+        return new
+
+    # -- routes ----------------------------------------------------------------------
+
+    async def _chat(self, request: Request) -> Response:
+        assert self.rt is not None
+        return await handle(self.rt, "chat", request)  # type: ignore[return-value]
+
+    async def _completions(self, request: Request) -> Response:
+        assert self.rt is not None
+        return await handle(self.rt, "completion", request)  # type: ignore[return-value]
+
+    async def _models(self, request: Request) -> Response:
+        rt = self.rt
+        assert rt is not None
+        try:
+            tenant = authenticate(rt, request)
+        except GatewayError as exc:
+            return exc.response()
+        engine = rt.dispatcher.engine_for(tenant.id)
+        try:
+            resp = await rt.clients[engine.url].get("/v1/models", timeout=10.0)
+        except httpx.HTTPError as exc:
+            return error_response(503, f"engine unavailable ({type(exc).__name__})",
+                                  code="engine_unavailable")
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type"))
+
+    async def _health(self, request: Request) -> Response:
+        rt = self.rt
+        assert rt is not None
+        engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
+                    "queued": len(e.waiting)} for e in rt.dispatcher.engines]
+        ok = any(e["healthy"] for e in engines)
+        return JSONResponse({"status": "ok" if ok else "no healthy engine", "engines": engines},
+                            status_code=200 if ok else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def _admin_reload(self, request: Request) -> Response:
+        key = bearer_key(request)
+        if not key or not self.config.is_admin_key(key):
+            return error_response(401 if not key else 403, "an admin API key is required",
+                                  code="invalid_api_key")
+        try:
+            new = self.reload()
+        except ConfigError as exc:
+            return error_response(400, f"reload refused, the old configuration stays: {exc}",
+                                  code="invalid_config")
+        return JSONResponse({"reloaded": str(new.source), "tenants": [t.id for t in new.tenants]})
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(404, f"no route {request.url.path}", code="not_found")
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+                              code="method_not_allowed")
+
+
+def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Saved levels with their age in seconds: the buckets refill for the downtime."""
+    now = time.time()
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for s in states:
+        out.setdefault(s.tenant, {})[s.budget] = (s.level, max(0.0, now - s.at))
+    return out
+
+
+def create_app(config_path: str | Path) -> Gateway:
+    return Gateway(load_config(config_path))

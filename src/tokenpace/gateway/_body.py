@@ -1,0 +1,156 @@
+"""Reading and rewriting OpenAI request bodies: what admission needs, what the engine gets.
+
+Only the fields the gateway must understand are checked here (token limits, ``n``,
+streaming options, the prompt's shape); everything else is left for the engine to
+validate, so the gateway never refuses a request vLLM would accept for a reason of its own
+making.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..engine._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
+from ._errors import GatewayError
+
+Kind = Literal["chat", "completion"]
+
+# Fields of a chat request that change how the engine renders the prompt: the token count
+# request must carry them too, or the count would differ from the engine's.
+_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                         "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+@dataclass
+class ParsedRequest:
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    client_wants_continuous_usage: bool
+    n: int
+    max_tokens: int | None
+    max_tokens_field: str
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise GatewayError(400, f"the request body is not valid JSON: {exc}", reason="bad_request",
+                           code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object", reason="bad_request",
+                           code="invalid_json")
+    return body
+
+
+def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "'model' is required (a string)", reason="bad_request",
+                           code="invalid_value", param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise GatewayError(400, "'stream' must be true or false", reason="bad_request",
+                           code="invalid_value", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise GatewayError(400, "'stream_options' must be an object", reason="bad_request",
+                           code="invalid_value", param="stream_options")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GatewayError(400, "'n' must be an integer >= 1", reason="bad_request",
+                           code="invalid_value", param="n")
+    field = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        field = "max_completion_tokens"
+    max_tokens = body.get(field)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise GatewayError(400, f"'{field}' must be an integer >= 1", reason="bad_request",
+                           code="invalid_value", param=field)
+    if kind == "chat":
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise GatewayError(400, "'messages' must be a non-empty list", reason="bad_request",
+                               code="invalid_value", param="messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or _is_token_ids(prompt)):
+            raise GatewayError(
+                400, "'prompt' must be one string or one list of token ids; the gateway "
+                "does not take batched prompts (send one request per prompt)",
+                reason="bad_request", code="invalid_value", param="prompt")
+    return ParsedRequest(
+        kind=kind, body=body, model=model, stream=stream,
+        client_wants_usage=bool(options.get("include_usage")),
+        client_wants_continuous_usage=bool(options.get("continuous_usage_stats")),
+        n=n, max_tokens=max_tokens, max_tokens_field=field,
+    )
+
+
+def prompt_token_ids(req: ParsedRequest) -> list[int] | None:
+    """The prompt's token ids when the client sent ids (no tokenizer call needed)."""
+    if req.kind != "completion":
+        return None
+    prompt = req.body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return prompt if _is_token_ids(prompt) else None
+
+
+def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
+    """The engine ``/tokenize`` request that counts this prompt as the engine will."""
+    body = req.body
+    if req.kind == "chat":
+        out = {"model": req.model, "messages": body["messages"]}
+        for name in _CHAT_TEMPLATE_FIELDS:
+            if body.get(name) is not None:
+                out[name] = body[name]
+        return out
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        prompt = prompt[0]
+    out = {"model": req.model, "prompt": prompt}
+    if body.get("add_special_tokens") is not None:
+        out["add_special_tokens"] = body["add_special_tokens"]
+    return out
+
+
+def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
+                max_tokens: int) -> bytes:
+    """The body sent upstream: the client's, with identity, priority and limits overwritten.
+
+    Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
+    field is replaced, so no client can borrow another tenant's quota or lane.
+    """
+    body = dict(req.body)
+    xargs = body.get("vllm_xargs")
+    xargs = dict(xargs) if isinstance(xargs, dict) else {}
+    xargs[USER_EXTRA_ARG] = user
+    if rate is not None:
+        xargs[RATE_EXTRA_ARG] = rate
+    else:
+        xargs.pop(RATE_EXTRA_ARG, None)
+    body["vllm_xargs"] = xargs
+    body["priority"] = priority
+    body[req.max_tokens_field] = max_tokens
+    if req.stream:
+        # Usage in every chunk: the gateway then knows how many tokens were generated at
+        # any moment, also when the client or the engine goes away mid-stream.
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return json.dumps(body).encode()
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)

@@ -1,0 +1,348 @@
+"""``gateway.yaml``, validated strictly.
+
+Every unknown key and every bad value is an error whose message names the key path
+(``tenants[1].budgets[0].per``): a typo in a quota must stop the gateway, not silently
+leave a tenant unlimited. Parsing is separate from the running state so that a reload can
+check a new file completely before anything changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from ..fairness import BudgetSpec, CostModel, parse_duration
+from ..pacing import LimitsError, validate_user_id
+
+DEFAULT_LEDGER = "sqlite:///tokenpace-usage.db"
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """The gateway configuration is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    url: str
+    max_inflight: int = 64
+    # vLLM refuses a non-zero request priority unless started with --scheduling-policy priority.
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    name: str
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    id: str
+    key_hashes: tuple[bytes, ...]
+    lane: str
+    weight: float = 1.0
+    output_tokens_per_second: float | None = None
+    max_concurrency: int | None = None
+    max_queued: int | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    queue_timeout_s: float = 60.0
+    budgets: tuple[BudgetSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    engines: tuple[EngineConfig, ...]
+    tenants: tuple[TenantConfig, ...]
+    lanes: tuple[LaneConfig, ...] = (LaneConfig("default", 0),)
+    cost: CostModel = field(default_factory=CostModel)
+    ledger: str = DEFAULT_LEDGER
+    admin_key_hashes: tuple[bytes, ...] = ()
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    source: Path | None = None
+
+    def lane(self, name: str) -> LaneConfig:
+        return next(lane for lane in self.lanes if lane.name == name)
+
+    def tenant_for_key(self, key: str) -> TenantConfig | None:
+        """The tenant owning API key ``key``; comparisons are constant-time."""
+        digest = hash_key(key)
+        found = None
+        for tenant in self.tenants:
+            for known in tenant.key_hashes:
+                if hmac.compare_digest(known, digest):
+                    found = tenant
+        return found
+
+    def is_admin_key(self, key: str) -> bool:
+        digest = hash_key(key)
+        return any(hmac.compare_digest(known, digest) for known in self.admin_key_hashes)
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML file; relative ledger paths are relative to the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(p)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, base_dir=p.resolve().parent, source=p)
+
+
+def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = None) -> GatewayConfig:
+    root = _mapping(data, "the configuration")
+    _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
+                      "request_timeout", "max_body_bytes"))
+    engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
+    if not engines:
+        raise ConfigError("engines: at least one engine is needed")
+    urls = [e.url for e in engines]
+    if len(set(urls)) != len(urls):
+        raise ConfigError("engines: the same url is listed twice")
+    lanes = tuple(_lane(x, f"lanes[{i}]") for i, x in enumerate(_list(root, "lanes"))) or (LaneConfig("default", 0),)
+    names = [lane.name for lane in lanes]
+    if len(set(names)) != len(names):
+        raise ConfigError("lanes: lane names must be unique")
+    cost = _cost(root.get("cost"))
+    tenants = tuple(
+        _tenant(t, f"tenants[{i}]", lanes) for i, t in enumerate(_list(root, "tenants", required=True))
+    )
+    if not tenants:
+        raise ConfigError("tenants: at least one tenant is needed")
+    seen_ids: set[str] = set()
+    seen_keys: dict[bytes, str] = {}
+    for i, tenant in enumerate(tenants):
+        if tenant.id in seen_ids:
+            raise ConfigError(f"tenants[{i}].id: tenant {tenant.id!r} is defined twice")
+        seen_ids.add(tenant.id)
+        for digest in tenant.key_hashes:
+            if digest in seen_keys:
+                raise ConfigError(
+                    f"tenants[{i}].api_keys: a key of {tenant.id!r} also belongs to "
+                    f"{seen_keys[digest]!r}"
+                )
+            seen_keys[digest] = tenant.id
+    admin = tuple(_keys(root.get("admin_api_keys", []), "admin_api_keys"))
+    ledger = root.get("ledger", DEFAULT_LEDGER)
+    if not isinstance(ledger, str) or not ledger:
+        raise ConfigError("ledger: must be a URL such as 'sqlite:///usage.db' or 'postgresql://...'")
+    if base_dir is not None:
+        from ._ledger import resolve_ledger_url
+
+        ledger = resolve_ledger_url(ledger, base_dir)
+    return GatewayConfig(
+        engines=engines,
+        tenants=tenants,
+        lanes=lanes,
+        cost=cost,
+        ledger=ledger,
+        admin_key_hashes=admin,
+        request_timeout_s=_duration(root, "request_timeout", "", 600.0),
+        max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
+        source=source,
+    )
+
+
+# -- sections ----------------------------------------------------------------------
+
+
+def _engine(value: Any, where: str) -> EngineConfig:
+    if isinstance(value, str):
+        value = {"url": value}
+    m = _mapping(value, where)
+    _known(m, where, ("url", "max_inflight", "scheduling_policy"))
+    url = m.get("url")
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{where}.url: expected http(s)://host:port, got {url!r}")
+    policy = m.get("scheduling_policy", "fcfs")
+    if policy not in SCHEDULING_POLICIES:
+        raise ConfigError(
+            f"{where}.scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)} "
+            f"(the engine's --scheduling-policy), got {policy!r}"
+        )
+    return EngineConfig(
+        url=url.rstrip("/"),
+        max_inflight=_int(m, "max_inflight", where, 64, minimum=1) or 64,
+        scheduling_policy=policy,
+    )
+
+
+def _lane(value: Any, where: str) -> LaneConfig:
+    m = _mapping(value, where)
+    _known(m, where, ("name", "priority"))
+    name = m.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name: required, a non-empty string")
+    priority = m.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"{where}.priority: expected an integer (lower runs first), got {priority!r}")
+    return LaneConfig(name, priority)
+
+
+def _cost(value: Any) -> CostModel:
+    if value is None:
+        return CostModel()
+    m = _mapping(value, "cost")
+    _known(m, "cost", ("prompt", "completion"))
+    try:
+        return CostModel(m.get("prompt", 1.0), m.get("completion", 1.0))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConfig:
+    m = _mapping(value, where)
+    _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
+                      "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
+                      "queue_timeout", "budgets"))
+    tenant_id = m.get("id")
+    try:
+        validate_user_id(tenant_id, f"{where}.id")
+    except LimitsError as exc:
+        raise ConfigError(str(exc)) from None
+    keys = tuple(_keys(m.get("api_keys"), f"{where}.api_keys"))
+    if not keys:
+        raise ConfigError(f"{where}.api_keys: at least one key is needed")
+    lane = m.get("lane", lanes[0].name)
+    if lane not in {x.name for x in lanes}:
+        raise ConfigError(
+            f"{where}.lane: unknown lane {lane!r}; lanes are {', '.join(x.name for x in lanes)}"
+        )
+    budgets = []
+    for i, b in enumerate(_list(m, "budgets", where)):
+        bw = f"{where}.budgets[{i}]"
+        bm = _mapping(b, bw)
+        _known(bm, bw, ("tokens", "per"))
+        tokens = _number(bm, "tokens", bw, required=True)
+        try:
+            per = parse_duration(bm.get("per"))
+        except ValueError as exc:
+            raise ConfigError(f"{bw}.per: {exc}") from None
+        assert tokens is not None
+        budgets.append(BudgetSpec(tokens, per))
+    if len({b.key for b in budgets}) != len(budgets):
+        raise ConfigError(f"{where}.budgets: the same budget is listed twice")
+    return TenantConfig(
+        id=tenant_id,
+        key_hashes=keys,
+        lane=lane,
+        weight=_number(m, "weight", where) or 1.0,
+        output_tokens_per_second=_number(m, "output_tokens_per_second", where),
+        max_concurrency=_int(m, "max_concurrency", where, None, minimum=1),
+        max_queued=_int(m, "max_queued", where, None, minimum=0),
+        max_input_tokens=_int(m, "max_input_tokens", where, None, minimum=1),
+        max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
+        queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
+        budgets=tuple(budgets),
+    )
+
+
+# -- values ------------------------------------------------------------------------
+
+
+def _path(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _known(m: Mapping[str, Any], where: str, keys: tuple[str, ...]) -> None:
+    unknown = [k for k in m if k not in keys]
+    if unknown:
+        raise ConfigError(
+            f"{_path(where, str(unknown[0]))}: unknown key; known keys here are {', '.join(keys)}"
+        )
+
+
+def _list(m: Mapping[str, Any], key: str, where: str = "", required: bool = False) -> list[Any]:
+    if key not in m:
+        if required:
+            raise ConfigError(f"{_path(where, key)}: required")
+        return []
+    value = m[key]
+    if not isinstance(value, list):
+        raise ConfigError(f"{_path(where, key)}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _keys(value: Any, where: str) -> list[bytes]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of keys")
+    out = []
+    for i, key in enumerate(value):
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}[{i}]: expected a non-empty string")
+        if key.startswith("sha256:"):
+            hexdigest = key[len("sha256:"):]
+            try:
+                digest = bytes.fromhex(hexdigest)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise ConfigError(f"{where}[{i}]: 'sha256:' must be followed by 64 hex digits")
+            out.append(digest)
+        else:
+            out.append(hash_key(key))
+    return out
+
+
+def _number(m: Mapping[str, Any], key: str, where: str, required: bool = False) -> float | None:
+    if key not in m or m[key] is None:
+        if required:
+            raise ConfigError(f"{_path(where, key)}: required")
+        return None
+    value = m[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{_path(where, key)}: expected a number greater than 0, got {value!r}")
+    return float(value)
+
+
+def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> int | None:
+    if key not in m or m[key] is None:
+        return default
+    value = m[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{_path(where, key)}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _duration(m: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    if key not in m:
+        return default
+    value = m[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ConfigError(f"{_path(where, key)}: {exc}") from None

@@ -1,0 +1,74 @@
+"""``tokenpace gateway --config gateway.yaml``: serve the gateway with uvicorn.
+
+The configuration is validated before the server binds its port, so a bad file stops the
+command at once with the key named. SIGHUP re-reads the file like ``POST /admin/reload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from ._config import ConfigError, load_config
+
+logger = logging.getLogger("tokenpace.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenpace gateway",
+        description="OpenAI-compatible gateway: API keys -> tenants, admission, token "
+                    "budgets, fair dispatch to vLLM engines, usage ledger, Prometheus metrics.",
+    )
+    parser.add_argument("--config", required=True, metavar="FILE",
+                        help="gateway YAML file (see docs/gateway.md)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        parser.error(f"argument --config: {exc}")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(config, args.host, args.port, args.log_level))
+
+
+async def _serve(config, host: str, port: int, log_level: str) -> int:  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    from ._app import Gateway
+
+    gateway = Gateway(config)
+    server = uvicorn.Server(uvicorn.Config(
+        gateway.app, host=host, port=port, log_level=log_level, lifespan="on",
+        timeout_graceful_shutdown=30,
+    ))
+
+    def on_sighup() -> None:
+        try:
+            gateway.reload()
+        except ConfigError as exc:
+            logger.error("reload refused, the old configuration stays: %s", exc)
+
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    except (NotImplementedError, AttributeError):  # not on this platform
+        pass
+    await server.serve()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

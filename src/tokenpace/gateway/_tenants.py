@@ -1,0 +1,108 @@
+"""Live per-tenant state: counters and budgets that outlive a configuration reload.
+
+A reload swaps each tenant's ``config`` in place, so requests in flight keep counting
+against the same state object and nothing is dropped; budgets whose definition did not
+change keep their level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from ..fairness import BudgetRefusal, TenantBudgets
+from . import _metrics as metrics
+from ._config import GatewayConfig, TenantConfig
+
+
+class TenantState:
+    """Counters the admission checks read, and the tenant's budgets."""
+
+    def __init__(self, config: TenantConfig, now: float,
+                 saved: dict[str, tuple[float, float]] | None = None) -> None:
+        self.config = config
+        self.budgets = TenantBudgets(list(config.budgets), now)
+        for bucket in self.budgets.buckets:
+            if saved and bucket.spec.key in saved:
+                level, age_s = saved[bucket.spec.key]
+                bucket.adjust(level + age_s * bucket.spec.refill_per_s - bucket.level(now), now)
+        self.inflight = 0
+        self.queued = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    def at_concurrency_limit(self) -> bool:
+        limit = self.config.max_concurrency
+        return limit is not None and self.inflight >= limit
+
+    def queue_full(self) -> bool:
+        limit = self.config.max_queued
+        return limit is not None and self.queued >= limit
+
+    def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
+        refusal = self.budgets.try_reserve(cost, now)
+        self.publish_budgets(now)
+        return refusal
+
+    def settle(self, reserved: float, actual: float, now: float) -> None:
+        self.budgets.settle(reserved, actual, now)
+        self.publish_budgets(now)
+
+    def publish_budgets(self, now: float) -> None:
+        for key, level in self.budgets.levels(now).items():
+            metrics.BUDGET_REMAINING.labels(self.id, key).set(level)
+
+
+class Tenants:
+    """Tenant id -> state, rebuilt on reload without losing live counters."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float],
+                 saved_levels: dict[str, dict[str, tuple[float, float]]] | None = None) -> None:
+        """``saved_levels``: tenant -> budget key -> (level, seconds since it was saved)."""
+        self._clock = clock
+        now = clock()
+        saved_levels = saved_levels or {}
+        self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
+        for state in self._states.values():
+            state.publish_budgets(now)
+            metrics.INFLIGHT.labels(state.id).set(0)
+            metrics.QUEUED.labels(state.id).set(0)
+
+    def get(self, tenant_id: str) -> TenantState | None:
+        return self._states.get(tenant_id)
+
+    def __iter__(self) -> Iterable[TenantState]:
+        return iter(list(self._states.values()))
+
+    def apply(self, config: GatewayConfig) -> None:
+        """Take a reloaded configuration: update, add and remove tenants.
+
+        A removed tenant's requests in flight still finish against their own state object;
+        only its metrics series go, since it can no longer send requests.
+        """
+        now = self._clock()
+        new_states: dict[str, TenantState] = {}
+        for tenant in config.tenants:
+            state = self._states.get(tenant.id)
+            if state is None:
+                state = TenantState(tenant, now)
+                metrics.INFLIGHT.labels(state.id).set(0)
+                metrics.QUEUED.labels(state.id).set(0)
+            else:
+                old_budgets = state.budgets
+                old_keys = {b.key for b in state.config.budgets}
+                state.config = tenant
+                state.budgets = TenantBudgets(list(tenant.budgets), now)
+                state.budgets.carry_over(old_budgets, now)
+                for key in old_keys - {b.key for b in tenant.budgets}:
+                    metrics.forget_budget(tenant.id, key)
+            state.publish_budgets(now)
+            new_states[tenant.id] = state
+        for tenant_id in set(self._states) - set(new_states):
+            metrics.forget_tenant(tenant_id)
+        self._states = new_states
+
+    def budget_levels(self) -> dict[str, dict[str, float]]:
+        now = self._clock()
+        return {s.id: s.budgets.levels(now) for s in self._states.values()}

@@ -1,0 +1,183 @@
+"""A small OpenAI-style engine served over real HTTP, for gateway edge cases.
+
+It speaks the parts of vLLM's API the gateway uses (``/tokenize``, ``/v1/completions``,
+``/v1/chat/completions`` streaming and not, ``stream_options`` usage, ``/health``,
+``/v1/models``) and records what it received, how many tokens each request streamed and
+whether the request was aborted, so tests can check the gateway's book-keeping against
+the engine's. Its "tokenizer" counts bytes; prompts steer it:
+
+- ``FAIL_AFTER:k`` in the prompt: stream ``k`` tokens, then drop the connection.
+- ``SLOW`` in the prompt: 50 ms per token instead of ``token_delay_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests._servers import free_port
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    streamed: int = 0
+    finished: bool = False
+    aborted: bool = False
+
+
+@dataclass
+class FakeEngine:
+    token_delay_s: float = 0.002
+    max_model_len: int = 4096
+    requests: list[Seen] = field(default_factory=list)
+    healthy: bool = True
+
+    def count(self, text: str) -> int:
+        return len(text.encode())
+
+    def chat_prompt_tokens(self, body: dict[str, Any]) -> int:
+        total = 0
+        for m in body["messages"]:
+            content = m.get("content") or ""
+            total += 3 + self.count(content if isinstance(content, str) else json.dumps(content))
+        return total + (2 if body.get("add_generation_prompt", True) else 0)
+
+    def prompt_tokens(self, body: dict[str, Any]) -> int:
+        if "messages" in body:
+            return self.chat_prompt_tokens(body)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        return len(prompt) if isinstance(prompt, list) else self.count(prompt) + 1
+
+    def prompt_text(self, body: dict[str, Any]) -> str:
+        if "messages" in body:
+            return " ".join(str(m.get("content")) for m in body["messages"])
+        return str(body.get("prompt"))
+
+    # -- the app -----------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self._health),
+            Route("/v1/models", self._models),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/v1/completions", self._complete, methods=["POST"]),
+            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+        ])
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        n = self.prompt_tokens(body)
+        return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        seen = Seen(request.url.path, body, dict(request.headers))
+        self.requests.append(seen)
+        chat = request.url.path.endswith("chat/completions")
+        prompt_tokens = self.prompt_tokens(body)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        n = body.get("n") or 1
+        text = self.prompt_text(body)
+        fail = re.search(r"FAIL_AFTER:(\d+)", text)
+        fail_after = int(fail.group(1)) if fail else None
+        delay = 0.05 if "SLOW" in text else self.token_delay_s
+        kind = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            await asyncio.sleep(delay * max_tokens)
+            seen.streamed = max_tokens * n
+            seen.finished = True
+            choices = [
+                {"index": i, "finish_reason": "length",
+                 **({"message": {"role": "assistant", "content": "x" * max_tokens}} if chat
+                    else {"text": "x" * max_tokens})}
+                for i in range(n)
+            ]
+            return JSONResponse({
+                "id": "cmpl-fake", "object": kind, "model": body["model"], "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens * n,
+                          "total_tokens": prompt_tokens + max_tokens * n},
+            })
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+
+        async def events() -> Any:
+            try:
+                for i in range(max_tokens):
+                    if fail_after is not None and i == fail_after:
+                        raise ConnectionError("fake engine failure")
+                    await asyncio.sleep(delay)
+                    last = i == max_tokens - 1
+                    for c in range(n):
+                        choice: dict[str, Any] = {"index": c, "finish_reason": "length" if last else None}
+                        if chat:
+                            choice["delta"] = {"content": "x"}
+                        else:
+                            choice["text"] = "x"
+                        chunk: dict[str, Any] = {"id": "cmpl-fake", "object": kind + ".chunk",
+                                                 "model": body["model"], "choices": [choice]}
+                        seen.streamed += 1
+                        if continuous:
+                            chunk["usage"] = {"prompt_tokens": prompt_tokens,
+                                              "completion_tokens": seen.streamed,
+                                              "total_tokens": prompt_tokens + seen.streamed}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if include_usage:
+                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": seen.streamed,
+                             "total_tokens": prompt_tokens + seen.streamed}
+                    yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+                seen.finished = True
+            finally:
+                if not seen.finished and fail_after is None:
+                    seen.aborted = True
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class EngineServer:
+    """A ``FakeEngine`` on uvicorn in a background thread, on a free port."""
+
+    def __init__(self, engine: FakeEngine | None = None) -> None:
+        self.engine = engine or FakeEngine()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.engine.app(), host="127.0.0.1", port=self.port, log_level="warning",
+            lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self) -> EngineServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake engine did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

@@ -1,0 +1,128 @@
+"""Real gateway processes over real HTTP, in front of a fake engine served in-process."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests._servers import Server, free_port
+from tests.gateway._engine import EngineServer
+from tokenpace.gateway._ledger import UsageRecord, open_ledger
+
+KEY_A = "sk-team-a"
+KEY_B = "sk-team-b"
+ADMIN_KEY = "sk-admin"
+
+
+def base_config(engine_url: str, ledger: Path, **tenant_a: Any) -> dict[str, Any]:
+    return {
+        "engines": [{"url": engine_url, "max_inflight": 8}],
+        "cost": {"prompt": 1.0, "completion": 2.0},
+        "lanes": [{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}],
+        "ledger": f"sqlite:///{ledger}",
+        "admin_api_keys": [ADMIN_KEY],
+        "tenants": [
+            {"id": "team-a", "api_keys": [KEY_A], "lane": "interactive", "weight": 2,
+             "output_tokens_per_second": 100, "max_output_tokens": 64, **tenant_a},
+            {"id": "team-b", "api_keys": [KEY_B], "lane": "batch"},
+        ],
+    }
+
+
+class GatewayProcess:
+    """``tokenpace gateway`` as a subprocess; ``config`` is rewritten by ``write``."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any]) -> None:
+        self.tmp = tmp
+        self.config_path = tmp / "gateway.yaml"
+        self.config = config
+        self.write(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: Server | None = None
+        self._starts = 0
+
+    def write(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.config_path.write_text(yaml.safe_dump(config))
+
+    def start(self) -> GatewayProcess:
+        self._starts += 1
+        self.server = Server(
+            [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(self.config_path),
+             "--port", str(self.port), "--log-level", "warning"],
+            self.port, self.tmp / f"gateway-{self._starts}.log")
+        self.server.wait_ready(timeout_s=30)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def log(self) -> str:
+        return self.server.log_tail(200) if self.server else ""
+
+    def rows(self, expected: int, timeout_s: float = 10.0) -> list[UsageRecord]:
+        """Ledger rows once at least ``expected`` are written (the gateway batches writes)."""
+        ledger = open_ledger(self.config["ledger"])
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                rows = ledger.rows()
+                if len(rows) >= expected or time.monotonic() > deadline:
+                    return rows
+                time.sleep(0.1)
+        finally:
+            ledger.close()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        text = httpx.get(f"{self.url}/metrics").text
+        for line in text.splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                return float(value)
+        return None
+
+    def wait_metric(self, name: str, value: float, timeout_s: float = 5.0, **labels: str) -> float | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.metric(name, **labels)
+            if got == value or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def engine() -> Iterator[EngineServer]:
+    server = EngineServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[Any]:
+    started: list[GatewayProcess] = []
+
+    def make(config: dict[str, Any], start: bool = True) -> GatewayProcess:
+        gw = GatewayProcess(tmp_path, config)
+        started.append(gw)
+        return gw.start() if start else gw
+
+    yield make
+    for gw in started:
+        gw.stop()
+
+
+@pytest.fixture
+def gateway(engine: EngineServer, make_gateway: Any, tmp_path: Path) -> GatewayProcess:
+    return make_gateway(base_config(engine.url, tmp_path / "usage.db"))

@@ -1,0 +1,399 @@
+"""Usage ledger on real SQLite files: round trip, batching, budgets across a restart,
+totals, and no lost rows while the database is locked.
+
+The ``check_*`` helpers take a ledger URL so that test_ledger_postgres.py runs the very
+same checks against a real Postgres server.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenpace.gateway._ledger import (
+    BudgetState,
+    LedgerError,
+    UsageRecord,
+    UsageTotal,
+    open_ledger,
+)
+
+T0 = 1_795_000_000.0  # a fixed instant in late 2026, so `since` cut-offs are exact
+
+
+def record(
+    i: int,
+    *,
+    tenant: str = "acme",
+    model: str = "tiny",
+    lane: str = "interactive",
+    prompt: int = 10,
+    completion: int = 20,
+    finish: str = "stop",
+    ended_at: float | None = None,
+) -> UsageRecord:
+    """A distinct, fully populated row; cost is 1 per prompt and 2 per completion token."""
+    end = T0 + i if ended_at is None else ended_at
+    return UsageRecord(
+        request_id=f"req-{i}",
+        tenant=tenant,
+        model=model,
+        lane=lane,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cost=prompt + 2.0 * completion,
+        queue_ms=1.25 + i,
+        ttft_ms=30.5 + i,
+        e2e_ms=400.75 + i,
+        finish_reason=finish,
+        started_at=end - 0.5,
+        ended_at=end,
+    )
+
+
+def mixed_records() -> list[UsageRecord]:
+    """Rows across tenants, models and lanes, including rejections and an unauthenticated
+    one (empty tenant, no timings), ending at T0+0 .. T0+7."""
+    return [
+        record(0, tenant="acme", model="tiny", lane="interactive", prompt=10, completion=20),
+        record(1, tenant="acme", model="big", lane="batch", prompt=5, completion=7,
+               finish="length"),
+        record(2, tenant="beta", model="tiny", lane="batch", prompt=3, completion=0,
+               finish="cancelled"),
+        record(3, tenant="beta", model="tiny", lane="interactive", prompt=0, completion=0,
+               finish="rejected:budget"),
+        record(4, tenant="acme", model="tiny", lane="interactive", prompt=100, completion=50,
+               finish="timeout"),
+        UsageRecord("req-5", "", "tiny", "interactive", 0, 0, 0.0, None, None, 0.3,
+                    "rejected:unknown_key", T0 + 5, T0 + 5),
+        record(6, tenant="beta", model="big", lane="interactive", prompt=8, completion=9,
+               finish="upstream_error"),
+        record(7, tenant="acme", model="big", lane="interactive", prompt=0, completion=0,
+               finish="rejected:queue_full"),
+    ]
+
+
+# -- checks shared with the Postgres tests ------------------------------------------------
+
+
+def check_round_trip(url: str) -> None:
+    """Every field comes back exactly, in ended_at order, after close and reopen."""
+    recs = mixed_records()
+    recs.append(
+        UsageRecord("req-ü", "tenant ü", "m/ö", "lane", 2**40, 3, 1.5e-7, 0.0, None, 1e-3,
+                    "stop", T0 - 100.123456789, T0 - 99.987654321)
+    )
+    ledger = open_ledger(url, flush_interval_s=60)
+    for rec in reversed(recs):
+        ledger.record(rec)
+    ledger.close()
+
+    ledger = open_ledger(url)
+    try:
+        assert ledger.rows() == sorted(recs, key=lambda r: r.ended_at)
+        assert ledger.rows(since=T0 + 6) == [recs[6], recs[7]]
+        assert ledger.dropped == 0
+    finally:
+        ledger.close()
+
+
+def check_budgets_survive_restart(url: str) -> None:
+    """Budget levels upsert by (tenant, budget), the latest save wins, and a new process
+    (a reopened ledger) loads them."""
+    ledger = open_ledger(url, flush_interval_s=60)
+    assert ledger.load_budgets() == []
+    ledger.save_budgets([
+        BudgetState("acme", "20000/10s", 1500.5, T0),
+        BudgetState("acme", "1000000/1d", 900_000.0, T0),
+        BudgetState("beta", "20000/10s", 20000.0, T0),
+    ])
+    ledger.flush()
+    ledger.save_budgets([BudgetState("acme", "20000/10s", 10.0, T0 + 1)])
+    ledger.save_budgets([BudgetState("acme", "20000/10s", 7.25, T0 + 2)])  # newer snapshot
+    ledger.close()
+
+    ledger = open_ledger(url)
+    try:
+        assert ledger.load_budgets() == [
+            BudgetState("acme", "1000000/1d", 900_000.0, T0),
+            BudgetState("acme", "20000/10s", 7.25, T0 + 2),
+            BudgetState("beta", "20000/10s", 20000.0, T0),
+        ]
+    finally:
+        ledger.close()
+
+
+def check_usage_totals(url: str) -> None:
+    """Totals per tenant, model and lane, with `since` and the rejected count."""
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        for rec in mixed_records():
+            ledger.record(rec)
+        ledger.flush()
+
+        assert ledger.usage() == [
+            UsageTotal("", 1, 0, 0, 0.0, 1),
+            UsageTotal("acme", 4, 115, 77, 115 + 2 * 77.0, 1),
+            UsageTotal("beta", 3, 11, 9, 11 + 2 * 9.0, 1),
+        ]
+        assert ledger.usage(by="model") == [
+            UsageTotal("big", 3, 13, 16, 13 + 2 * 16.0, 1),
+            UsageTotal("tiny", 5, 113, 70, 113 + 2 * 70.0, 2),
+        ]
+        assert ledger.usage(by="lane") == [
+            UsageTotal("batch", 2, 8, 7, 8 + 2 * 7.0, 0),
+            UsageTotal("interactive", 6, 118, 79, 118 + 2 * 79.0, 3),
+        ]
+        # `since` is inclusive and applies to ended_at.
+        assert ledger.usage(since=T0 + 4) == [
+            UsageTotal("", 1, 0, 0, 0.0, 1),
+            UsageTotal("acme", 2, 100, 50, 200.0, 1),
+            UsageTotal("beta", 1, 8, 9, 26.0, 0),
+        ]
+        assert ledger.usage(since=T0 + 1000) == []
+        with pytest.raises(ValueError, match="tenant, model, lane"):
+            ledger.usage(by="finish_reason")
+    finally:
+        ledger.close()
+
+
+# -- SQLite ------------------------------------------------------------------------------
+
+
+def _url(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+def _count(path: Path) -> int:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+
+def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
+    check_round_trip(_url(tmp_path / "usage.db"))
+
+
+def test_budgets_upsert_and_survive_a_restart(tmp_path: Path) -> None:
+    check_budgets_survive_restart(_url(tmp_path / "usage.db"))
+
+
+def test_usage_totals_by_tenant_model_lane_and_since(tmp_path: Path) -> None:
+    check_usage_totals(_url(tmp_path / "usage.db"))
+
+
+def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    ledger = open_ledger(_url(path), flush_interval_s=60, max_batch=1000)
+    for i in range(5):
+        ledger.record(record(i))
+    assert _count(path) == 0  # the writer sleeps for a minute: nothing written yet
+    ledger.flush()
+    assert _count(path) == 5
+    ledger.record(record(5))
+    ledger.close()
+    assert _count(path) == 6
+
+
+def test_a_full_batch_wakes_the_writer_without_flush(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    ledger = open_ledger(_url(path), flush_interval_s=60, max_batch=10)
+    try:
+        for i in range(25):
+            ledger.record(record(i))
+        deadline = time.monotonic() + 30
+        while _count(path) < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _count(path) >= 20  # two full batches went out although no flush was due
+    finally:
+        ledger.close()
+    assert _count(path) == 25
+
+
+def test_many_records_all_arrive_after_close(tmp_path: Path) -> None:
+    url = _url(tmp_path / "usage.db")
+    ledger = open_ledger(url, flush_interval_s=0.01, max_batch=500)
+    recs = [record(i) for i in range(10_000)]
+    for rec in recs:
+        ledger.record(rec)
+    ledger.close()
+    assert ledger.dropped == 0
+
+    reader = open_ledger(url)
+    try:
+        assert reader.rows() == recs
+    finally:
+        reader.close()
+
+
+def test_record_from_many_threads(tmp_path: Path) -> None:
+    url = _url(tmp_path / "usage.db")
+    ledger = open_ledger(url, flush_interval_s=0.01, max_batch=50)
+
+    def produce(offset: int) -> None:
+        for i in range(offset, offset + 1000):
+            ledger.record(record(i))
+
+    threads = [threading.Thread(target=produce, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ledger.close()
+
+    reader = open_ledger(url)
+    try:
+        assert [r.request_id for r in reader.rows()] == [f"req-{i}" for i in range(4000)]
+    finally:
+        reader.close()
+
+
+def test_schema_wal_and_indexes(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    open_ledger(_url(path)).close()
+    open_ledger(_url(path)).close()  # creating the schema again is a no-op
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        names = {n for (n,) in conn.execute("SELECT name FROM sqlite_master")}
+        columns = [c[1] for c in conn.execute("PRAGMA table_info(budgets)")]
+        pk = [c[1] for c in conn.execute("PRAGMA table_info(budgets)") if c[5]]
+    assert {"requests", "budgets", "requests_ended_at", "requests_tenant"} <= names
+    assert columns == ["tenant", "budget", "level", "at"]
+    assert pk == ["tenant", "budget"]
+
+
+def test_relative_sqlite_url_is_relative_to_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ledger = open_ledger("sqlite:///sub.db")
+    ledger.record(record(0))
+    ledger.close()
+    assert _count(tmp_path / "sub.db") == 1
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "usage.db",
+        "/tmp/usage.db",
+        "sqlite://usage.db",
+        "sqlite:///",
+        "sqlite:///usage.db?mode=ro",
+        "mysql://user@host/db",
+        "file:///tmp/usage.db",
+    ],
+)
+def test_bad_urls_name_the_accepted_forms(url: str) -> None:
+    with pytest.raises(LedgerError, match="sqlite:///relative/path.db.*postgresql://"):
+        open_ledger(url)
+
+
+def test_password_is_not_echoed_in_errors() -> None:
+    with pytest.raises(LedgerError) as info:
+        open_ledger("mysql://user:hunter2@host/db")
+    assert "hunter2" not in str(info.value)
+
+
+def test_unopenable_sqlite_paths_raise_ledger_error(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="cannot open"):
+        open_ledger(_url(tmp_path / "missing-dir" / "usage.db"))
+    with pytest.raises(LedgerError, match="cannot"):
+        open_ledger(_url(tmp_path))  # a directory
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not a database, just some bytes" * 100)
+    with pytest.raises(LedgerError, match="cannot"):
+        open_ledger(_url(junk))
+
+
+def test_create_false_refuses_a_missing_file_and_does_not_create_it(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    with pytest.raises(LedgerError, match="does not exist"):
+        open_ledger(_url(path), create=False)
+    assert not path.exists()
+
+
+def test_locked_database_loses_no_rows(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    ledger = open_ledger(_url(path), flush_interval_s=60)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        for i in range(3):
+            ledger.record(record(i))
+        ledger.save_budgets([BudgetState("acme", "20000/10s", 42.0, T0)])
+        with pytest.raises(LedgerError, match="locked"):
+            ledger.flush()
+        assert blocker.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 0
+        blocker.execute("ROLLBACK")
+
+        ledger.flush()
+        assert ledger.rows() == [record(0), record(1), record(2)]
+        assert ledger.load_budgets() == [BudgetState("acme", "20000/10s", 42.0, T0)]
+    finally:
+        blocker.close()
+        ledger.close()
+
+
+def test_background_writer_retries_after_a_lock(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "usage.db"
+    ledger = open_ledger(_url(path), flush_interval_s=0.05)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    caplog.set_level(logging.ERROR, logger="tokenpace.gateway._ledger")
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        for i in range(50):
+            ledger.record(record(i))
+        deadline = time.monotonic() + 30
+        while "will retry" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "will retry" in caplog.text  # the writer met the lock at least once
+        blocker.execute("ROLLBACK")
+        for i in range(50, 60):
+            ledger.record(record(i))
+    finally:
+        blocker.close()
+        ledger.close()
+    assert ledger.dropped == 0
+    reader = open_ledger(_url(path))
+    try:
+        assert reader.rows() == [record(i) for i in range(60)]  # each exactly once
+    finally:
+        reader.close()
+
+
+def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    ledger = open_ledger(_url(path), flush_interval_s=60, max_batch=1000, max_queue=10)
+    for i in range(15):
+        ledger.record(record(i))
+    assert ledger.dropped == 5
+    ledger.close()
+    assert _count(path) == 10
+
+
+def test_close_is_idempotent_and_later_records_count_as_dropped(tmp_path: Path) -> None:
+    ledger = open_ledger(_url(tmp_path / "usage.db"))
+    ledger.record(record(0))
+    ledger.close()
+    ledger.close()
+    ledger.record(record(1))
+    ledger.save_budgets([BudgetState("acme", "20000/10s", 1.0, T0)])  # ignored
+    ledger.flush()  # nothing to do
+    assert ledger.dropped == 1
+    with pytest.raises(LedgerError, match="closed"):
+        ledger.rows()
+
+
+def test_bad_settings_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        open_ledger(_url(tmp_path / "a.db"), flush_interval_s=0)
+    with pytest.raises(ValueError):
+        open_ledger(_url(tmp_path / "b.db"), max_batch=0)

@@ -1,0 +1,222 @@
+"""The usage ledger against a real, throwaway Postgres server.
+
+The server is created with ``initdb`` in a temporary directory and listens on a free
+loopback port with trust authentication. Postgres refuses to run as root, so when the
+tests run as root the server runs as ``nobody`` (through ``setpriv`` or ``runuser``).
+The module is skipped, with the reason, where the Postgres binaries or psycopg are
+missing, so that machines without them stay green.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenpace.gateway._ledger import LedgerError, open_ledger
+
+from .test_ledger import (
+    T0,
+    check_budgets_survive_restart,
+    check_round_trip,
+    check_usage_totals,
+    record,
+)
+
+psycopg: Any
+try:
+    import psycopg
+except ImportError:
+    psycopg = None
+
+
+def _binary(name: str) -> str | None:
+    """A Postgres server binary: on PATH, in /usr/local/bin, or in Debian's versioned dir."""
+    candidates = [Path("/usr/local/bin") / name, *Path("/usr/lib/postgresql").glob(f"*/bin/{name}")]
+    return shutil.which(name) or next((str(p) for p in candidates if p.is_file()), None)
+
+
+def _as_unprivileged() -> tuple[list[str], int, int] | str:
+    """The command prefix that drops root, with the uid and gid it runs as, or why that
+    is impossible here. Empty prefix when not root."""
+    if os.geteuid() != 0:
+        return [], os.geteuid(), os.getegid()
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        return "running as root and there is no 'nobody' user to run Postgres as"
+    uid, gid = nobody.pw_uid, nobody.pw_gid
+    if shutil.which("setpriv"):
+        # setpriv execs the command itself, so the Popen pid is the server's own pid.
+        return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"], uid, gid
+    if shutil.which("runuser"):
+        return ["runuser", "-u", "nobody", "--"], uid, gid
+    return "running as root and neither setpriv nor runuser is available to drop privileges"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def postgres_server() -> Iterator[str]:
+    """Start a Postgres server for this module; yields the admin URL."""
+    if psycopg is None:
+        pytest.skip("psycopg 3 is not installed (pip install 'psycopg[binary]>=3.1')")
+    initdb, postgres = _binary("initdb"), _binary("postgres")
+    if initdb is None or postgres is None:
+        pytest.skip("Postgres server binaries (initdb, postgres) are not installed")
+    drop = _as_unprivileged()
+    if isinstance(drop, str):
+        pytest.skip(drop)
+    prefix, uid, gid = drop
+
+    base = Path(tempfile.mkdtemp(prefix="tokenpace-pg-"))
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        os.chown(base, uid, gid)
+        data, log = base / "data", base / "server.log"
+        env = {**os.environ, "HOME": str(base), "LC_ALL": "C"}
+        done = subprocess.run(
+            [*prefix, initdb, "-D", str(data), "-U", "postgres", "--auth=trust",
+             "--no-sync", "-E", "UTF8", "--locale=C"],
+            cwd=base, env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, f"initdb failed:\n{done.stdout}\n{done.stderr}"
+
+        port = _free_port()
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [*prefix, postgres, "-D", str(data), "-p", str(port), "-k", str(base),
+                 "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
+                 "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+                 "-c", "shared_buffers=16MB", "-c", "max_connections=20"],
+                cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )
+        url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"postgres exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                psycopg.connect(url, connect_timeout=2).close()
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"postgres did not accept connections:\n{log.read_text()}")
+                time.sleep(0.1)
+        yield url
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # "fast" shutdown: ends sessions, no wait
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_db_numbers = itertools.count()
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> Iterator[str]:
+    """A fresh database per test, so every test starts from an empty ledger."""
+    name = f"ledger_{os.getpid()}_{next(_db_numbers)}"
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield postgres_server.rsplit("/", 1)[0] + f"/{name}"
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_round_trip_keeps_every_field(pg_url: str) -> None:
+    check_round_trip(pg_url)
+
+
+def test_postgres_scheme_alias(pg_url: str) -> None:
+    check_round_trip(pg_url.replace("postgresql://", "postgres://", 1))
+
+
+def test_budgets_upsert_and_survive_a_restart(pg_url: str) -> None:
+    check_budgets_survive_restart(pg_url)
+
+
+def test_usage_totals_by_tenant_model_lane_and_since(pg_url: str) -> None:
+    check_usage_totals(pg_url)
+
+
+def test_schema_types_and_idempotent_creation(pg_url: str) -> None:
+    open_ledger(pg_url).close()
+    open_ledger(pg_url).close()
+    with psycopg.connect(pg_url) as conn:
+        types = dict(conn.execute(
+            "SELECT column_name, data_type FROM information_schema.columns "
+            "WHERE table_name = 'requests'"
+        ).fetchall())
+        indexes = {n for (n,) in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'requests'"
+        )}
+    assert types["prompt_tokens"] == "bigint"
+    assert types["ended_at"] == "double precision"
+    assert types["request_id"] == "text"
+    assert {"requests_ended_at", "requests_tenant"} <= indexes
+
+
+def test_lost_connection_loses_no_rows(pg_url: str, postgres_server: str) -> None:
+    """A broken connection (server restart, network cut) fails one flush; the next
+    reconnects and writes the queued rows exactly once."""
+    ledger = open_ledger(pg_url, flush_interval_s=60)
+    try:
+        ledger.record(record(0))
+        ledger.flush()
+        with psycopg.connect(postgres_server, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()",
+                (pg_url.rsplit("/", 1)[1],),
+            )
+        for i in range(1, 4):
+            ledger.record(record(i))
+        try:
+            ledger.flush()
+        except LedgerError:
+            ledger.flush()  # reconnects
+        assert ledger.rows() == [record(i) for i in range(4)]
+    finally:
+        ledger.close()
+
+
+def test_unreachable_server_is_a_ledger_error(postgres_server: str) -> None:
+    url = f"postgresql://gw:s3cret@127.0.0.1:{_free_port()}/usage?connect_timeout=5"
+    with pytest.raises(LedgerError, match="cannot open Postgres ledger") as info:
+        open_ledger(url)
+    assert "s3cret" not in str(info.value)
+
+
+def test_many_records_in_batches(pg_url: str) -> None:
+    ledger = open_ledger(pg_url, flush_interval_s=0.01, max_batch=200)
+    recs = [record(i) for i in range(2000)]
+    for rec in recs:
+        ledger.record(rec)
+    ledger.close()
+    reader = open_ledger(pg_url)
+    try:
+        assert reader.rows() == recs
+        assert reader.rows(since=T0 + 1990) == recs[1990:]
+    finally:
+        reader.close()
