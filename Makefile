@@ -10,8 +10,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # vLLM on the CPU asks for 92% of RAM for its KV cache unless told otherwise.
 KV_CACHE_BYTES ?= 268435456
-# Output tokens per second for every user of `make serve` (vllm_xargs.output_rate_user).
-RATE ?= 50
+# The gateway configuration of `make serve`: its engines are started on this machine.
+CONFIG ?= examples/gateway.yaml
 
 .PHONY: install model serve test
 
@@ -30,10 +30,9 @@ model: $(STAMP)
 	@$(VENV)/bin/tokenpace tiny-model $(MODEL)
 
 serve: model
-	exec $(VENV)/bin/tokenpace serve $(MODEL) --served-model-name tiny \
+	exec $(VENV)/bin/tokenpace up $(MODEL) --config $(CONFIG) --served-model-name tiny \
 		--host $(HOST) --port $(PORT) \
-		--kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager \
-		--default-user-output-tokens-per-second $(RATE)
+		-- --kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sub.add_parser("gateway", help="the tenant gateway (tokenpace gateway --help)", add_help=False)
+    sub.add_parser("up", help="paced engines and the gateway together (tokenpace up --help)",
+                   add_help=False)
     sub.add_parser("usage", help="usage totals from the gateway's ledger (tokenpace usage --help)",
                    add_help=False)
 
@@ -225,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .gateway import _main
 
         return _main.main(args_list[1:])
+    if args_list[:1] == ["up"]:
+        from . import up
+
+        return up.main(args_list[1:])
     if args_list[:1] == ["usage"]:
         from .gateway import _usage_cli
 

@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 
-from ._config import ConfigError, load_config
+from ._config import ConfigError, GatewayConfig, load_config
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -41,10 +41,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"argument --config: {exc}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(config, args.host, args.port, args.log_level))
+    return asyncio.run(serve(config, args.host, args.port, args.log_level))
 
 
-async def _serve(config, host: str, port: int, log_level: str) -> int:  # type: ignore[no-untyped-def]
+async def serve(config: GatewayConfig, host: str, port: int, log_level: str) -> int:
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the configuration file."""
     import uvicorn
 
     from ._app import Gateway

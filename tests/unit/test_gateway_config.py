@@ -1,0 +1,103 @@
+"""gateway.yaml validation: every mistake names its key; the documented example loads."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenpace.gateway import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+GOOD: dict[str, Any] = {
+    "engines": [{"url": "http://127.0.0.1:8001", "max_inflight": 32}],
+    "cost": {"prompt": 1.0, "completion": 2.0},
+    "lanes": [{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}],
+    "ledger": "sqlite:///usage.db",
+    "admin_api_keys": ["admin"],
+    "tenants": [
+        {"id": "team-a", "api_keys": ["sk-a"], "lane": "interactive", "weight": 2,
+         "output_tokens_per_second": 100, "max_concurrency": 8, "max_queued": 32,
+         "max_input_tokens": 8192, "max_output_tokens": 1024,
+         "budgets": [{"tokens": 20000, "per": "10s"}, {"tokens": 2000000, "per": "1d"}]},
+        {"id": "team-b", "api_keys": ["sha256:" + hashlib.sha256(b"sk-b").hexdigest()]},
+    ],
+}
+
+
+def with_change(path: str, value: Any) -> dict[str, Any]:
+    config = copy.deepcopy(GOOD)
+    node: Any = config
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node[int(part)] if part.isdigit() else node[part]
+    last = parts[-1]
+    if value is KeyError:
+        del node[last]
+    elif last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return config
+
+
+def test_good_config_and_key_lookup(tmp_path: Path) -> None:
+    config = parse_config(GOOD, base_dir=tmp_path)
+    assert config.ledger == f"sqlite:///{tmp_path / 'usage.db'}"
+    a = config.tenants[0]
+    assert (a.lane, a.weight, a.max_concurrency, a.queue_timeout_s) == ("interactive", 2.0, 8, 60.0)
+    assert [b.key for b in a.budgets] == ["20000/10s", "2000000/1d"]
+    assert config.tenant_for_key("sk-a") is a
+    assert config.tenant_for_key("sk-b") is config.tenants[1]
+    assert config.tenants[1].lane == "interactive"  # the first lane by default
+    assert config.tenant_for_key("sk-c") is None
+    assert config.is_admin_key("admin") and not config.is_admin_key("sk-a")
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("colour", "red", "colour: unknown key"),
+    ("tenants.0.colour", "red", "tenants[0].colour: unknown key"),
+    ("tenants.0.budgets.0.per", "10 parsecs", "tenants[0].budgets[0].per"),
+    ("tenants.0.budgets.1.tokens", -5, "tenants[0].budgets[1].tokens"),
+    ("tenants.0.lane", "gold", "tenants[0].lane: unknown lane 'gold'"),
+    ("tenants.0.max_concurrency", 0, "tenants[0].max_concurrency"),
+    ("tenants.0.max_output_tokens", "1024", "tenants[0].max_output_tokens"),
+    ("tenants.0.weight", True, "tenants[0].weight"),
+    ("tenants.0.api_keys", [], "tenants[0].api_keys"),
+    ("tenants.1.api_keys", ["sk-a"], "also belongs to 'team-a'"),
+    ("tenants.1.id", "team-a", "defined twice"),
+    ("tenants.1.api_keys", ["sha256:abc"], "64 hex digits"),
+    ("engines.0.url", "127.0.0.1:8001", "engines[0].url"),
+    ("engines.0.scheduling_policy", "lifo", "engines[0].scheduling_policy"),
+    ("engines", [], "engines: at least one"),
+    ("engines", KeyError, "engines: required"),
+    ("tenants", KeyError, "tenants: required"),
+    ("cost.prompt", -1, "cost.prompt"),
+    ("lanes.1.name", "interactive", "lane names must be unique"),
+    ("lanes.0.priority", "high", "lanes[0].priority"),
+    ("request_timeout", "soon", "request_timeout"),
+    ("ledger", 5, "ledger"),
+])
+def test_mistakes_name_their_key(path: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_change(path, value))
+    assert message in str(info.value)
+
+
+def test_yaml_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text("engines: [\n  {url: x\n")
+    with pytest.raises(ConfigError, match="line"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_documented_examples_load() -> None:
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        config = load_config(example)
+        assert config.tenants, example
