@@ -102,6 +102,16 @@ def _cmd_bench_idle(args: argparse.Namespace) -> int:
     return _bench_outputs(args, idle, result)
 
 
+def _cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from .bench import gateway
+
+    if args.quick:
+        args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 1
+    result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
+                         args.stream_tokens, args.rounds)
+    return _bench_outputs(args, gateway, result)
+
+
 def _modes(value: str) -> list[str]:
     modes = value.split(",")
     if not modes or any(m not in ("sync", "async") for m in modes):
@@ -213,6 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     idl.add_argument("--window", type=_positive_float, default=10.0,
                      help="measurement window in seconds (default 10)")
     idl.set_defaults(func=_cmd_bench_idle)
+
+    gwb = bench_sub.add_parser(
+        "gateway", help="latency and throughput the gateway adds, against the engine direct",
+    )
+    _bench_common(gwb)
+    gwb.add_argument("--requests", type=_positive_int, default=200,
+                     help="sequential streamed requests per path (default 200)")
+    gwb.add_argument("--tokens", type=_positive_int, default=16,
+                     help="tokens per sequential request (default 16)")
+    gwb.add_argument("--streams", type=_positive_int, default=32,
+                     help="concurrent streams in the throughput rounds (default 32)")
+    gwb.add_argument("--stream-tokens", type=_positive_int, default=128,
+                     help="tokens per concurrent stream (default 128)")
+    gwb.add_argument("--rounds", type=_positive_int, default=3,
+                     help="alternating throughput rounds per path (default 3)")
+    gwb.set_defaults(func=_cmd_bench_gateway)
     return parser
 
 

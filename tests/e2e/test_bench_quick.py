@@ -49,3 +49,12 @@ def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
     result = _bench("idle", tiny_model, tmp_path)
     cases = result["cases"]
     assert cases["idle_wait"]["throttled_cores"] < cases["busy_loop"]["throttled_cores"]
+
+
+def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
+    result = _bench("gateway", tiny_model, tmp_path)
+    for path in ("direct", "gateway"):
+        assert len(result["ttft_ms"][path]) == result["parameters"]["requests"]
+        assert 0 < result["latency"][path]["ttft_ms_median"] <= result["latency"][path]["ttft_ms_p99"]
+    assert result["gateway_cpu_ms_per_request"] > 0
+    assert result["throughput_ratio_median"] > 0.3, result  # a sanity bound, not a claim

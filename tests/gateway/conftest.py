@@ -83,6 +83,15 @@ class GatewayProcess:
         finally:
             ledger.close()
 
+    def rows_since(self, t0: float, expected: int, timeout_s: float = 10.0) -> list[UsageRecord]:
+        """Ledger rows of requests that started at or after ``t0`` (wall clock)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = [r for r in self.rows(0, timeout_s=0) if r.started_at >= t0]
+            if len(rows) >= expected or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.1)
+
     def metric(self, name: str, **labels: str) -> float | None:
         text = httpx.get(f"{self.url}/metrics").text
         for line in text.splitlines():
