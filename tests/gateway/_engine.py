@@ -95,6 +95,9 @@ class FakeEngine:
         body = await request.json()
         seen = Seen(request.url.path, body, dict(request.headers))
         self.requests.append(seen)
+        if body.get("fake_error"):
+            return JSONResponse({"error": {"message": "the fake engine refuses", "type": "BadRequestError",
+                                           "code": body["fake_error"]}}, status_code=body["fake_error"])
         chat = request.url.path.endswith("chat/completions")
         prompt_tokens = self.prompt_tokens(body)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16

@@ -393,3 +393,39 @@ def test_models_health_metrics_and_unknown_paths(gateway: GatewayProcess) -> Non
         assert name in text or name.replace("_total", "") in text
     resp = httpx.get(gateway.url + "/v1/nothing")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+def test_request_timeout_streamed_and_not(engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    config = base_config(engine.url, tmp_path / "u.db")
+    config["request_timeout"] = "400ms"
+    gw = make_gateway(config)
+    resp = post(gw, {"model": "fake", "prompt": "SLOW", "max_tokens": 30, "stream": True})
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert resp.status_code == 200
+    assert 4 <= len(events) - 1 <= 9  # ~8 tokens at 50 ms each, then the error event
+    assert json.loads(events[-1])["error"]["code"] == "timeout"
+    resp = post(gw, {"model": "fake", "prompt": "SLOW", "max_tokens": 30})
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+    rows = gw.rows(2)
+    assert [r.finish_reason for r in rows] == ["timeout", "timeout"]
+    streamed, whole = rows
+    assert streamed.completion_tokens == len(events) - 1
+    assert whole.completion_tokens == 30  # unknown count: the reservation is charged
+    assert gw.wait_metric("tokenpace_gateway_inflight_requests", 0, tenant="team-a") == 0
+
+
+def test_missing_max_tokens_fits_the_context(gateway: GatewayProcess, engine: EngineServer) -> None:
+    engine.engine.max_model_len = 10  # /tokenize reports a tiny context
+    resp = post(gateway, {"model": "fake", "prompt": "hello"})
+    # No max_tokens: the tenant's maximum capped by the context left after the prompt.
+    assert resp.status_code == 200
+    assert engine.engine.requests[-1].body["max_tokens"] == 10 - 6
+
+
+def test_engine_refusal_passes_through_and_costs_nothing(gateway: GatewayProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(gateway).completions.create(model="fake", prompt="hi", max_tokens=4,
+                                           extra_body={"fake_error": 400})
+    assert info.value.body["message"] == "the fake engine refuses"
+    [row] = gateway.rows(1)
+    assert row.finish_reason == "upstream_error" and row.cost == 0
