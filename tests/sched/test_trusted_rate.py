@@ -55,7 +55,10 @@ def engine_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
 
 
 def warnings_of(log: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+    # A record can reach caplog's handler twice (through the engine logger and the root,
+    # depending on what earlier tests did to vLLM's logging): count each record once.
+    unique = {id(r): r for r in log.records}
+    return [r.getMessage() for r in unique.values() if r.levelno == logging.WARNING]
 
 
 @modes
