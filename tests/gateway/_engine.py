@@ -45,6 +45,7 @@ class FakeEngine:
     max_model_len: int = 4096
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
+    metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -74,6 +75,7 @@ class FakeEngine:
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/health", self._health),
+            Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/v1/completions", self._complete, methods=["POST"]),
@@ -82,6 +84,11 @@ class FakeEngine:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.metrics_text is None:
+            return Response(status_code=404)
+        return Response(self.metrics_text, media_type="text/plain")
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})

@@ -80,6 +80,11 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     ("lanes.1.name", "interactive", "lane names must be unique"),
     ("lanes.0.priority", "high", "lanes[0].priority"),
     ("request_timeout", "soon", "request_timeout"),
+    ("lanes.1.min_share", 1.5, "lanes[1].min_share"),
+    ("engines.0.max_kv_cache_usage", 2, "engines[0].max_kv_cache_usage"),
+    ("engines.0.max_engine_waiting", -1, "engines[0].max_engine_waiting"),
+    ("repin_after", "never", "repin_after"),
+    ("dispatch_order", "random", "dispatch_order"),
     ("ledger", 5, "ledger"),
 ])
 def test_mistakes_name_their_key(path: str, value: Any, message: str) -> None:

@@ -12,11 +12,14 @@ from ._budget import (
     parse_duration,
 )
 from ._cost import CostModel
+from ._vtc import FairQueue, LaneSpec
 
 __all__ = [
     "BudgetRefusal",
     "BudgetSpec",
     "CostModel",
+    "FairQueue",
+    "LaneSpec",
     "TenantBudgets",
     "TokenBucket",
     "parse_duration",

@@ -32,6 +32,9 @@ from ._tenants import Tenants
 logger = logging.getLogger("tokenpace.gateway")
 
 HEALTH_INTERVAL_S = 2.0
+LOAD_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 5.0
+DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
 
 
@@ -71,7 +74,7 @@ class Gateway:
                 )
                 for e in self.config.engines
             }
-            self.rt = Runtime(self.config, tenants, Dispatcher(list(self.config.engines)),
+            self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
                               clients, ledger, self.clock)
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
@@ -105,18 +108,30 @@ class Gateway:
             self._snapshot()
 
     async def _health_loop(self) -> None:
+        """Engine health every 2 s (down after two failed checks in a row, up after one
+        good one); its saturation gauges every 0.5 s (when it has them)."""
         assert self.rt is not None
+        dispatcher = self.rt.dispatcher
+        failures: dict[str, int] = {}
+        ticks = 0
         while True:
-            for engine in self.rt.dispatcher.engines:
-                try:
-                    resp = await self.rt.clients[engine.url].get("/health", timeout=2.0)
-                    healthy = resp.status_code == 200
-                except httpx.HTTPError:
-                    healthy = False
-                if healthy != engine.healthy:
-                    logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
-                engine.healthy = healthy
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+            for engine in dispatcher.engines:
+                client = self.rt.clients[engine.url]
+                if ticks % round(HEALTH_INTERVAL_S / LOAD_INTERVAL_S) == 0:
+                    try:
+                        ok = (await client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
+                    # One slow answer from a busy engine is not an outage.
+                    healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
+                    if healthy != engine.healthy:
+                        logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                    dispatcher.set_health(engine, healthy)
+                if engine.healthy:
+                    dispatcher.set_load(engine, *await _engine_load(client))
+            ticks += 1
+            await asyncio.sleep(LOAD_INTERVAL_S)
 
     def reload(self) -> GatewayConfig:
         """Re-read the configuration file; in-flight requests are not touched.
@@ -134,6 +149,7 @@ class Gateway:
             raise ConfigError("ledger: changing the ledger needs a restart")
         assert self.rt is not None
         self.rt.tenants.apply(new)
+        self.rt.dispatcher.configure(new)
         self.rt.config = new
         self.config = new
         logger.info("tokenpace gateway: reloaded %s: %d tenant(s)", new.source, len(new.tenants))
@@ -169,12 +185,14 @@ class Gateway:
         rt = self.rt
         assert rt is not None
         engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
-                    "queued": len(e.waiting)} for e in rt.dispatcher.engines]
+                    "queued": len(e.queue)} for e in rt.dispatcher.engines]
         ok = any(e["healthy"] for e in engines)
         return JSONResponse({"status": "ok" if ok else "no healthy engine", "engines": engines},
                             status_code=200 if ok else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        if self.rt is not None:
+            self.rt.dispatcher.publish()
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     async def _admin_reload(self, request: Request) -> Response:
@@ -195,6 +213,23 @@ class Gateway:
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                               code="method_not_allowed")
+
+
+async def _engine_load(client: httpx.AsyncClient) -> tuple[float | None, float | None]:
+    """vLLM's waiting-request count and KV-cache use from its /metrics (None: not there)."""
+    try:
+        resp = await client.get("/metrics", timeout=2.0)
+    except httpx.HTTPError:
+        return None, None
+    if resp.status_code != 200:
+        return None, None
+    waiting = kv = None
+    for line in resp.text.splitlines():
+        if line.startswith("vllm:num_requests_waiting"):
+            waiting = (waiting or 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:kv_cache_usage_perc"):
+            kv = max(kv or 0.0, float(line.rsplit(" ", 1)[1]))
+    return waiting, kv
 
 
 def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:

@@ -36,12 +36,17 @@ class EngineConfig:
     max_inflight: int = 64
     # vLLM refuses a non-zero request priority unless started with --scheduling-policy priority.
     scheduling_policy: str = "fcfs"
+    # Saturation read from the engine's own /metrics: hold requests in the gateway (where
+    # fairness decides) while the engine already queues this many or its KV cache is this full.
+    max_engine_waiting: int | None = 4
+    max_kv_cache_usage: float | None = 0.95
 
 
 @dataclass(frozen=True)
 class LaneConfig:
     name: str
     priority: int = 0
+    min_share: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,10 @@ class GatewayConfig:
     admin_key_hashes: tuple[bytes, ...] = ()
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
+    lane_share_window_s: float = 30.0
+    repin_after_s: float | None = None
+    # "fcfs" keeps lanes but serves tenants in arrival order: the baseline for comparisons.
+    dispatch_order: str = "vtc"
     source: Path | None = None
 
     def lane(self, name: str) -> LaneConfig:
@@ -112,7 +121,8 @@ def load_config(path: str | Path) -> GatewayConfig:
 def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = None) -> GatewayConfig:
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
-                      "request_timeout", "max_body_bytes"))
+                      "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
+                      "dispatch_order"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -159,6 +169,9 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         admin_key_hashes=admin,
         request_timeout_s=_duration(root, "request_timeout", "", 600.0),
         max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
+        lane_share_window_s=_duration(root, "lane_share_window", "", 30.0),
+        repin_after_s=_duration(root, "repin_after", "", 0.0) or None,
+        dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
         source=source,
     )
 
@@ -166,11 +179,18 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
 # -- sections ----------------------------------------------------------------------
 
 
+def _dispatch_order(value: Any) -> str:
+    if value not in ("vtc", "fcfs"):
+        raise ConfigError(f"dispatch_order: expected 'vtc' (weighted fair) or 'fcfs', got {value!r}")
+    return value
+
+
 def _engine(value: Any, where: str) -> EngineConfig:
     if isinstance(value, str):
         value = {"url": value}
     m = _mapping(value, where)
-    _known(m, where, ("url", "max_inflight", "scheduling_policy"))
+    _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
+                      "max_kv_cache_usage"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -183,23 +203,33 @@ def _engine(value: Any, where: str) -> EngineConfig:
             f"{where}.scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)} "
             f"(the engine's --scheduling-policy), got {policy!r}"
         )
+    kv = m.get("max_kv_cache_usage", 0.95)
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float))
+                           or not 0 < kv <= 1):
+        raise ConfigError(f"{where}.max_kv_cache_usage: expected a fraction in (0, 1] or null, got {kv!r}")
     return EngineConfig(
         url=url.rstrip("/"),
         max_inflight=_int(m, "max_inflight", where, 64, minimum=1) or 64,
         scheduling_policy=policy,
+        max_engine_waiting=_int(m, "max_engine_waiting", where, 4, minimum=0)
+        if m.get("max_engine_waiting", 4) is not None else None,
+        max_kv_cache_usage=None if kv is None else float(kv),
     )
 
 
 def _lane(value: Any, where: str) -> LaneConfig:
     m = _mapping(value, where)
-    _known(m, where, ("name", "priority"))
+    _known(m, where, ("name", "priority", "min_share"))
     name = m.get("name")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: required, a non-empty string")
     priority = m.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ConfigError(f"{where}.priority: expected an integer (lower runs first), got {priority!r}")
-    return LaneConfig(name, priority)
+    share = m.get("min_share", 0.1)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise ConfigError(f"{where}.min_share: expected a fraction in [0, 1), got {share!r}")
+    return LaneConfig(name, priority, float(share))
 
 
 def _cost(value: Any) -> CostModel:
@@ -337,7 +367,7 @@ def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimu
 
 
 def _duration(m: Mapping[str, Any], key: str, where: str, default: float) -> float:
-    if key not in m:
+    if key not in m or m[key] is None:
         return default
     value = m[key]
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:

@@ -1,28 +1,33 @@
-"""Where admitted requests wait for an engine slot, and who goes next.
+"""Where admitted requests wait for an engine, and who goes next.
 
-A request may be dispatched when its engine is below ``max_inflight`` and its tenant below
-``max_concurrency``; until then it waits here, in the gateway, where it can still be
-reordered, timed out or cancelled for free. The order among waiters is first come, first
-served, skipping waiters whose tenant is at its concurrency limit (so one saturated
-tenant never blocks the others).
+Requests wait here, in the gateway, rather than in the engine: here they can still be
+reordered, timed out or cancelled for free, and this is where fairness is decided. A
+request is dispatched when its engine has room (below ``max_inflight`` and, when its
+``/metrics`` are reachable, not already queueing or out of KV cache) and its tenant is
+below ``max_concurrency``. Which waiting request goes next is the fair queue's choice
+(``fairness.FairQueue``: lanes in priority order with a minimum share, weighted VTC inside
+a lane, FIFO inside a tenant).
 
 Routing pins each tenant to one engine by rendezvous hashing over the configured engine
-URLs: the same tenant always lands on the same engine while the list is unchanged, so the
-engine-side pacing quota of that identity is single, and adding an engine moves only the
-tenants that now hash to it.
+URLs, so the engine-side pacing quota of that identity is single and adding an engine
+moves only the tenants that now hash to it. When the pinned engine is down its requests
+fail fast; with ``repin_after`` set, a tenant whose engine has been down that long moves to
+the next engine in its rendezvous order (the drain period lets the old engine finish or
+drop what it held before the identity is paced somewhere else).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 
+from ..fairness import FairQueue, LaneSpec
 from . import _metrics as metrics
-from ._config import EngineConfig
+from ._config import EngineConfig, GatewayConfig
 from ._tenants import TenantState
 
 
@@ -31,20 +36,32 @@ class QueueFull(Exception):
 
 
 class EngineSlots:
-    """One engine's capacity as the gateway sees it."""
+    """One engine's capacity as the gateway sees it, and its queue of waiting requests."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, queue: FairQueue[Waiter]) -> None:
         self.config = config
         self.inflight = 0
         self.healthy = True
-        self.waiting: deque[Waiter] = deque()
+        self.down_since: float | None = None
+        self.engine_waiting: float | None = None  # from the engine's /metrics
+        self.kv_cache_usage: float | None = None
+        self.queue = queue
 
     @property
     def url(self) -> str:
         return self.config.url
 
+    def saturated(self) -> bool:
+        """The engine's own gauges say more work would only queue inside it."""
+        cfg = self.config
+        if cfg.max_engine_waiting is not None and self.engine_waiting is not None \
+                and self.engine_waiting > cfg.max_engine_waiting:
+            return True
+        return cfg.max_kv_cache_usage is not None and self.kv_cache_usage is not None \
+            and self.kv_cache_usage >= cfg.max_kv_cache_usage
+
     def has_room(self) -> bool:
-        return self.inflight < self.config.max_inflight
+        return self.inflight < self.config.max_inflight and not self.saturated()
 
 
 @dataclass(eq=False)
@@ -57,23 +74,66 @@ class Waiter:
 
 
 class Dispatcher:
-    def __init__(self, engines: list[EngineConfig]) -> None:
-        self.engines = [EngineSlots(e) for e in engines]
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.engines = [
+            EngineSlots(e, FairQueue(_lane_specs(config), clock, config.lane_share_window_s,
+                                     fair=config.dispatch_order == "vtc"))
+            for e in config.engines
+        ]
+        self.repin_after_s = config.repin_after_s
+        self._states: dict[str, TenantState] = {}
+        self.configure(config)
         for engine in self.engines:
             metrics.ENGINE_INFLIGHT.labels(engine.url).set(0)
 
-    def engine_for(self, tenant_id: str) -> EngineSlots:
-        """The engine ``tenant_id`` is pinned to (highest rendezvous score)."""
-        return max(self.engines, key=lambda e: _score(e.url, tenant_id))
+    def configure(self, config: GatewayConfig) -> None:
+        """Apply (re)loaded lanes, tenant lanes and weights to every engine's queue."""
+        self.repin_after_s = config.repin_after_s
+        lanes = _lane_specs(config)
+        for engine in self.engines:
+            engine.queue.set_lanes(lanes)
+            engine.queue.fair = config.dispatch_order == "vtc"
+            for tenant in config.tenants:
+                engine.queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
 
-    async def acquire(self, tenant: TenantState, engine: EngineSlots, timeout_s: float) -> Waiter:
+    # -- routing ---------------------------------------------------------------------
+
+    def engine_for(self, tenant_id: str) -> EngineSlots:
+        """The engine ``tenant_id`` is pinned to (highest rendezvous score), or with
+        ``repin_after`` the first healthy one in score order once it has been down that long."""
+        ranked = sorted(self.engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
+        first = ranked[0]
+        if first.healthy or self.repin_after_s is None or first.down_since is None \
+                or self._clock() - first.down_since < self.repin_after_s:
+            return first
+        return next((e for e in ranked[1:] if e.healthy), first)
+
+    def set_health(self, engine: EngineSlots, healthy: bool) -> None:
+        if healthy == engine.healthy:
+            return
+        engine.healthy = healthy
+        engine.down_since = None if healthy else self._clock()
+        if healthy:
+            self._pump(engine)
+
+    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None) -> None:
+        """Saturation gauges read from the engine's /metrics (None: not reported)."""
+        engine.engine_waiting, engine.kv_cache_usage = waiting, kv_usage
+        self._pump(engine)
+
+    # -- waiting and dispatch ----------------------------------------------------------
+
+    async def acquire(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+                      prompt_cost: float, estimate: float) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
         """
         waiter = Waiter(tenant, engine)
-        engine.waiting.append(waiter)
+        self._states[tenant.id] = tenant
+        engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
         tenant.queued += 1
         self._pump(engine)
         if waiter.granted:
@@ -93,6 +153,10 @@ class Dispatcher:
             raise
         return waiter
 
+    def charge(self, waiter: Waiter, cost: float) -> None:
+        """Service a dispatched request received (output tokens as the stream reports them)."""
+        waiter.engine.queue.charge(waiter.tenant.id, cost)
+
     def release(self, waiter: Waiter) -> None:
         """Give a dispatched request's slots back (idempotent) and dispatch the next."""
         if not waiter.granted or waiter.released:
@@ -103,29 +167,22 @@ class Dispatcher:
         tenant.inflight -= 1
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
         metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
-        for other in self.engines:
-            if other.waiting:
+        for other in self.engines:  # the tenant's concurrency may unblock any queue
+            if len(other.queue):
                 self._pump(other)
 
     def _remove(self, waiter: Waiter) -> None:
-        try:
-            waiter.engine.waiting.remove(waiter)
-        except ValueError:
-            return
-        waiter.tenant.queued -= 1
-        metrics.QUEUED.labels(waiter.tenant.id).set(waiter.tenant.queued)
+        if waiter.engine.queue.remove(waiter):
+            waiter.tenant.queued -= 1
+            metrics.QUEUED.labels(waiter.tenant.id).set(waiter.tenant.queued)
 
     def _pump(self, engine: EngineSlots) -> None:
-        """Grant slots to waiters in arrival order while the engine has room."""
-        if not engine.has_room():
-            return
-        kept: deque[Waiter] = deque()
-        while engine.waiting:
-            waiter = engine.waiting.popleft()
+        """Dispatch the fair queue's choices while the engine has room."""
+        while engine.has_room():
+            waiter = engine.queue.pop(self._may_dispatch)
+            if waiter is None:
+                break
             tenant = waiter.tenant
-            if not engine.has_room() or tenant.at_concurrency_limit():
-                kept.append(waiter)
-                continue
             waiter.granted = True
             tenant.queued -= 1
             tenant.inflight += 1
@@ -134,8 +191,30 @@ class Dispatcher:
             metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
             if not waiter.future.done():
                 waiter.future.set_result(None)
-        engine.waiting = kept
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+
+    def _may_dispatch(self, tenant_id: str) -> bool:
+        state = self._states.get(tenant_id)
+        return state is not None and not state.at_concurrency_limit()
+
+    def publish(self) -> None:
+        """Refresh the fairness gauges (called when /metrics is scraped)."""
+        lane_cost: dict[str, float] = {}
+        for engine in self.engines:
+            for lane, cost in engine.queue.lane_costs().items():
+                lane_cost[lane] = lane_cost.get(lane, 0.0) + cost
+        total = sum(lane_cost.values())
+        for lane, cost in lane_cost.items():
+            metrics.LANE_SHARE.labels(lane).set(cost / total if total else 0.0)
+        for tenant_id in self._states:
+            engine = self.engine_for(tenant_id)
+            metrics.FAIRNESS_DEBT.labels(tenant_id).set(engine.queue.debt(tenant_id))
+            metrics.QUEUED_COST.labels(tenant_id).set(
+                sum(e.queue.queued(tenant_id)[1] for e in self.engines))
+
+
+def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
+    return [LaneSpec(lane.name, lane.priority, lane.min_share) for lane in config.lanes]
 
 
 def _score(url: str, tenant_id: str) -> int:

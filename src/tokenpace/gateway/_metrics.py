@@ -58,6 +58,19 @@ BUDGET_REMAINING = Gauge(
     "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget.",
     ["tenant", "budget"], registry=REGISTRY,
 )
+FAIRNESS_DEBT = Gauge(
+    "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
+    "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
+    ["tenant"], registry=REGISTRY,
+)
+QUEUED_COST = Gauge(
+    "tokenpace_gateway_queued_tokens", "Estimated cost (prompt + max output, in cost units) "
+    "of a tenant's requests waiting in the gateway.", ["tenant"], registry=REGISTRY,
+)
+LANE_SHARE = Gauge(
+    "tokenpace_gateway_lane_dispatch_share", "A lane's share of the cost dispatched over the "
+    "sliding window (lane_share_window).", ["lane"], registry=REGISTRY,
+)
 ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
     ["engine"], registry=REGISTRY,
@@ -74,6 +87,8 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     E2E_SECONDS: ("tenant",),
     INFLIGHT: ("tenant",),
     QUEUED: ("tenant",),
+    FAIRNESS_DEBT: ("tenant",),
+    QUEUED_COST: ("tenant",),
     BUDGET_REMAINING: ("tenant", "budget"),
 }
 

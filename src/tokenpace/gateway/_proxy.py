@@ -107,6 +107,7 @@ class Exchange:
     completion_tokens: int = 0
     reserved: float = 0.0
     max_completion_tokens: int = 0
+    charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
     queue_s: float | None = None
     ttft_s: float | None = None
@@ -117,12 +118,20 @@ class Exchange:
     def lane(self) -> str:
         return self.tenant.config.lane
 
+    def charge_progress(self) -> None:
+        """Grow the tenant's fair-queue counter by the tokens generated since last time."""
+        delta = self.completion_tokens - self.charged_tokens
+        if delta > 0 and self.waiter is not None and self.charge_usage:
+            self.rt.dispatcher.charge(self.waiter, delta * self.rt.config.cost.completion)
+            self.charged_tokens = self.completion_tokens
+
     def finish(self, outcome: str) -> None:
         if self.finished:
             return
         self.finished = True
         rt = self.rt
         if self.waiter is not None:
+            self.charge_progress()
             rt.dispatcher.release(self.waiter)
         actual = (rt.config.cost.of(self.prompt_tokens, self.completion_tokens)
                   if self.charge_usage else 0.0)
@@ -218,7 +227,9 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         ex.max_completion_tokens = max_tokens * req.n
         with watch.guard(anyio.CancelScope()):
             try:
-                ex.waiter = await rt.dispatcher.acquire(tenant, engine, tenant.config.queue_timeout_s)
+                ex.waiter = await rt.dispatcher.acquire(
+                    tenant, engine, tenant.config.queue_timeout_s,
+                    prompt_cost=rt.config.cost.prompt * prompt_tokens, estimate=reserved)
             except QueueFull:
                 cfg = tenant.config
                 raise GatewayError(
@@ -227,6 +238,11 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
                     f"(max_queued {cfg.max_queued})", reason="queue_full",
                     code="rate_limit_exceeded") from None
             except TimeoutError:
+                if not engine.healthy:
+                    raise GatewayError(
+                        503, f"the engine serving tenant {tenant.id!r} went down while the "
+                        "request waited", reason="engine_unavailable",
+                        code="engine_unavailable") from None
                 raise GatewayError(
                     429, f"waited {tenant.config.queue_timeout_s:g} s in the queue without an "
                     "engine slot (queue_timeout)", reason="queue_timeout",
@@ -506,6 +522,9 @@ class StreamResponse:
                 out = self.rewriter.event(line[5:].strip())
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
+                if progress.completion_tokens > ex.completion_tokens:
+                    ex.completion_tokens = progress.completion_tokens
+                    ex.charge_progress()
                 if out is not None:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 if progress.done:

@@ -1,0 +1,228 @@
+"""Who is dispatched next: priority lanes, then the weighted Virtual Token Counter.
+
+Three ideas stay separate (seed 002): quota is admission's business (budgets), priority
+picks the lane, fairness shares a lane between tenants.
+
+Lanes are served in strict priority order (lower value first), except that a backlogged
+lower lane whose share of the recently dispatched work fell below its ``min_share`` goes
+first: strict priority alone would let a busy interactive lane starve batch work forever.
+The share is measured in cost units of the dispatched requests' reservations (prompt plus
+``max_tokens``) over a sliding window, not in requests: one long request can cost as much
+as a hundred short ones, and the share has to be decided at dispatch, before the output
+length is known.
+
+Inside a lane, weighted VTC (Sheng et al., OSDI 2024): each tenant has a counter of the
+service it received divided by its weight; the backlogged tenant with the smallest counter
+goes next. The counter grows by the prompt cost at dispatch and by the completion cost of
+each token as the stream reports it. A tenant that becomes backlogged is lifted to the
+smallest counter among the lane's backlogged tenants (or, when none is, to the counter of
+the last tenant that left the backlog), so time spent idle banks no credit. Counters are
+already divided by the weight, so a weight change applies to future service only (smooth).
+The queue is work-conserving: it never holds back an eligible request. Within a tenant it
+is first in, first out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    name: str
+    priority: int = 0
+    min_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_share < 1.0:
+            raise ValueError(f"lane {self.name!r}: min_share must lie in [0, 1), got {self.min_share!r}")
+
+
+@dataclass
+class _Entry(Generic[T]):
+    item: T
+    seq: int
+    prompt_cost: float
+    estimate: float
+
+
+@dataclass
+class _Tenant(Generic[T]):
+    lane: str
+    weight: float
+    counter: float = 0.0  # service / weight
+    queue: deque[_Entry[T]] = field(default_factory=deque)
+    queued_cost: float = 0.0
+
+
+class FairQueue(Generic[T]):
+    """Waiting requests of one engine, in the order lanes and VTC dispatch them.
+
+    ``fair=False`` turns the queue into first come, first served across tenants (lanes
+    still apply): the baseline the fairness tests and benchmarks compare against.
+    """
+
+    def __init__(self, lanes: Sequence[LaneSpec], clock: Callable[[], float],
+                 share_window_s: float = 30.0, *, fair: bool = True, lift: bool = True) -> None:
+        self._clock = clock
+        self.share_window_s = share_window_s
+        self.fair = fair
+        self.lift = lift
+        self._seq = count()
+        self._tenants: dict[str, _Tenant[T]] = {}
+        self._where: dict[T, str] = {}
+        self._last_left: dict[str, float] = {}
+        self._window: deque[tuple[float, str, float]] = deque()
+        self._window_cost: dict[str, float] = {}
+        self.set_lanes(lanes)
+
+    # -- configuration ---------------------------------------------------------------
+
+    def set_lanes(self, lanes: Sequence[LaneSpec]) -> None:
+        self._lanes = sorted(lanes, key=lambda lane: lane.priority)
+        self._lane_names = {lane.name for lane in self._lanes}
+
+    def set_tenant(self, tenant: str, lane: str, weight: float) -> None:
+        """Declare or update a tenant. Its counter is kept: the new weight only divides
+        future service, so the change takes effect smoothly."""
+        if lane not in self._lane_names:
+            raise ValueError(f"unknown lane {lane!r}")
+        state = self._tenants.get(tenant)
+        if state is None:
+            self._tenants[tenant] = _Tenant(lane, weight)
+            return
+        state.weight = weight
+        if state.lane != lane and not state.queue:
+            state.lane = lane
+
+    # -- queue operations ------------------------------------------------------------
+
+    def push(self, item: T, tenant: str, prompt_cost: float, estimate: float) -> None:
+        """Queue ``item``. ``prompt_cost`` is charged at dispatch; ``estimate`` (prompt +
+        max output cost) is what the lane shares count."""
+        state = self._tenants[tenant]
+        if not state.queue and self.lift:
+            floor = self._lift_floor(state.lane, exclude=tenant)
+            if floor is not None and floor > state.counter:
+                state.counter = floor
+        state.queue.append(_Entry(item, next(self._seq), prompt_cost, estimate))
+        state.queued_cost += estimate
+        self._where[item] = tenant
+
+    def remove(self, item: T) -> bool:
+        """Take a waiting item out (cancelled, timed out); False if it is not queued."""
+        tenant = self._where.pop(item, None)
+        if tenant is None:
+            return False
+        state = self._tenants[tenant]
+        for entry in state.queue:
+            if entry.item == item:
+                state.queue.remove(entry)
+                state.queued_cost -= entry.estimate
+                break
+        if not state.queue:
+            self._last_left[state.lane] = state.counter
+        return True
+
+    def pop(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
+        """The next item to dispatch among tenants for which ``eligible(tenant)`` holds."""
+        now = self._clock()
+        self._trim(now)
+        lane = self._choose_lane(eligible)
+        if lane is None:
+            return None
+        tenant, state = self._choose_tenant(lane, eligible)
+        entry = state.queue.popleft()
+        state.queued_cost -= entry.estimate
+        del self._where[entry.item]
+        state.counter += entry.prompt_cost / state.weight
+        if not state.queue:
+            self._last_left[lane] = state.counter
+        self._window.append((now, lane, entry.estimate))
+        self._window_cost[lane] = self._window_cost.get(lane, 0.0) + entry.estimate
+        return entry.item
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Service delivered to ``tenant`` after dispatch (output tokens as they stream)."""
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.counter += cost / state.weight
+
+    # -- observation -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def counter(self, tenant: str) -> float:
+        return self._tenants[tenant].counter
+
+    def queued(self, tenant: str) -> tuple[int, float]:
+        """(requests, estimated cost) waiting for ``tenant``."""
+        state = self._tenants.get(tenant)
+        return (len(state.queue), state.queued_cost) if state else (0, 0.0)
+
+    def debt(self, tenant: str) -> float:
+        """Counter minus the smallest counter among the lane's backlogged tenants: how far
+        ahead of the neediest competitor this tenant is (0 when nobody else waits)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return 0.0
+        floor = self._lift_floor(state.lane, exclude=None)
+        return 0.0 if floor is None else state.counter - floor
+
+    def lane_costs(self) -> dict[str, float]:
+        """Each lane's estimated cost dispatched within the sliding window."""
+        self._trim(self._clock())
+        return {lane.name: max(0.0, self._window_cost.get(lane.name, 0.0)) for lane in self._lanes}
+
+    def lane_shares(self) -> dict[str, float]:
+        """Each lane's fraction of the cost dispatched within the sliding window."""
+        costs = self.lane_costs()
+        total = sum(costs.values())
+        return {lane: (cost / total if total else 0.0) for lane, cost in costs.items()}
+
+    # -- internals -------------------------------------------------------------------
+
+    def _lift_floor(self, lane: str, exclude: str | None) -> float | None:
+        backlogged = [s.counter for t, s in self._tenants.items()
+                      if s.lane == lane and s.queue and t != exclude]
+        if backlogged:
+            return min(backlogged)
+        return self._last_left.get(lane)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.share_window_s
+        while self._window and self._window[0][0] < horizon:
+            _, lane, cost = self._window.popleft()
+            self._window_cost[lane] -= cost
+
+    def _has_work(self, lane: str, eligible: Callable[[str], bool]) -> bool:
+        return any(s.lane == lane and s.queue and eligible(t) for t, s in self._tenants.items())
+
+    def _choose_lane(self, eligible: Callable[[str], bool]) -> str | None:
+        ready = [lane for lane in self._lanes if self._has_work(lane.name, eligible)]
+        if not ready:
+            return None
+        total = sum(self._window_cost.values())
+        for lane in ready[1:]:  # the first ready lane needs no protection
+            if self._window_cost.get(lane.name, 0.0) < lane.min_share * total:
+                return lane.name
+        return ready[0].name
+
+    def _choose_tenant(self, lane: str, eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]]:
+        best: tuple[float, int] | None = None
+        chosen: tuple[str, _Tenant[T]] | None = None
+        for tenant, state in self._tenants.items():
+            if state.lane != lane or not state.queue or not eligible(tenant):
+                continue
+            key = (state.counter if self.fair else 0.0, state.queue[0].seq)
+            if best is None or key < best:
+                best, chosen = key, (tenant, state)
+        assert chosen is not None
+        return chosen
