@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"argument --config: {exc}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO: the access log already shows each request.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(serve(config, args.host, args.port, args.log_level))
 
 
