@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .gateway._config import ConfigError, GatewayConfig, load_config
+from .gateway._config import GatewayConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
@@ -80,10 +80,9 @@ def main(argv: list[str]) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        parser.error(f"argument --config: {exc}")
+    from .gateway._main import load_or_exit
+
+    config = load_or_exit(parser, args.config, "info")
     from .bench._server import Server, start_all
     from .serve import ServeUsageError, build_command
 

@@ -32,17 +32,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def load_or_exit(parser: argparse.ArgumentParser, path: str, log_level: str) -> GatewayConfig:
+    """The validated configuration, or a usage error naming the key; then set up logging."""
     try:
-        config = load_config(args.config)
+        config = load_config(path)
     except ConfigError as exc:
         parser.error(f"argument --config: {exc}")
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every upstream request at INFO: the access log already shows each request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    return config
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = load_or_exit(parser, args.config, args.log_level)
     return asyncio.run(serve(config, args.host, args.port, args.log_level))
 
 
