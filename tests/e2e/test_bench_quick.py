@@ -36,7 +36,9 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
             # 40-token streams are too short to measure a rate closely (the full run is in
             # docs/benchmarks.md, and tests/e2e/test_serve.py checks 3%): never above it.
             assert user["engine_rate"] <= 1.05 * user["limit"], user
-            assert user["client_gap_p50_s"] >= 0.5 * user["ideal_gap_s"], user
+            # Gaps at the engine: a busy client reads several chunks at once, which makes the
+            # client's median gap of a short 100 tok/s stream collapse to ~0 on this box.
+            assert user["engine_gap_p50_s"] >= 0.5 * user["ideal_gap_s"], user
 
 
 def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
