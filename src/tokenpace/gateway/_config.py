@@ -84,14 +84,20 @@ class GatewayConfig:
         return next(lane for lane in self.lanes if lane.name == name)
 
     def tenant_for_key(self, key: str) -> TenantConfig | None:
-        """The tenant owning API key ``key``; comparisons are constant-time."""
-        digest = hash_key(key)
-        found = None
-        for tenant in self.tenants:
-            for known in tenant.key_hashes:
-                if hmac.compare_digest(known, digest):
-                    found = tenant
-        return found
+        """The tenant owning API key ``key``.
+
+        The lookup is by SHA-256 digest, so its timing depends on the digest, never on how
+        much of a secret key a guess got right.
+        """
+        return self._tenant_by_digest.get(hash_key(key))
+
+    @property
+    def _tenant_by_digest(self) -> dict[bytes, TenantConfig]:
+        table = self.__dict__.get("_by_digest")
+        if table is None:
+            table = {digest: t for t in self.tenants for digest in t.key_hashes}
+            object.__setattr__(self, "_by_digest", table)
+        return table
 
     def is_admin_key(self, key: str) -> bool:
         digest = hash_key(key)

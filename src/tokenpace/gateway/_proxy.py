@@ -298,12 +298,13 @@ async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[
 
 def _engine_message(resp: httpx.Response) -> str:
     try:
-        error = resp.json().get("error")
-        if isinstance(error, dict):
-            return str(error.get("message"))
-        return str(resp.json().get("message") or resp.text[:300])
+        body = resp.json()
     except ValueError:
         return resp.text[:300]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message"))
+    return str(body.get("message") if isinstance(body, dict) and body.get("message") else resp.text[:300])
 
 
 def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,

@@ -20,11 +20,10 @@ class TenantState:
     def __init__(self, config: TenantConfig, now: float,
                  saved: dict[str, tuple[float, float]] | None = None) -> None:
         self.config = config
-        self.budgets = TenantBudgets(list(config.budgets), now)
-        for bucket in self.budgets.buckets:
-            if saved and bucket.spec.key in saved:
-                level, age_s = saved[bucket.spec.key]
-                bucket.adjust(level + age_s * bucket.spec.refill_per_s - bucket.level(now), now)
+        saved = saved or {}
+        levels = {b.key: saved[b.key][0] + saved[b.key][1] * b.refill_per_s
+                  for b in config.budgets if b.key in saved}
+        self.budgets = TenantBudgets(list(config.budgets), now, levels)
         self.inflight = 0
         self.queued = 0
 
