@@ -112,6 +112,18 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     return _bench_outputs(args, gateway, result)
 
 
+def _cmd_bench_fairness(args: argparse.Namespace) -> int:
+    from .bench import fairness
+
+    if args.quick:
+        args.duration, args.period, args.window, args.calibration = 12.0, 3.0, 3.0, 6.0
+    if args.window > args.duration:
+        raise SystemExit("tokenpace bench fairness: error: --window must not exceed --duration")
+    result = fairness.run(_bench_model(args), args.duration, args.period, args.window,
+                          args.max_inflight, args.calibration, args.seed)
+    return _bench_outputs(args, fairness, result)
+
+
 def _modes(value: str) -> list[str]:
     modes = value.split(",")
     if not modes or any(m not in ("sync", "async") for m in modes):
@@ -239,6 +251,27 @@ def build_parser() -> argparse.ArgumentParser:
     gwb.add_argument("--rounds", type=_positive_int, default=3,
                      help="alternating throughput rounds per path (default 3)")
     gwb.set_defaults(func=_cmd_bench_gateway)
+
+    fair = bench_sub.add_parser(
+        "fairness",
+        help="the VTC paper's workloads through the gateway: FCFS against VTC",
+        description="Two tenants per workload (overloaded at request rates 1:2; a flood "
+        "beside an on/off tenant; short against long requests) through two gateways that "
+        "differ only in dispatch_order (fcfs, vtc), in front of one engine.",
+    )
+    _bench_common(fair)
+    fair.add_argument("--duration", type=_positive_float, default=90.0,
+                      help="seconds of arrivals per workload and policy (default 90)")
+    fair.add_argument("--period", type=_positive_float, default=15.0,
+                      help="length of the on/off tenant's off and on phases (default 15 s)")
+    fair.add_argument("--window", type=_positive_float, default=5.0,
+                      help="window over which service rates are compared (default 5 s)")
+    fair.add_argument("--max-inflight", type=_positive_int, default=16,
+                      help="requests each gateway keeps on the engine (default 16)")
+    fair.add_argument("--calibration", type=_positive_float, default=15.0,
+                      help="seconds of the capacity measurement (default 15)")
+    fair.add_argument("--seed", type=int, default=1, help="seed of the arrival times")
+    fair.set_defaults(func=_cmd_bench_fairness)
     return parser
 
 

@@ -60,3 +60,22 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
         assert 0 < result["latency"][path]["ttft_ms_median"] <= result["latency"][path]["ttft_ms_p99"]
     assert result["gateway_cpu_ms_per_request"] > 0
     assert result["throughput_ratio_median"] > 0.3, result  # a sanity bound, not a claim
+
+
+def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
+    result = _bench("fairness", tiny_model, tmp_path)
+    assert result["capacity"]["cost_per_s"] > 0
+    by_name = {w["name"]: w for w in result["workloads"]}
+    assert set(by_name) == {"overload_1_2", "on_off", "short_long"}
+    for workload in by_name.values():
+        for policy in ("fcfs", "vtc"):
+            data = workload["policies"][policy]
+            assert data["throughput"]["output_tokens_per_s"] > 0
+            assert all(t["started"] > 0 for t in data["tenants"].values()), data
+    # Where both tenants are overloaded, FCFS serves them in proportion to what they send
+    # (1:2 requests; short against long requests), VTC evenly: the light tenant's share of
+    # the service must be clearly larger under VTC (about 0.33 -> 0.5 and 0.17 -> 0.5 here).
+    for name in ("overload_1_2", "short_long"):
+        fcfs = by_name[name]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
+        vtc = by_name[name]["policies"]["vtc"]["tenants"]["a"]["service_share"]
+        assert vtc > fcfs + 0.05, (name, fcfs, vtc)

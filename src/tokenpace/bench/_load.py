@@ -39,9 +39,14 @@ class StreamRecord:
 
 async def stream_completion(
     client: httpx.AsyncClient, base_url: str, user: str | None, max_tokens: int,
-    prompt: str = "Hello",
+    prompt: str | list[int] = "Hello", record: StreamRecord | None = None,
+    headers: dict[str, str] | None = None,
 ) -> StreamRecord:
-    """Stream one ``ignore_eos`` completion for ``user`` (None: no identity)."""
+    """Stream one ``ignore_eos`` completion for ``user`` (None: no identity).
+
+    Pass ``record`` to watch tokens arrive while the stream runs (it keeps what arrived if
+    the task is cancelled); ``prompt`` may be token ids.
+    """
     body: dict[str, object] = {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
         "ignore_eos": True, "return_token_ids": True,
@@ -49,8 +54,10 @@ async def stream_completion(
     }
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
-    record = StreamRecord(user=user or "", start=time.monotonic())
-    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+    if record is None:
+        record = StreamRecord(user=user or "", start=time.monotonic())
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body,
+                             headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():

@@ -1,0 +1,445 @@
+"""`tokenpace bench fairness`: the VTC paper's synthetic workloads through the real gateway.
+
+One engine (``tokenpace serve --trusted-gateway``, nobody paced) and two gateways in front
+of it that differ only in ``dispatch_order``: ``fcfs`` and ``vtc``. Each gateway keeps at
+most ``max_inflight`` requests on the engine, so under overload the rest wait in the
+gateway, and the dispatch order decides who is served. Workloads run one at a time, first
+through one gateway, then the other (the order alternates), with open-loop Poisson
+arrivals from a fixed seed, so both policies see the same requests at the same times:
+
+- ``overload_1_2``: two tenants, same request shape, request rates 1:2, both above their
+  fair share (0.75 and 1.5 times the measured capacity).
+- ``on_off``: a tenant flooding at 1.5 times capacity beside one that alternates off and
+  on phases and, while on, asks for 0.4 of capacity, below its half share.
+- ``short_long``: equal request rates, one tenant with short requests, one with long
+  ones (both above their share in cost units).
+
+Capacity is measured first, through the gateway with ``max_inflight`` streams back to back,
+so the loads scale with the machine. Service is the gateway's cost (1 per prompt token, 2
+per output token), timed at the client (see ``_service``). Reported per policy and
+workload: the maximum and mean service-rate gap between backlogged tenants over time
+windows, each tenant's service and time to first token, and throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ._environment import environment
+from ._load import StreamRecord, percentile, stream_completion
+from ._server import Server, free_port, start_all, tokenpace_serve_argv
+from ._service import Request, service_difference, service_windows
+
+PROMPT_COST, COMPLETION_COST = 1.0, 2.0
+POLICIES = ("fcfs", "vtc")
+VOCAB = (3, 512)  # the tiny model's ordinary token ids (0-2 are special)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Mean lengths of a tenant's requests. Each request draws its lengths uniformly from
+    half to one and a half times these: with equal lengths every request started in one
+    step would also finish in one step, and slots would free in bursts a whole generation
+    apart, which no real workload does."""
+
+    prompt: int
+    output: int
+
+    @property
+    def cost(self) -> float:
+        return PROMPT_COST * self.prompt + COMPLETION_COST * self.output
+
+    def draw(self, rng: random.Random) -> tuple[list[int], int]:
+        prompt = rng.randint(self.prompt // 2, self.prompt * 3 // 2)
+        output = rng.randint(self.output // 2, self.output * 3 // 2)
+        return [rng.randrange(*VOCAB) for _ in range(prompt)], output
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of a workload: when it is sent, by whom, what it asks."""
+
+    at: float
+    tenant_id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+STANDARD = Shape(64, 128)
+SHORT = Shape(32, 32)
+LONG = Shape(128, 256)
+
+
+@dataclass(frozen=True)
+class Load:
+    """One tenant's arrivals: Poisson at ``demand`` x capacity (in cost units) while on.
+
+    With ``period_s`` the tenant alternates off and on phases of that length, off first,
+    so that a flooding neighbour has built its backlog before it arrives."""
+
+    tenant: str
+    shape: Shape
+    demand: float
+    period_s: float | None = None
+
+    def is_on(self, t: float) -> bool:
+        return self.period_s is None or (t // self.period_s) % 2 == 1
+
+    def arrivals(self, capacity: float, duration: float, rng: random.Random) -> list[float]:
+        rate = self.demand * capacity / self.shape.cost
+        out: list[float] = []
+        t = 0.0
+        while True:
+            t += rng.expovariate(rate)
+            if self.period_s is not None and not self.is_on(t):
+                t = (t // self.period_s + 1) * self.period_s  # memoryless: skip the off phase
+            if t >= duration:
+                return out
+            out.append(t)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    loads: tuple[Load, Load]
+
+
+def workloads(period_s: float) -> list[Workload]:
+    long_demand = 0.75 * LONG.cost / SHORT.cost  # same request rate as the short tenant
+    return [
+        Workload("overload_1_2", "two tenants overloaded, request rates 1:2",
+                 (Load("a", STANDARD, 0.75), Load("b", STANDARD, 1.5))),
+        Workload("on_off", "a flood beside a tenant that comes and goes",
+                 (Load("a", STANDARD, 1.5), Load("b", STANDARD, 0.4, period_s))),
+        Workload("short_long", "short against long requests, equal request rates",
+                 (Load("a", SHORT, 0.75), Load("b", LONG, long_demand))),
+    ]
+
+
+def _tenant_id(workload: str, tenant: str) -> str:
+    return f"{workload}-{tenant}"
+
+
+def _key(tenant_id: str) -> str:
+    return f"sk-bench-{tenant_id}"
+
+
+def _gateway_config(engine_url: str, policy: str, max_inflight: int, ledger: Path,
+                    tenant_ids: list[str]) -> str:
+    tenants = "\n".join(
+        f'  - {{id: "{t}", api_keys: ["{_key(t)}"], queue_timeout: 1h}}' for t in tenant_ids
+    )
+    return (
+        f'engines: [{{url: "{engine_url}", max_inflight: {max_inflight}}}]\n'
+        f"dispatch_order: {policy}\n"
+        f"cost: {{prompt: {PROMPT_COST}, completion: {COMPLETION_COST}}}\n"
+        f'ledger: "sqlite:///{ledger}"\n'
+        f"tenants:\n{tenants}\n"
+    )
+
+
+Sent = tuple[Planned, StreamRecord]
+
+
+async def _one(client: httpx.AsyncClient, url: str, item: Planned, record: StreamRecord,
+               errors: list[str]) -> None:
+    try:
+        await stream_completion(client, url, None, item.max_tokens, item.prompt, record,
+                                headers={"authorization": f"Bearer {_key(item.tenant_id)}"})
+    except (RuntimeError, httpx.HTTPError) as exc:
+        errors.append(f"{item.tenant_id}: {exc!r}"[:300])
+
+
+def _client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=8192, max_keepalive_connections=8192)
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits)
+
+
+async def _open_loop(url: str, plan: list[Planned],
+                     duration: float) -> tuple[float, list[Sent], list[str]]:
+    """Send ``plan`` on time; at ``duration`` cancel what is still running or waiting (the
+    gateway drops queued requests and aborts the engine's)."""
+    sent: list[Sent] = []
+    errors: list[str] = []
+    tasks: list[asyncio.Task[None]] = []
+    async with _client() as client:
+        t0 = time.monotonic()
+        for item in plan:
+            delay = t0 + item.at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = StreamRecord(user=item.tenant_id, start=time.monotonic())
+            sent.append((item, record))
+            tasks.append(asyncio.create_task(_one(client, url, item, record, errors)))
+        await asyncio.sleep(max(0.0, t0 + duration - time.monotonic()))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return t0, sent, errors
+
+
+async def _closed_loop(url: str, tenant_id: str, streams: int, shape: Shape,
+                       duration: float) -> tuple[float, list[Sent]]:
+    """``streams`` workers sending ``shape`` back to back for ``duration`` seconds."""
+    rng = random.Random(0)
+    sent: list[Sent] = []
+    errors: list[str] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            item = Planned(0.0, tenant_id, *shape.draw(rng))
+            record = StreamRecord(user=tenant_id, start=time.monotonic())
+            sent.append((item, record))
+            await _one(client, url, item, record, errors)
+            if errors:
+                raise RuntimeError(errors[0])
+
+    async with _client() as client:
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(worker(client)) for _ in range(streams)]
+        await asyncio.wait(tasks, timeout=duration)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if errors:
+        raise RuntimeError(f"calibration request failed: {errors[0]}")
+    return t0, sent
+
+
+def _requests(t0: float, sent: list[Sent]) -> list[Request]:
+    return [Request(item.tenant_id, r.start - t0, len(item.prompt), [t - t0 for t in r.token_times])
+            for item, r in sent]
+
+
+def _metric_sum(text: str, names: tuple[str, ...]) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                total += sample.value
+    return total
+
+
+def _wait_idle(engine: Server, gateways: list[Server], timeout_s: float = 120.0) -> None:
+    """Until no gateway holds a request and the engine runs none: the next run starts clean."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = sum(
+            _metric_sum(httpx.get(f"{g.base_url}/metrics", timeout=10).text,
+                        ("tokenpace_gateway_inflight_requests", "tokenpace_gateway_queued_requests"))
+            for g in gateways
+        )
+        busy += _metric_sum(httpx.get(f"{engine.base_url}/metrics", timeout=10).text,
+                            ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"engine or gateway still busy {timeout_s:.0f} s after a run was cancelled")
+
+
+def _calibrate(url: str, streams: int, duration: float) -> dict[str, float]:
+    """Cost units per second the engine delivers through the gateway at ``streams`` in flight
+    (the first third of the run, while the batch fills, is left out)."""
+    t0, sent = asyncio.run(_closed_loop(url, "calibration", streams, STANDARD, duration))
+    reqs = _requests(t0, sent)
+    start = duration / 3
+    window = service_windows(reqs, ["calibration"], start, duration, duration - start,
+                             PROMPT_COST, COMPLETION_COST)
+    capacity = window.rates["calibration"][0]
+    if capacity <= 0:
+        raise RuntimeError("calibration served nothing")
+    tokens = sum(1 for r in reqs for t in r.token_times if start <= t < duration)
+    return {"cost_per_s": capacity, "output_tokens_per_s": tokens / (duration - start),
+            "requests_per_s": capacity / STANDARD.cost}
+
+
+def _plan(workload: Workload, capacity: float, duration: float, seed: int) -> list[Planned]:
+    plan = []
+    for i, load in enumerate(workload.loads):
+        rng = random.Random(seed * 1000 + i)
+        tenant_id = _tenant_id(workload.name, load.tenant)
+        plan += [Planned(at, tenant_id, *load.shape.draw(rng))
+                 for at in load.arrivals(capacity, duration, rng)]
+    return sorted(plan, key=lambda item: item.at)
+
+
+def _ttft(reqs: list[Request]) -> dict[str, Any]:
+    """TTFT of the requests that started; those still waiting at the end are counted apart
+    (under overload their wait is open-ended, so no percentile can include them)."""
+    values = [(r.first - r.sent) * 1000 for r in reqs if r.first is not None]
+    out: dict[str, Any] = {"requests": len(reqs), "started": len(values)}
+    for name, q in (("median", 50), ("p90", 90), ("p99", 99)):
+        out[f"ttft_ms_{name}"] = round(percentile(values, q), 1) if values else None
+    out["ttft_ms"] = [round(v, 1) for v in values]
+    return out
+
+
+def _analyse(workload: Workload, t0: float, sent: list[Sent],
+             duration: float, window_s: float) -> dict[str, Any]:
+    reqs = _requests(t0, sent)
+    ids = [_tenant_id(workload.name, load.tenant) for load in workload.loads]
+    windows = service_windows(reqs, ids, 0.0, duration, window_s, PROMPT_COST, COMPLETION_COST)
+    diff = service_difference(windows, {t: 1.0 for t in ids})
+    tenants = {}
+    for load, tenant_id in zip(workload.loads, ids):
+        mine = [r for r in reqs if r.tenant == tenant_id]
+        served = sum(windows.rates[tenant_id]) * window_s
+        tenants[load.tenant] = {
+            "id": tenant_id, **_ttft(mine),
+            "service": round(served, 1),
+            "output_tokens": sum(len(r.token_times) for r in mine),
+            "service_per_window": [round(x, 1) for x in windows.rates[tenant_id]],
+            "backlogged_per_window": [round(x, 3) for x in windows.backlogged[tenant_id]],
+        }
+    total = sum(t["service"] for t in tenants.values())
+    for t in tenants.values():
+        t["service_share"] = round(t["service"] / total, 4) if total else None
+    return {
+        "difference": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in diff.items()},
+        "tenants": tenants,
+        "throughput": {
+            "output_tokens_per_s": round(sum(t["output_tokens"] for t in tenants.values())
+                                         / (windows.count * window_s), 1),
+            "cost_per_s": round(total / (windows.count * window_s), 1),
+        },
+        "window_midpoints_s": [round(x, 3) for x in windows.midpoints()],
+    }
+
+
+def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: float = 5.0,
+        max_inflight: int = 16, calibration_s: float = 15.0, seed: int = 1,
+        workdir: Path | None = None) -> dict[str, Any]:
+    home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fairness-"))
+    chosen = workloads(period_s)
+    tenant_ids = ["calibration"] + [_tenant_id(w.name, load.tenant) for w in chosen for load in w.loads]
+    engine_port = free_port()
+    engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
+                                         "--max-num-seqs", str(max(max_inflight, 16))),
+                    engine_port, home / "engine.log")
+    gateways: dict[str, Server] = {}
+    for policy in POLICIES:
+        port = free_port()
+        config = home / f"gateway-{policy}.yaml"
+        config.write_text(_gateway_config(engine.base_url, policy, max_inflight,
+                                          home / f"usage-{policy}.db", tenant_ids))
+        gateways[policy] = Server(
+            [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
+             "--port", str(port), "--log-level", "warning"],
+            port, home / f"gateway-{policy}.log")
+    start_all([engine, *gateways.values()])
+    results: list[dict[str, Any]] = []
+    try:
+        calibration = _calibrate(gateways["vtc"].base_url, max_inflight, calibration_s)
+        print(f"capacity through the gateway at {max_inflight} in flight: "
+              f"{calibration['cost_per_s']:.0f} cost units/s "
+              f"({calibration['output_tokens_per_s']:.0f} output tok/s)", flush=True)
+        _wait_idle(engine, list(gateways.values()))
+        for i, workload in enumerate(chosen):
+            plan = _plan(workload, calibration["cost_per_s"], duration, seed + i)
+            entry: dict[str, Any] = {"name": workload.name, "title": workload.title,
+                                     "requests_sent": len(plan), "policies": {},
+                                     "loads": [_describe(load) for load in workload.loads]}
+            order = POLICIES if i % 2 == 0 else POLICIES[::-1]
+            for policy in order:
+                t0, sent, errors = asyncio.run(_open_loop(gateways[policy].base_url, plan, duration))
+                if errors:
+                    raise RuntimeError(f"{len(errors)} requests failed in {workload.name}/{policy}: "
+                                       + "; ".join(errors[:3]))
+                _wait_idle(engine, list(gateways.values()))
+                entry["policies"][policy] = _analyse(workload, t0, sent, duration, window_s)
+                _print(workload.name, policy, entry["policies"][policy])
+            results.append(entry)
+    finally:
+        for server in (*gateways.values(), engine):
+            server.stop()
+    return {
+        "benchmark": "fairness",
+        "parameters": {"duration_s": duration, "on_off_period_s": period_s, "window_s": window_s,
+                       "max_inflight": max_inflight, "calibration_s": calibration_s,
+                       "seed": seed, "cost": {"prompt": PROMPT_COST, "completion": COMPLETION_COST},
+                       "min_backlogged": 0.9},
+        "capacity": {k: round(v, 2) for k, v in calibration.items()},
+        "workloads": results,
+        **environment(),
+    }
+
+
+def _describe(load: Load) -> dict[str, Any]:
+    return {"tenant": load.tenant, "prompt_tokens": load.shape.prompt,
+            "output_tokens": load.shape.output, "demand_of_capacity": round(load.demand, 3),
+            "on_off_period_s": load.period_s}
+
+
+def _print(workload: str, policy: str, result: dict[str, Any]) -> None:
+    diff = result["difference"]
+    a, b = result["tenants"]["a"], result["tenants"]["b"]
+    gap = ("n/a (never both backlogged)" if diff["max"] is None else
+           f"max {diff['max']:.0f} mean {diff['mean']:.0f} cost/s "
+           f"({diff['max_relative']:.2f}/{diff['mean_relative']:.2f} of the pair's service)")
+    print(f"{workload:13s} {policy}: gap {gap}; shares a {a['service_share']} b "
+          f"{b['service_share']}; TTFT median a {a['ttft_ms_median']} ms b {b['ttft_ms_median']} "
+          f"ms; {result['throughput']['output_tokens_per_s']:.0f} tok/s", flush=True)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from ._plots import pyplot, save
+
+    plt = pyplot()
+    rows = result["workloads"]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(14, 3.4 * len(rows)), squeeze=False)
+    colours = {"a": "tab:blue", "b": "tab:orange"}
+    for row, workload in zip(axes, rows):
+        top = max(max(t["service_per_window"]) for p in workload["policies"].values()
+                  for t in p["tenants"].values())
+        for ax, policy in zip(row[:2], POLICIES):
+            data = workload["policies"][policy]
+            x = data["window_midpoints_s"]
+            for name, tenant in data["tenants"].items():
+                ax.plot(x, tenant["service_per_window"], color=colours[name],
+                        label=f"tenant {name}")
+            _shade_on_phases(ax, workload["loads"], result["parameters"]["duration_s"])
+            ax.set_ylim(0, top * 1.1)
+            ax.set_title(f"{workload['name']}: {policy.upper()}")
+            ax.set_xlabel("time (s)")
+            ax.set_ylabel("service (cost units/s)")
+            ax.legend(loc="lower right", fontsize=8)
+        ax = row[2]
+        for policy, style in zip(POLICIES, ("--", "-")):
+            for name, tenant in workload["policies"][policy]["tenants"].items():
+                ttft = tenant.get("ttft_ms")
+                if not ttft:
+                    continue
+                ordered = sorted(ttft)
+                ax.plot([v / 1000 for v in ordered], [(i + 1) / len(ordered) for i in range(len(ordered))],
+                        style, color=colours[name], label=f"{name} {policy}")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (s)")
+        ax.set_ylabel("fraction of started requests")
+        ax.set_title(f"{workload['name']}: TTFT")
+        ax.legend(fontsize=8)
+    save(fig, path)
+
+
+
+def _shade_on_phases(ax: Any, loads: list[dict[str, Any]], duration: float) -> None:
+    for load in loads:
+        period = load["on_off_period_s"]
+        if not period:
+            continue
+        start = period  # off first
+        while start < duration:
+            ax.axvspan(start, min(start + period, duration), color="tab:orange", alpha=0.08,
+                       lw=0, label=f"tenant {load['tenant']} on" if start == period else None)
+            start += 2 * period
