@@ -36,6 +36,10 @@ LOAD_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
 DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
+ENGINE_KEEPALIVE_S = 2.0
+"""Idle connections to an engine are dropped after this long: vLLM's server closes them
+after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a connection reused just as the engine closes
+it fails the request it carries. httpx's default expiry is that same 5 s."""
 
 
 class Gateway:
@@ -70,7 +74,8 @@ class Gateway:
                     base_url=e.url,
                     timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
                     limits=httpx.Limits(max_connections=e.max_inflight + 8,
-                                        max_keepalive_connections=e.max_inflight + 8),
+                                        max_keepalive_connections=e.max_inflight + 8,
+                                        keepalive_expiry=ENGINE_KEEPALIVE_S),
                 )
                 for e in self.config.engines
             }

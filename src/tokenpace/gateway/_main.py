@@ -52,6 +52,13 @@ def main(argv: list[str]) -> int:
     return asyncio.run(serve(config, args.host, args.port, args.log_level))
 
 
+CLIENT_KEEP_ALIVE_S = 75
+"""How long an idle client connection stays open. HTTP clients keep idle connections for
+a few seconds (httpx and the openai SDK: 5 s) and reuse them without asking; if the server
+closes at the same moment the client's request fails with a connection error. Closing
+well after the clients do (uvicorn's default is 5 s) avoids that race."""
+
+
 async def serve(config: GatewayConfig, host: str, port: int, log_level: str) -> int:
     """Serve until SIGINT/SIGTERM; SIGHUP reloads the configuration file."""
     import uvicorn
@@ -61,7 +68,7 @@ async def serve(config: GatewayConfig, host: str, port: int, log_level: str) -> 
     gateway = Gateway(config)
     server = uvicorn.Server(uvicorn.Config(
         gateway.app, host=host, port=port, log_level=log_level, lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=30, timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
     ))
 
     def on_sighup() -> None:
