@@ -429,3 +429,23 @@ def test_engine_refusal_passes_through_and_costs_nothing(gateway: GatewayProcess
     assert info.value.body["message"] == "the fake engine refuses"
     [row] = gateway.rows(1)
     assert row.finish_reason == "upstream_error" and row.cost == 0
+
+
+# -- connections ------------------------------------------------------------------------
+
+
+def test_idle_client_connections_outlive_the_clients_own_keep_alive(gateway: GatewayProcess) -> None:
+    """httpx and the openai SDK reuse an idle connection for up to 5 s without asking; a
+    server that closed it at that moment would fail the request. The gateway keeps idle
+    connections far longer, so a connection idle for 6 s still carries the next request."""
+    with httpx.Client(headers={"authorization": f"Bearer {KEY_A}"},
+                      limits=httpx.Limits(keepalive_expiry=60)) as c:
+        body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+        first = c.post(gateway.url + "/v1/completions", json=body)
+        assert first.status_code == 200
+        events: list[str] = []
+        time.sleep(6)
+        second = c.post(gateway.url + "/v1/completions", json=body,
+                        extensions={"trace": lambda name, info: events.append(name)})
+        assert second.status_code == 200
+        assert "connection.connect_tcp.started" not in events  # the same connection was reused
