@@ -157,3 +157,43 @@ def test_stock_schedulers_never_wait() -> None:
     core.scheduler = object()
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == []
+
+
+# -- worker nap ---------------------------------------------------------------------------
+
+
+def _looks(nap: _hooks.WorkerNap, read: float, start: float, until: float,
+           step: float = 0.001) -> list[tuple[float, float]]:
+    """Look at the queue every ``step`` seconds from ``start``; (time, pause) of each look."""
+    out, t = [], start
+    while t < until:
+        out.append((t, nap.pause_s(read, t)))
+        t += step
+    return out
+
+
+def test_a_busy_worker_spins_through_the_gap_between_steps() -> None:
+    nap = _hooks.WorkerNap(last_read=0.0, now=0.0)
+    # Steps every 20 ms; each leaves the worker waiting 15 ms for the next one.
+    for k in range(1, 5):
+        looks = _looks(nap, read=0.02 * k, start=0.02 * k + 0.005, until=0.02 * (k + 1))
+        assert all(pause == 0.0 for _, pause in looks), (k, looks)
+
+
+def test_a_paced_worker_naps_after_ten_milliseconds() -> None:
+    nap = _hooks.WorkerNap(last_read=0.0, now=0.0)
+    nap.pause_s(0.2, 0.201)  # steps 200 ms apart: the engine is paced into gaps
+    looks = _looks(nap, read=0.2, start=0.201, until=0.4)
+    spinning = [t for t, pause in looks if pause == 0.0]
+    assert max(spinning) <= 0.201 + _hooks.WORKER_SPIN_S + 1e-9
+    pauses = [pause for t, pause in looks if t > 0.22]
+    assert min(pauses) >= _hooks.WORKER_NAP_S
+    assert max(pauses) <= _hooks.WORKER_MAX_NAP_S
+    assert pauses == sorted(pauses)  # the longer it waits, the longer it naps
+
+
+def test_a_busy_worker_that_goes_idle_naps_after_its_longer_spin() -> None:
+    nap = _hooks.WorkerNap(last_read=0.0, now=0.0)
+    nap.pause_s(0.02, 0.025)  # a 20 ms step period
+    assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S - 0.001) == 0.0
+    assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S + 0.001) > 0.0

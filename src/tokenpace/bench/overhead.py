@@ -35,6 +35,27 @@ def _throughput(server: Server, streams: int, tokens: int) -> float:
     return total / elapsed
 
 
+QUIET_CORES = 0.1
+"""Between runs, wait until both servers together use less CPU than this."""
+
+
+def _settle(servers: list[Server], timeout_s: float = 10.0) -> float:
+    """Wait until the servers are quiet; return how long that took.
+
+    After its last step vLLM's worker spins on its input queue for a second (a paced
+    worker naps after 10 ms), and a run that starts during another server's spin shares
+    the two cores with it. Without this wait, 12 alternating pairs gave paced / stock
+    0.82 (median); with it 0.97, on the same machine and build.
+    """
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        before = sum(s.cpu_seconds() for s in servers)
+        time.sleep(0.25)
+        if (sum(s.cpu_seconds() for s in servers) - before) / 0.25 < QUIET_CORES:
+            break
+    return time.monotonic() - start
+
+
 def run(model: Path, streams: int, tokens: int, repeats: int,
         workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-overhead-"))
@@ -58,6 +79,7 @@ def run(model: Path, streams: int, tokens: int, repeats: int,
             if i % 2:
                 order.reverse()  # neither always runs first
             for server, sink in order:
+                _settle([stock, paced])
                 sink.append(_throughput(server, streams, tokens))
             print(f"run {i + 1}/{repeats}: stock {stock_tps[-1]:8.1f} tok/s, "
                   f"paced {paced_tps[-1]:8.1f} tok/s, ratio {paced_tps[-1] / stock_tps[-1]:.3f}",
