@@ -11,6 +11,7 @@ paced / stock per adjacent pair, reported as median with min and max.
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import tempfile
 import time
@@ -56,6 +57,16 @@ def _settle(servers: list[Server], timeout_s: float = 10.0) -> float:
     return time.monotonic() - start
 
 
+def median_interval(values: list[float], resamples: int = 10_000,
+                    seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median: how far the reported median could move if the
+    runs were repeated, which says whether a difference of a few percent is resolved."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def run(model: Path, streams: int, tokens: int, repeats: int,
         workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-overhead-"))
@@ -88,6 +99,7 @@ def run(model: Path, streams: int, tokens: int, repeats: int,
         stock.stop()
         paced.stop()
     ratios = [p / s for p, s in zip(paced_tps, stock_tps)]
+    low, high = median_interval(ratios)
     return {
         "benchmark": "overhead", "streams": streams, "tokens_per_stream": tokens,
         "repeats": repeats,
@@ -96,6 +108,7 @@ def run(model: Path, streams: int, tokens: int, repeats: int,
         "ratio_median": round(statistics.median(ratios), 4),
         "ratio_min": round(min(ratios), 4),
         "ratio_max": round(max(ratios), 4),
+        "ratio_median_ci95": [round(low, 4), round(high, 4)],
         **environment(),
     }
 
@@ -111,7 +124,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("run (alternating)")
     ax.set_ylabel("output tokens / s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"paced / stock: median x{result['ratio_median']:.3f} "
+    interval = result.get("ratio_median_ci95")
+    ci = f", 95% CI {interval[0]:.2f}-{interval[1]:.2f}" if interval else ""
+    ax.set_title(f"paced / stock: median x{result['ratio_median']:.3f}{ci} "
                  f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f})", fontsize=9)
     ax.legend(fontsize=8)
     save(fig, path)
