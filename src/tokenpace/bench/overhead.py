@@ -40,8 +40,8 @@ QUIET_CORES = 0.1
 """Between runs, wait until both servers together use less CPU than this."""
 
 
-def _settle(servers: list[Server], timeout_s: float = 10.0) -> float:
-    """Wait until the servers are quiet; return how long that took.
+def _settle(servers: list[Server], timeout_s: float = 10.0) -> None:
+    """Wait until the servers are quiet (at most ``timeout_s``).
 
     After its last step vLLM's worker spins on its input queue for a second (a paced
     worker naps after 10 ms), and a run that starts during another server's spin shares
@@ -53,8 +53,7 @@ def _settle(servers: list[Server], timeout_s: float = 10.0) -> float:
         before = sum(s.cpu_seconds() for s in servers)
         time.sleep(0.25)
         if (sum(s.cpu_seconds() for s in servers) - before) / 0.25 < QUIET_CORES:
-            break
-    return time.monotonic() - start
+            return
 
 
 def median_interval(values: list[float], resamples: int = 10_000,

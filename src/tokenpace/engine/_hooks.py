@@ -186,7 +186,8 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
     only then sleeps on a notification socket. Shortening ``busy_loop_s`` would be the
     obvious fix, but that socket can drop a notification under load (its high-water mark
     is 1) and the reader then waits for the 5 s re-check. So the spin keeps its length and
-    its safety; after ``WORKER_SPIN_S`` it naps between looks, longer the longer it idles.
+    its safety; after a short spin (``WorkerNap`` decides how short) it naps between looks,
+    longer the longer it idles.
     """
     try:
         pacing = PacingConfig.from_additional_config(vllm_config.additional_config)
