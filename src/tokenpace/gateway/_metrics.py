@@ -3,8 +3,8 @@
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
 without a valid key), ``lane`` a configured lane, ``reason`` and ``outcome`` come from
 small fixed sets in the code. A reload that removes a tenant removes its series.
-Every name here is documented once, in docs/gateway.md, and used by the dashboard and alert
-rules in deploy/ (tests/monitoring checks that each name they use exists).
+Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
+deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 
 from __future__ import annotations
