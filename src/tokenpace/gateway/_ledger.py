@@ -27,6 +27,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import _metrics as metrics
+
 __all__ = [
     "DEFAULT_MAX_QUEUE",
     "BudgetState",
@@ -418,6 +420,7 @@ class Ledger:
         with self._queue_lock:
             if self._closed or len(self._queue) >= self._max_queue:
                 self._dropped += 1
+                metrics.LEDGER_DROPPED_ROWS.inc()
                 dropped = self._dropped
                 full = False
             else:
@@ -470,6 +473,7 @@ class Ledger:
                 self._queue.clear()
                 self._budgets.clear()
                 self._dropped += lost
+            metrics.LEDGER_DROPPED_ROWS.inc(lost)
             _log.error("usage ledger closed with %d rows unwritten: %s", lost, exc)
         with self._db_lock:
             self._backend.close()
@@ -491,6 +495,7 @@ class Ledger:
                 self._write_pending()
             except Exception as exc:
                 # The thread must survive any error: the next flush retries.
+                metrics.LEDGER_WRITE_FAILURES.inc()
                 if self._failing:
                     _log.debug("usage ledger write still failing: %s", exc)
                 else:

@@ -3,13 +3,27 @@
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
 without a valid key), ``lane`` a configured lane, ``reason`` and ``outcome`` come from
 small fixed sets in the code. A reload that removes a tenant removes its series.
+Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
+deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+
+# `_created` series double every counter and histogram and nothing here reads them.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# process_cpu_seconds_total, process_resident_memory_bytes, ...: the gateway's own cost.
+ProcessCollector(registry=REGISTRY)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -71,6 +85,19 @@ LANE_SHARE = Gauge(
     "tokenpace_gateway_lane_dispatch_share", "A lane's share of the cost dispatched over the "
     "sliding window (lane_share_window).", ["lane"], registry=REGISTRY,
 )
+OUTPUT_RATE = Gauge(
+    "tokenpace_gateway_tenant_output_rate_tokens_per_second", "A tenant's configured "
+    "output_tokens_per_second (paced in the engine); no series when it has none.",
+    ["tenant"], registry=REGISTRY,
+)
+LEDGER_WRITE_FAILURES = Counter(
+    "tokenpace_gateway_ledger_write_failures", "Usage-ledger flushes that failed (the rows "
+    "stay queued and are retried).", registry=REGISTRY,
+)
+LEDGER_DROPPED_ROWS = Counter(
+    "tokenpace_gateway_ledger_dropped_rows", "Usage-ledger rows thrown away (queue full, or "
+    "unwritten at shutdown).", registry=REGISTRY,
+)
 ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
     ["engine"], registry=REGISTRY,
@@ -90,6 +117,7 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     FAIRNESS_DEBT: ("tenant",),
     QUEUED_COST: ("tenant",),
     BUDGET_REMAINING: ("tenant", "budget"),
+    OUTPUT_RATE: ("tenant",),
 }
 
 
@@ -106,6 +134,17 @@ def forget_tenant(tenant: str) -> None:
                 metric.remove(*values)
             except KeyError:
                 pass
+
+
+def publish_output_rate(tenant: str, rate: float | None) -> None:
+    """Set (or, without a rate, remove) a tenant's configured-rate series."""
+    if rate is None:
+        try:
+            OUTPUT_RATE.remove(tenant)
+        except KeyError:
+            pass
+    else:
+        OUTPUT_RATE.labels(tenant).set(rate)
 
 
 def forget_budget(tenant: str, budget: str) -> None:

@@ -65,6 +65,7 @@ class Tenants:
         self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
         for state in self._states.values():
             state.publish_budgets(now)
+            metrics.publish_output_rate(state.id, state.config.output_tokens_per_second)
             metrics.INFLIGHT.labels(state.id).set(0)
             metrics.QUEUED.labels(state.id).set(0)
 
@@ -97,6 +98,7 @@ class Tenants:
                 for key in old_keys - {b.key for b in tenant.budgets}:
                     metrics.forget_budget(tenant.id, key)
             state.publish_budgets(now)
+            metrics.publish_output_rate(tenant.id, tenant.output_tokens_per_second)
             new_states[tenant.id] = state
         for tenant_id in set(self._states) - set(new_states):
             metrics.forget_tenant(tenant_id)
