@@ -77,9 +77,9 @@ class FakeEngine:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
-            Route("/tokenize", self._tokenize, methods=["POST"]),
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
+            Route("/v1/completions", _validated(self._complete), methods=["POST"]),
+            Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
         ])
 
     async def _health(self, request: Request) -> Response:
@@ -107,8 +107,11 @@ class FakeEngine:
                                            "code": body["fake_error"]}}, status_code=body["fake_error"])
         chat = request.url.path.endswith("chat/completions")
         prompt_tokens = self.prompt_tokens(body)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_tokens = (body.get("max_completion_tokens") if chat else None) \
+            or body.get("max_tokens") or 16
         n = body.get("n") or 1
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (max_tokens, n)):
+            raise ValueError("max_tokens and n must be integers")  # vLLM's schema says so
         text = self.prompt_text(body)
         fail = re.search(r"FAIL_AFTER:(\d+)", text)
         fail_after = int(fail.group(1)) if fail else None
@@ -165,6 +168,21 @@ class FakeEngine:
                     seen.aborted = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _validated(handler: Any) -> Any:
+    """A body this engine cannot read gets a 400, as vLLM's request validation answers it
+    (hostile-input tests then see the gateway's handling, not this engine's crash)."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            return JSONResponse({"error": {"message": f"invalid request: {exc!r}",
+                                           "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+
+    return route
 
 
 class EngineServer:
