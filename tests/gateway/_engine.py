@@ -46,6 +46,8 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
+    # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
+    other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -82,18 +84,26 @@ class FakeEngine:
             Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
         ])
 
+    def _note(self, request: Request) -> None:
+        self.other_calls.append((request.url.path, dict(request.headers)))
+        del self.other_calls[:-200]  # health checks run forever: keep the recent ones
+
     async def _health(self, request: Request) -> Response:
+        self._note(request)
         return Response(status_code=200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        self._note(request)
         if self.metrics_text is None:
             return Response(status_code=404)
         return Response(self.metrics_text, media_type="text/plain")
 
     async def _models(self, request: Request) -> Response:
+        self._note(request)
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _tokenize(self, request: Request) -> Response:
+        self._note(request)
         body = await request.json()
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import _metrics as metrics
-from ._config import ConfigError, GatewayConfig, load_config
+from ._config import ConfigError, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import Dispatcher
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
@@ -73,6 +73,7 @@ class Gateway:
                 e.url: httpx.AsyncClient(
                     base_url=e.url,
                     timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+                    headers=e.auth_headers(),
                     limits=httpx.Limits(max_connections=e.max_inflight + 8,
                                         max_keepalive_connections=e.max_inflight + 8,
                                         keepalive_expiry=ENGINE_KEEPALIVE_S),
@@ -147,7 +148,7 @@ class Gateway:
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
-        new = load_config(self.config.source)
+        new = keep_engine_keys(load_config(self.config.source), self.config)
         if new.engines != self.config.engines:
             raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
