@@ -151,3 +151,36 @@ def test_a_reload_keeps_generated_engine_keys_and_refuses_a_changed_one() -> Non
     assert reloaded.engines[0].api_key == "generated"
     with pytest.raises(ConfigError, match="engines\\[0\\].api_key: changing"):
         keep_engine_keys(parse_config(with_change("engines.0.api_key", "other")), running)
+
+
+# -- prefix-cache salt -------------------------------------------------------------------
+
+
+def test_each_tenant_gets_its_own_stable_cache_salt_unless_it_shares() -> None:
+    cfg = parse_config(GOOD)
+    a, b = (t.cache_salt for t in cfg.tenants)
+    assert a and b and a != b
+    assert len(a) <= 128 and not set(a) & set("@/\\\0"), "vLLM's limits on cache_salt"
+    assert parse_config(copy.deepcopy(GOOD)).tenants[0].cache_salt == a, "same on every replica"
+    rekeyed = parse_config(with_change("tenants.0.api_keys", ["sk-other"]))
+    assert rekeyed.tenants[0].cache_salt != a, "derived from the tenant's own keys"
+    assert parse_config(with_change("tenants.0.share_prefix_cache", True)).tenants[0].cache_salt is None
+    with pytest.raises(ConfigError, match="tenants\\[0\\].share_prefix_cache: expected true or false"):
+        parse_config(with_change("tenants.0.share_prefix_cache", "yes"))
+
+
+def test_engine_body_sets_the_salt_and_mixes_in_a_clients_own() -> None:
+    import json
+
+    from tokenpace.gateway._body import engine_body, parse_request
+
+    def sent(body: dict, salt: str | None) -> dict:
+        req = parse_request("completion", {"model": "m", "prompt": "p", **body})
+        return json.loads(engine_body(req, user="u", rate=None, priority=0, max_tokens=1,
+                                      cache_salt=salt))
+
+    assert sent({}, "s1")["cache_salt"] == "s1"
+    assert sent({"cache_salt": "s1"}, "s2")["cache_salt"] not in ("s1", "s2")
+    assert sent({"cache_salt": "mine"}, "s1")["cache_salt"] != sent({"cache_salt": "mine"}, "s2")["cache_salt"]
+    assert sent({}, None).get("cache_salt") is None
+    assert sent({"cache_salt": "mine"}, None)["cache_salt"] == "mine"

@@ -8,6 +8,7 @@ making.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -204,13 +205,21 @@ def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
 
 
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
-                max_tokens: int) -> bytes:
+                max_tokens: int, cache_salt: str | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
-    field is replaced, so no client can borrow another tenant's quota or lane.
+    field is replaced, so no client can borrow another tenant's quota or lane. With a
+    tenant's ``cache_salt`` the prompt's cached blocks are the tenant's alone: a client's
+    own salt (a string) is mixed into it, so it can split its tenant's cache further but
+    never reach another tenant's.
     """
     body = dict(req.body)
+    if cache_salt is not None:
+        own = body.get("cache_salt")
+        if isinstance(own, str) and own:
+            cache_salt = hashlib.sha256(f"{cache_salt}\0{own}".encode("utf-8")).hexdigest()
+        body["cache_salt"] = cache_salt
     xargs = body.get("vllm_xargs")
     xargs = dict(xargs) if isinstance(xargs, dict) else {}
     xargs[USER_EXTRA_ARG] = user

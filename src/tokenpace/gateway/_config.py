@@ -9,6 +9,7 @@ check a new file completely before anything changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import math
@@ -72,6 +73,24 @@ class TenantConfig:
     max_output_tokens: int | None = None
     queue_timeout_s: float = 60.0
     budgets: tuple[BudgetSpec, ...] = ()
+    share_prefix_cache: bool = False
+
+    @functools.cached_property
+    def cache_salt(self) -> str | None:
+        """vLLM's ``cache_salt`` for this tenant's requests; None when it shares the cache.
+
+        Without a salt, tenants share vLLM's prefix cache and one can time another's
+        prompts (a cached prefix answers faster). The salt is an HMAC of the tenant id
+        keyed with the digests of the tenant's own API keys: the same on every gateway
+        replica with this configuration, and unknowable to anyone who does not hold one
+        of those keys. Changing the tenant's keys changes it (its cache is then cold).
+        Computed once per configuration (one HMAC), then read per request.
+        """
+        if self.share_prefix_cache:
+            return None
+        secret = b"".join(sorted(self.key_hashes))
+        return hmac.new(secret, b"tokenpace-prefix-cache:" + self.id.encode(),
+                        hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -300,7 +319,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConf
     m = _mapping(value, where)
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
-                      "queue_timeout", "budgets"))
+                      "queue_timeout", "budgets", "share_prefix_cache"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
@@ -340,6 +359,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConf
         max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
         queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
         budgets=tuple(budgets),
+        share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
     )
 
 
@@ -408,6 +428,13 @@ def _number(m: Mapping[str, Any], key: str, where: str, required: bool = False) 
             or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{_path(where, key)}: expected a number greater than 0, got {value!r}")
     return float(value)
+
+
+def _bool(m: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = m.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_path(where, key)}: expected true or false, got {value!r}")
+    return value
 
 
 def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> int | None:

@@ -258,7 +258,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         body = engine_body(
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-            max_tokens=max_tokens)
+            max_tokens=max_tokens, cache_salt=tenant.config.cache_salt)
         deadline = anyio.current_time() + rt.config.request_timeout_s
         if req.stream:
             return await _open_stream(ex, client, req, body, watch, deadline)

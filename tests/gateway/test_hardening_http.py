@@ -1,4 +1,4 @@
-"""The gateway sends the engine's API key on every call to it (trusted-gateway mode)."""
+"""Issue 15 over real HTTP: the engine's API key on every call; per-tenant cache salts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from tests.gateway._engine import EngineServer
-from tests.gateway.conftest import KEY_A, base_config
+from tests.gateway.conftest import KEY_A, KEY_B, base_config
 
 
 def test_every_engine_call_carries_the_configured_key(engine: EngineServer, make_gateway: Any,
@@ -32,3 +32,26 @@ def test_every_engine_call_carries_the_configured_key(engine: EngineServer, make
     assert engine.engine.other_calls and all(
         h.get("authorization") == "Bearer sk-engine-secret" for _, h in engine.engine.other_calls)
     assert {path for path, _ in engine.engine.other_calls} >= {"/tokenize", "/health", "/v1/models"}
+
+
+def test_tenants_get_distinct_cache_salts_unless_they_share(engine: EngineServer, make_gateway: Any,
+                                                            tmp_path: Path) -> None:
+    config = base_config(engine.url, tmp_path / "usage.db")
+    gw = make_gateway(config)
+
+    def salt(key: str, **extra: Any) -> Any:
+        resp = httpx.post(f"{gw.url}/v1/completions", timeout=30,
+                          headers={"authorization": f"Bearer {key}"},
+                          json={"model": "fake", "max_tokens": 1, "prompt": "same", **extra})
+        assert resp.status_code == 200, resp.text
+        return engine.engine.requests[-1].body.get("cache_salt")
+
+    a, b = salt(KEY_A), salt(KEY_B)
+    assert a and b and a != b
+    assert salt(KEY_A) == a, "stable for a tenant"
+    assert salt(KEY_B, cache_salt=a) != a, "a client cannot adopt another tenant's salt"
+    gw.stop()
+    config["tenants"][1]["share_prefix_cache"] = True
+    gw = make_gateway(config)
+    assert salt(KEY_B) is None
+    assert salt(KEY_A) == a
