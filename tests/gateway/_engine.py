@@ -46,6 +46,7 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
+    scheduling_policy: str | None = None  # reported on /health as tokenpace serve does
     # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
     other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
@@ -90,7 +91,9 @@ class FakeEngine:
 
     async def _health(self, request: Request) -> Response:
         self._note(request)
-        return Response(status_code=200 if self.healthy else 503)
+        headers = ({"x-tokenpace-scheduling-policy": self.scheduling_policy}
+                   if self.scheduling_policy else {})
+        return Response(status_code=200 if self.healthy else 503, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
         self._note(request)

@@ -7,7 +7,11 @@ from typing import Any
 
 import httpx
 
-from tests.gateway._engine import EngineServer
+import time
+
+import pytest
+
+from tests.gateway._engine import EngineServer, FakeEngine
 from tests.gateway.conftest import KEY_A, KEY_B, base_config
 
 
@@ -55,3 +59,26 @@ def test_tenants_get_distinct_cache_salts_unless_they_share(engine: EngineServer
     gw = make_gateway(config)
     assert salt(KEY_B) is None
     assert salt(KEY_A) == a
+
+
+@pytest.mark.parametrize("reported, warned", [("fcfs", True), (None, True), ("priority", False)])
+def test_priority_lanes_in_front_of_an_engine_without_priority_are_reported(
+        make_gateway: Any, tmp_path: Path, reported: str | None, warned: bool) -> None:
+    engine = EngineServer(FakeEngine(scheduling_policy=reported)).start()
+    try:
+        config = base_config(engine.url, tmp_path / "usage.db")
+        config["engines"][0]["scheduling_policy"] = "priority"
+        gw = make_gateway(config)
+        deadline = time.monotonic() + 10
+        while True:  # the first health check runs as the gateway starts
+            health = httpx.get(f"{gw.url}/health").json()["engines"][0]
+            if health["scheduling_policy"]["engine"] == (reported or "unknown") \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert health["scheduling_policy"] == {"configured": "priority",
+                                               "engine": reported or "unknown"}
+        assert ("warning" in health) == warned, health
+        assert ("scheduling_policy: priority" in gw.log()) == warned, gw.log()
+    finally:
+        engine.stop()

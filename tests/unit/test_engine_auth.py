@@ -60,3 +60,17 @@ def test_without_any_key_it_fails_closed(monkeypatch: pytest.MonkeyPatch) -> Non
     assert client.get("/metrics", headers={"authorization": "Bearer "}).status_code == 401
     assert client.get("/metrics").status_code == 401
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_guard_reports_the_running_engines_scheduling_policy(policy: str) -> None:
+    from tokenpace.engine import SCHEDULING_POLICY_HEADER, RequestGuard
+
+    app = Starlette(routes=[Route("/health", _ok), Route("/metrics", _ok)])
+    app.add_middleware(RequestGuard)
+    app.state.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(policy=policy))
+    client = TestClient(app)
+    assert client.get("/health").headers[SCHEDULING_POLICY_HEADER] == policy
+    assert SCHEDULING_POLICY_HEADER not in client.get("/metrics").headers
+    app.state.vllm_config = None  # a server without vLLM's state: no header, no error
+    assert SCHEDULING_POLICY_HEADER not in TestClient(app).get("/health").headers

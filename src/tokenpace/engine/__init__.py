@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._auth import EngineAuth
     from ._config import PacingConfig, PacingConfigError
-    from ._guard import RequestGuard, RequestRefused, check_request_body
+    from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
     from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
@@ -27,6 +27,7 @@ _WHERE = {
     "PacingConfigError": "_config",
     "RequestGuard": "_guard",
     "RequestRefused": "_guard",
+    "SCHEDULING_POLICY_HEADER": "_guard",
     "check_request_body": "_guard",
     "configure_pacing": "_hooks",
     "register": "_hooks",
