@@ -82,3 +82,27 @@ def test_priority_lanes_in_front_of_an_engine_without_priority_are_reported(
         assert ("scheduling_policy: priority" in gw.log()) == warned, gw.log()
     finally:
         engine.stop()
+
+
+def test_usage_and_metrics_agree_on_served_prompt_tokens(gateway: Any, capsys: Any) -> None:
+    import json
+
+    from tokenpace.gateway._usage_cli import main as usage_main
+
+    def complete(max_tokens: int) -> int:
+        return httpx.post(f"{gateway.url}/v1/completions", timeout=30,
+                          headers={"authorization": f"Bearer {KEY_A}"},
+                          json={"model": "fake", "prompt": "twelve bytes", "max_tokens": max_tokens}
+                          ).status_code
+
+    assert [complete(2), complete(2)] == [200, 200]
+    # Counted (13 tokens each), then refused by max_output_tokens (64): never served.
+    assert [complete(100), complete(100), complete(100)] == [400, 400, 400]
+    rows = gateway.rows(5)
+    assert len(rows) == 5
+    assert usage_main(["--config", str(gateway.config_path), "--json"]) == 0
+    (team_a,) = json.loads(capsys.readouterr().out)
+    metric = gateway.metric("tokenpace_gateway_prompt_tokens_total", tenant="team-a")
+    assert team_a["prompt_tokens"] == metric == 2 * 13
+    assert team_a["unserved_prompt_tokens"] == 3 * 13
+    assert team_a["requests"] == 5 and team_a["rejected"] == 3

@@ -158,6 +158,7 @@ class Exchange:
             ttft_ms=None if self.ttft_s is None else self.ttft_s * 1000.0,
             e2e_ms=e2e * 1000.0, finish_reason=outcome,
             started_at=self.started_at, ended_at=time.time(),
+            served=self.charge_usage and self.waiter is not None,
         ))
 
 
