@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from . import _metrics as metrics
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
-from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._dispatch import Dispatcher
+from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
