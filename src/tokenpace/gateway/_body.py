@@ -52,10 +52,10 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
     Python's JSON parser (and vLLM's, which is the same) accepts ``NaN``, ``Infinity``,
     numbers that overflow to infinity and lone UTF-16 surrogates. None of these is JSON
-    text an OpenAI client can mean: the tokenizer raises on a surrogate, a non-finite
-    number reaches sampling parameters or a chat template unchecked, and the gateway's
-    own upstream encoder cannot send either. They are refused here with the field's path,
-    before any work. Cost: one regular-expression scan of the raw bytes, plus a walk of the
+    text an OpenAI client can mean. vLLM 0.32 refuses a surrogate (its tokenizer raises)
+    and a non-finite sampling parameter, but renders ``NaN`` in ``chat_template_kwargs``
+    into the prompt; the gateway's own upstream encoder cannot send either. They are
+    refused here with the field's path, before any work. Cost: one regular-expression scan of the raw bytes, plus a walk of the
     parsed body only when the scan or the parser saw a suspect value.
     """
     suspect = False
