@@ -139,9 +139,9 @@ def main(argv: list[str]) -> int:
     if any(a == "--api-key" or a.startswith(("--api-key=", "--api_key")) for a in extra):
         parser.error("engine flags after --: give the engines' key as engines[].api_key in "
                      "the configuration (or leave it out: one is generated), not --api-key")
-    try:
+    try:  # the engines' keys are made below; check the other flags now
         build_command([args.model, "--trusted-gateway", *extra],
-                      environ={"VLLM_API_KEY": "checked-below"})
+                      environ={"VLLM_API_KEY": "generated"})
     except ServeUsageError as exc:
         parser.error(f"engine flags after --: {exc}")
     config = with_engine_keys(config)
