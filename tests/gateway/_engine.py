@@ -46,6 +46,9 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
+    scheduling_policy: str | None = None  # reported on /health as tokenpace serve does
+    # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
+    other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -77,23 +80,33 @@ class FakeEngine:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
-            Route("/tokenize", self._tokenize, methods=["POST"]),
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
+            Route("/v1/completions", _validated(self._complete), methods=["POST"]),
+            Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
         ])
 
+    def _note(self, request: Request) -> None:
+        self.other_calls.append((request.url.path, dict(request.headers)))
+        del self.other_calls[:-200]  # health checks run forever: keep the recent ones
+
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        self._note(request)
+        headers = ({"x-tokenpace-scheduling-policy": self.scheduling_policy}
+                   if self.scheduling_policy else {})
+        return Response(status_code=200 if self.healthy else 503, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
+        self._note(request)
         if self.metrics_text is None:
             return Response(status_code=404)
         return Response(self.metrics_text, media_type="text/plain")
 
     async def _models(self, request: Request) -> Response:
+        self._note(request)
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _tokenize(self, request: Request) -> Response:
+        self._note(request)
         body = await request.json()
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})
@@ -107,8 +120,11 @@ class FakeEngine:
                                            "code": body["fake_error"]}}, status_code=body["fake_error"])
         chat = request.url.path.endswith("chat/completions")
         prompt_tokens = self.prompt_tokens(body)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_tokens = (body.get("max_completion_tokens") if chat else None) \
+            or body.get("max_tokens") or 16
         n = body.get("n") or 1
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (max_tokens, n)):
+            raise ValueError("max_tokens and n must be integers")  # vLLM's schema says so
         text = self.prompt_text(body)
         fail = re.search(r"FAIL_AFTER:(\d+)", text)
         fail_after = int(fail.group(1)) if fail else None
@@ -165,6 +181,21 @@ class FakeEngine:
                     seen.aborted = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _validated(handler: Any) -> Any:
+    """A body this engine cannot read gets a 400, as vLLM's request validation answers it
+    (hostile-input tests then see the gateway's handling, not this engine's crash)."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            return JSONResponse({"error": {"message": f"invalid request: {exc!r}",
+                                           "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+
+    return route
 
 
 class EngineServer:

@@ -73,7 +73,8 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         stream_tokens: int = 128, rounds: int = 3, workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
     engine_port, gateway_port = free_port(), free_port()
-    engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway"), engine_port,
+    engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
+                                         "--allow-unauthenticated-trusted-gateway"), engine_port,
                     home / "engine.log")
     config = home / "gateway.yaml"
     config.write_text(_gateway_config(engine.base_url, home / "usage.db"))

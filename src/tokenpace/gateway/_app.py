@@ -22,8 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import _metrics as metrics
-from ._config import ConfigError, GatewayConfig, load_config
+from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import Dispatcher
+from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
@@ -49,6 +50,7 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.rt: Runtime | None = None
+        self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -73,6 +75,7 @@ class Gateway:
                 e.url: httpx.AsyncClient(
                     base_url=e.url,
                     timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+                    headers=e.auth_headers(),
                     limits=httpx.Limits(max_connections=e.max_inflight + 8,
                                         max_keepalive_connections=e.max_inflight + 8,
                                         keepalive_expiry=ENGINE_KEEPALIVE_S),
@@ -124,9 +127,12 @@ class Gateway:
                 client = self.rt.clients[engine.url]
                 if ticks % round(HEALTH_INTERVAL_S / LOAD_INTERVAL_S) == 0:
                     try:
-                        ok = (await client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+                        answer = await client.get("/health", timeout=HEALTH_TIMEOUT_S)
+                        ok = answer.status_code == 200
                     except httpx.HTTPError:
                         ok = False
+                    if ok:
+                        self._note_policy(engine.config, reported_policy(answer.headers))
                     failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
                     # One slow answer from a busy engine is not an outage.
                     healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
@@ -138,6 +144,15 @@ class Gateway:
             ticks += 1
             await asyncio.sleep(LOAD_INTERVAL_S)
 
+    def _note_policy(self, engine: EngineConfig, reported: str) -> None:
+        """Remember the engine's scheduling policy; log a mismatch when it first shows."""
+        if self.engine_policies.get(engine.url) == reported:
+            return
+        self.engine_policies[engine.url] = reported
+        problem = policy_problem(engine.url, engine.scheduling_policy, reported)
+        if problem:
+            logger.warning("%s", problem)
+
     def reload(self) -> GatewayConfig:
         """Re-read the configuration file; in-flight requests are not touched.
 
@@ -147,7 +162,7 @@ class Gateway:
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
-        new = load_config(self.config.source)
+        new = keep_engine_keys(load_config(self.config.source), self.config)
         if new.engines != self.config.engines:
             raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
@@ -190,10 +205,20 @@ class Gateway:
         rt = self.rt
         assert rt is not None
         engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
-                    "queued": len(e.queue)} for e in rt.dispatcher.engines]
+                    "queued": len(e.queue),
+                    **self._policy_fields(e.config)} for e in rt.dispatcher.engines]
         ok = any(e["healthy"] for e in engines)
         return JSONResponse({"status": "ok" if ok else "no healthy engine", "engines": engines},
                             status_code=200 if ok else 503)
+
+    def _policy_fields(self, engine: EngineConfig) -> dict[str, object]:
+        reported = self.engine_policies.get(engine.url, UNKNOWN)
+        fields: dict[str, object] = {"scheduling_policy": {
+            "configured": engine.scheduling_policy, "engine": reported}}
+        problem = policy_problem(engine.url, engine.scheduling_policy, reported)
+        if problem:
+            fields["warning"] = problem
+        return fields
 
     async def _metrics(self, request: Request) -> Response:
         if self.rt is not None:

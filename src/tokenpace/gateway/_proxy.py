@@ -158,6 +158,7 @@ class Exchange:
             ttft_ms=None if self.ttft_s is None else self.ttft_s * 1000.0,
             e2e_ms=e2e * 1000.0, finish_reason=outcome,
             started_at=self.started_at, ended_at=time.time(),
+            served=self.charge_usage and self.waiter is not None,
         ))
 
 
@@ -258,7 +259,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         body = engine_body(
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-            max_tokens=max_tokens)
+            max_tokens=max_tokens, cache_salt=tenant.config.cache_salt)
         deadline = anyio.current_time() + rt.config.request_timeout_s
         if req.stream:
             return await _open_stream(ex, client, req, body, watch, deadline)
