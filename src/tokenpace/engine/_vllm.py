@@ -22,11 +22,13 @@ SUPPORTED_VLLM_SERIES = "0.32."
 #   `current_step < request.next_decode_eligible_step` (our "skip this step" seam);
 # - max_num_active_reqs: waiting admission stops when len(running) reaches it (raised for
 #   one call by the number of throttled requests, capped by max_num_running_reqs);
-# - max_num_scheduled_tokens: upper bound of one request's tokens in one step.
+# - max_num_scheduled_tokens: upper bound of one request's tokens in one step;
+# - kv_holding_waiting: the second queue that waiting admission takes from (with waiting).
 SCHEDULER_ATTRIBUTES = (
     "running",
     "requests",
     "waiting",
+    "kv_holding_waiting",
     "policy",
     "current_step",
     "max_num_active_reqs",
@@ -40,6 +42,7 @@ SCHEDULER_METHODS = (
     "add_request",
     "_handle_blocked_waiting_request",  # False defers a waiting request for this step
     "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
+    # (bound on the instance for a step that starts with requests waiting, see _scheduler)
     "shutdown",
 )
 # Request fields used to decide whether a step samples and to skip it.
