@@ -18,8 +18,8 @@ bookkeeping has one home:
 
 Cost on the uncontended path (no slot contention, the usual case), per step: one pass
 over the streams (a few attribute reads and writes each, no allocation but a list
-append), one limiter call per present user, and one pass over the charged streams in
-``settle``. Sorting and heaps only happen for a user that is short of quota or when
+append), one limiter call for all present users (a few integer operations each), and
+one pass over the charged streams in ``settle``. Sorting and heaps only happen for a user that is short of quota or when
 slots bind.
 
 Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
@@ -222,23 +222,24 @@ class StepPlanner:
     def _plan_uncontended(self, streams: Sequence[Stream]) -> RunningPlan:
         """Every stream has a slot: it runs unless it samples and its user is out of quota."""
         present = self._tally(streams)
-        take, now = self.limiter.take, self.limiter.now_ns()
-        short: list[_Account] = []
         refused = self._refused
-        for a in present:
-            if a.need:
-                if a.user in refused:  # refused earlier this step (a starved request's turn)
-                    a.granted = 0
-                    short.append(a)
-                    continue
-                got = a.granted = take(a.user, a.need, now)
-                if got is not None and got < a.need:
-                    refused[a.user] = self.limiter.ready_at_ns(a.user)
-                    short.append(a)
-                    continue
+        limiter = self.limiter
+        if refused:  # refused earlier this step (a starved request's turn): not asked again
+            blocked = [a for a in present if a.need and a.user in refused]
+            claims: Sequence[_Account] = [a for a in present if a not in blocked]
+            for a in blocked:
+                a.granted = 0
+        else:
+            blocked, claims = [], present
+        limiter.take_claims(claims, limiter.now_ns())
+        short: list[_Account] = blocked
+        for a in claims:
+            granted = a.granted
+            if granted is not None and granted < a.need:
+                refused[a.user] = limiter.ready_at_ns(a.user)
+                short.append(a)
             else:
-                a.granted = None  # nothing charged
-            a.service += a.count
+                a.service += a.count
         plan = RunningPlan()
         if not short:
             self._charged_streams = [
