@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from fractions import Fraction
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ._limits import UserRateLimits
 
@@ -67,6 +67,9 @@ class Claim(Protocol):
     user: str
     need: int
     granted: int | None
+
+
+C = TypeVar("C", bound=Claim)
 
 
 class _Claim:
@@ -144,8 +147,9 @@ class OutputRateLimiter:
         self.take_claims((claim,), now_ns)
         return claim.granted
 
-    def take_claims(self, claims: Iterable[Claim], now_ns: int) -> None:
-        """``take`` for many users at one instant: sets each claim's ``granted``.
+    def take_claims(self, claims: Iterable[C], now_ns: int) -> list[C]:
+        """``take`` for many users at one instant: sets each claim's ``granted`` and
+        returns the claims granted less than they asked.
 
         The scheduler calls this once per step with one claim per user that has work,
         so a step costs one dictionary lookup and a few integer operations per user, in
@@ -153,6 +157,7 @@ class OutputRateLimiter:
         None (nothing counted).
         """
         buckets = self._buckets
+        short: list[C] = []
         for claim in claims:
             n = claim.need
             if n <= 0:
@@ -170,13 +175,17 @@ class OutputRateLimiter:
             room = bucket.burst - (tat - now_scaled)
             if room < 0:
                 claim.granted = 0
+                short.append(claim)
                 continue
             granted = room // bucket.interval + 1
-            if granted > n:
+            if granted >= n:
                 granted = n
+            else:
+                short.append(claim)
             bucket.tat = tat + granted * bucket.interval
             bucket.refundable += granted
             claim.granted = granted
+        return short
 
     def refund(self, user: str) -> None:
         """Return one token granted to ``user`` by an earlier ``try_take``.

@@ -50,15 +50,15 @@ scheduler gives it the whole remainder (``settle`` asks ``still_prefilling``).""
 class _Account:
     """One user's planner state: service counter and this step's tally."""
 
-    __slots__ = ("user", "service", "stamp", "fresh", "count", "need", "granted")
+    __slots__ = ("user", "service", "base", "stamp", "fresh", "need", "granted")
 
     def __init__(self, user: str) -> None:
         self.user = user
         self.service = 0
+        self.base = 0  # service before this step
         self.stamp = -1  # last step in which the user had a running request
         self.fresh = False
-        self.count = 0  # running streams this step
-        self.need = 0  # of which sample
+        self.need = 0  # running streams that sample this step
         self.granted: int | None = 0  # tokens granted this step (None: not paced)
 
 
@@ -195,28 +195,38 @@ class StepPlanner:
         return self._plan_contended(streams, slots)
 
     def _tally(self, streams: Sequence[Stream]) -> list[_Account]:
-        """Count each present user's streams and sampling streams; lift newcomers."""
+        """Count each present user's streams and sampling streams; lift newcomers.
+
+        Every stream is counted as served (``service += 1``), the outcome of nearly every
+        step; the rare streams that sit out are taken back by the caller.
+        """
         step = self._step
         prev = step - 1
         present = []
+        fresh = []
         for s in streams:
             a = s.account
             if a.stamp != step:
-                a.fresh = a.stamp != prev
+                if a.stamp != prev:
+                    fresh.append(a)
                 a.stamp = step
-                a.count = a.need = 0
+                a.base = a.service
+                a.need = 0
                 present.append(a)
-            a.count += 1
+            a.service += 1
             if s.samples:
                 a.need += 1
-        fresh = [a for a in present if a.fresh]
         if fresh:
             # Newcomers start at the smallest counter of the users that were already there,
             # so that no one banks credit while it has nothing running.
-            old = [a.service for a in present if not a.fresh]
+            for a in fresh:
+                a.fresh = True
+            old = [a.base for a in present if not a.fresh]
             floor = min(old) if old else 0
             for a in fresh:
-                a.service = floor
+                a.fresh = False
+                a.service = floor + a.service - a.base
+                a.base = floor
         return present
 
     def _plan_uncontended(self, streams: Sequence[Stream]) -> RunningPlan:
@@ -231,15 +241,10 @@ class StepPlanner:
                 a.granted = 0
         else:
             blocked, claims = [], present
-        limiter.take_claims(claims, limiter.now_ns())
-        short: list[_Account] = blocked
-        for a in claims:
-            granted = a.granted
-            if granted is not None and granted < a.need:
-                refused[a.user] = limiter.ready_at_ns(a.user)
-                short.append(a)
-            else:
-                a.service += a.count
+        short = limiter.take_claims(claims, limiter.now_ns())
+        for a in short:
+            refused[a.user] = limiter.ready_at_ns(a.user)
+        short += blocked
         plan = RunningPlan()
         if not short:
             self._charged_streams = [
@@ -261,18 +266,19 @@ class StepPlanner:
             left = account.granted or 0
             for s in mine:
                 if not s.samples:
-                    account.service += 1
-                elif left > 0:
+                    continue
+                if left > 0:
                     left -= 1
                     charged.append(s)
-                    account.service += 1
                 else:
                     throttled.append(s.key)
+                    account.service -= 1  # counted as served by _tally
         return plan
 
     def _plan_contended(self, streams: Sequence[Stream], slots: int) -> RunningPlan:
         """More running requests than slots: the least served user gets the next slot."""
-        self._tally(streams)
+        for a in self._tally(streams):
+            a.service = a.base  # counted per placed stream below
         by_user: dict[str, list[Stream]] = {}
         for s in streams:
             by_user.setdefault(s.user, []).append(s)
