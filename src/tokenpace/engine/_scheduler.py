@@ -268,9 +268,11 @@ class _PacingMixin:
         cap = self.max_num_scheduled_tokens
         streams: list[Stream] = []
         append = streams.append
-        stream_of = self._stream_of
         for req in self.running:
-            s = getattr(req, STREAM_ATTRIBUTE, None) or stream_of(req)
+            try:
+                s = req.tokenpace_stream  # = STREAM_ATTRIBUTE, set by add_request
+            except AttributeError:
+                s = self._stream_of(req)
             remaining = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
             s.samples = (
                 SAMPLES if remaining == 1 else MAY_SAMPLE if 0 < remaining <= cap else NO_SAMPLE
