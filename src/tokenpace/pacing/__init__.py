@@ -15,6 +15,7 @@ from ._planner import (
     StepPlanner,
     Stream,
 )
+from ._ranks import user_rank
 from ._reload import RELOAD_CHECK_NS, LimitsFileWatcher, ReloadResult
 from ._limits import (
     MAX_USER_ID_LENGTH,
@@ -53,4 +54,5 @@ __all__ = [
     "validate_overrides",
     "validate_rate",
     "validate_user_id",
+    "user_rank",
 ]
