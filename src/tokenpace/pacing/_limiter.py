@@ -177,6 +177,11 @@ class OutputRateLimiter:
                 claim.granted = 0
                 short.append(claim)
                 continue
+            if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
+                bucket.tat = tat + bucket.interval
+                bucket.refundable += 1
+                claim.granted = 1
+                continue
             granted = room // bucket.interval + 1
             if granted >= n:
                 granted = n

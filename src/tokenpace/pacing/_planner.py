@@ -50,12 +50,11 @@ scheduler gives it the whole remainder (``settle`` asks ``still_prefilling``).""
 class _Account:
     """One user's planner state: service counter and this step's tally."""
 
-    __slots__ = ("user", "service", "base", "stamp", "fresh", "need", "granted")
+    __slots__ = ("user", "service", "stamp", "fresh", "need", "granted")
 
     def __init__(self, user: str) -> None:
         self.user = user
         self.service = 0
-        self.base = 0  # service before this step
         self.stamp = -1  # last step in which the user had a running request
         self.fresh = False
         self.need = 0  # running streams that sample this step
@@ -195,7 +194,7 @@ class StepPlanner:
         return self._plan_contended(streams, slots)
 
     def _tally(self, streams: Sequence[Stream]) -> list[_Account]:
-        """Count each present user's streams and sampling streams; lift newcomers.
+        """Count each present user's sampling streams; lift newcomers.
 
         Every stream is counted as served (``service += 1``), the outcome of nearly every
         step; the rare streams that sit out are taken back by the caller.
@@ -206,28 +205,32 @@ class StepPlanner:
         fresh = []
         for s in streams:
             a = s.account
-            if a.stamp != step:
+            if a.stamp == step:
+                if s.samples:
+                    a.need += 1
+            else:
                 if a.stamp != prev:
                     fresh.append(a)
                 a.stamp = step
-                a.base = a.service
-                a.need = 0
+                a.need = 1 if s.samples else 0
                 present.append(a)
             a.service += 1
-            if s.samples:
-                a.need += 1
         if fresh:
-            # Newcomers start at the smallest counter of the users that were already there,
-            # so that no one banks credit while it has nothing running.
-            for a in fresh:
-                a.fresh = True
-            old = [a.base for a in present if not a.fresh]
-            floor = min(old) if old else 0
-            for a in fresh:
-                a.fresh = False
-                a.service = floor + a.service - a.base
-                a.base = floor
+            self._lift(streams, present, fresh)
         return present
+
+    def _lift(self, streams: Sequence[Stream], present: list[_Account],
+              fresh: list[_Account]) -> None:
+        """Newcomers start at the smallest counter of the users that were already there,
+        so that no one banks credit while it has nothing running."""
+        counted = _stream_counts(streams)
+        for a in fresh:
+            a.fresh = True
+        old = [a.service - counted[a.user] for a in present if not a.fresh]
+        floor = min(old) if old else 0
+        for a in fresh:
+            a.fresh = False
+            a.service = floor + counted[a.user]
 
     def _plan_uncontended(self, streams: Sequence[Stream]) -> RunningPlan:
         """Every stream has a slot: it runs unless it samples and its user is out of quota."""
@@ -277,8 +280,9 @@ class StepPlanner:
 
     def _plan_contended(self, streams: Sequence[Stream], slots: int) -> RunningPlan:
         """More running requests than slots: the least served user gets the next slot."""
+        counted = _stream_counts(streams)
         for a in self._tally(streams):
-            a.service = a.base  # counted per placed stream below
+            a.service -= counted[a.user]  # counted per placed stream below
         by_user: dict[str, list[Stream]] = {}
         for s in streams:
             by_user.setdefault(s.user, []).append(s)
@@ -338,15 +342,15 @@ class StepPlanner:
         step = self._step
         refund = self.limiter.refund
         result: list[Settlement] = []
+        refunded: set[Hashable] = set()
         for s in self._charged_streams:
-            key = s.key
-            ok = key in scheduled and (s.samples == SAMPLES or not still_prefilling(key))
-            if ok:
+            if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
                 s.last_served = step
             else:
                 refund(s.user)
-            if report:
-                result.append(Settlement(key, s.user, ok))
+                refunded.add(s.key)
+        if report:
+            result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
         self._charged_streams = []
         for key, user in self._charged.items():
             if self._starved.get(user) == key:
@@ -400,6 +404,13 @@ class StepPlanner:
         self._streams = {k: s for k, s in self._streams.items() if alive(k)}
         users = {s.user for s in self._streams.values()}
         self._accounts = {u: a for u, a in self._accounts.items() if u in users}
+
+
+def _stream_counts(streams: Sequence[Stream]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in streams:
+        counts[s.user] = counts.get(s.user, 0) + 1
+    return counts
 
 
 def _turn(s: Stream) -> tuple[int, int]:
