@@ -20,6 +20,14 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    with gaps (a 5 tok/s user with every stream throttled: five steps a second), so the
    worker would never stop spinning; with pacing on, it spins for ``WORKER_SPIN_S`` and
    then naps between looks (see ``limit_worker_spin``).
+4. ``DPLBAsyncMPClient.get_core_engine_for_request`` (API-server process, data parallel
+   with vLLM's own load balancing): every rank has its own scheduler and limiter, so a
+   user spread over the ranks would get its rate once per rank. The wrapper sets the
+   request's ``data_parallel_rank`` to ``user_rank(user, ranks)`` before vLLM picks the
+   engine, so all of a user's requests meet one limiter. It sits below every endpoint
+   (completions, chat, responses, the Python API) and overrides a client's own
+   ``X-data-parallel-rank`` header, which would otherwise let a client pick a second rank
+   and a second quota.
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ def register() -> None:
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:
         install_worker_spin_limit(executor.WorkerProc)
+    client = sys.modules.get("vllm.v1.engine.core_client")
+    if client is not None:
+        install_rank_pinning(client.DPLBAsyncMPClient)
 
 
 def _wrap(cls: type, name: str, make: Any) -> bool:
@@ -116,6 +127,20 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
         sched.async_scheduling = True
     if sched.scheduler_cls is None:
         sched.scheduler_cls = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1:
+        if parallel.data_parallel_external_lb:
+            logger.warning(
+                "tokenpace: data parallel with external load balancing: this server runs "
+                "one rank with its own limiter; the load balancer must send all of a "
+                "user's requests to one server (tokenpace gateway's sticky routing does)"
+            )
+        else:
+            import vllm.v1.engine.core_client as core_client
+
+            install_rank_pinning(core_client.DPLBAsyncMPClient)
+            logger.info("tokenpace: data parallel size %d: each user is pinned to one rank",
+                        parallel.data_parallel_size)
     return pacing
 
 
@@ -247,3 +272,37 @@ def install_worker_spin_limit(worker_proc_cls: type) -> bool:
         return _init_message_queues
 
     return _wrap(worker_proc_cls, "_init_message_queues", make)
+
+
+# -- 4. one data-parallel rank per user --------------------------------------------------
+
+
+def _pins_users(client: Any) -> bool:
+    """Whether this engine client paces (read once per client from its configuration)."""
+    pins = getattr(client, "_tokenpace_pins_users", None)
+    if pins is None:
+        try:
+            pins = PacingConfig.from_additional_config(
+                client.vllm_config.additional_config
+            ).enabled
+        except ValueError:
+            pins = False  # start-up already reported the configuration error
+        client._tokenpace_pins_users = pins
+    return bool(pins)
+
+
+def install_rank_pinning(client_cls: type) -> bool:
+    from ..pacing import user_rank
+    from ._scheduler import request_user
+
+    def make(original: Any) -> Any:
+        def get_core_engine_for_request(self: Any, request: Any) -> Any:
+            if getattr(request, "sampling_params", None) is not None and _pins_users(self):
+                # Cost: one BLAKE2b of the user id per rank, once per request.
+                request.data_parallel_rank = user_rank(request_user(request),
+                                                       len(self.core_engines))
+            return original(self, request)
+
+        return get_core_engine_for_request
+
+    return _wrap(client_cls, "get_core_engine_for_request", make)

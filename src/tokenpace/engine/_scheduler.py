@@ -43,6 +43,7 @@ from ..pacing import (
     StepPlanner,
     Stream,
     UserRateLimits,
+    user_rank,
     validate_rate,
     validate_user_id,
 )
@@ -125,6 +126,7 @@ class _PacingMixin:
         self._planner: StepPlanner | None = None
         self._watcher: LimitsFileWatcher | None = None
         self._event_log: EventLog | None = None
+        self._pinned_rank: tuple[int, int] | None = None  # (this rank, ranks) under DP
         self._steps = 0
         if not config.enabled:
             return
@@ -142,8 +144,14 @@ class _PacingMixin:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
             )
+        parallel = self.vllm_config.parallel_config
+        ranks = parallel.data_parallel_size
+        if ranks > 1 and not parallel.data_parallel_external_lb:
+            # The API server pins each user to one rank (_hooks, part 4); checked here.
+            self._pinned_rank = (parallel.data_parallel_rank, ranks)
         if config.event_log is not None:
-            self._event_log = EventLog(config.event_log)
+            self._event_log = EventLog(config.event_log,
+                                       parallel.data_parallel_rank if ranks > 1 else None)
         logger.info(
             "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
             "%d user override(s)%s%s",
@@ -207,7 +215,9 @@ class _PacingMixin:
         get the default rate (or, without a default, are not paced).
         """
         if self._planner is not None:
-            self._stream_of(request)
+            stream = self._stream_of(request)
+            if self._pinned_rank is not None:
+                _check_rank(request, stream.user, *self._pinned_rank)
         extra = _extra_args(request)
         if extra is not None and RATE_EXTRA_ARG in extra:
             if self._planner is not None and self.pacing_config.trusted_gateway:
@@ -408,6 +418,27 @@ class _PacingMixin:
 
 def _default_text(default: float | None) -> str:
     return "none (users without a rate are not paced)" if default is None else f"{default} tok/s"
+
+
+_misrouted_reported = False
+
+
+def _check_rank(request: Request, user: str, rank: int, ranks: int) -> None:
+    """Warn, once per process, when a request reaches a rank its user is not pinned to.
+
+    The API server pins users (``_hooks``, part 4); a request that arrives elsewhere came
+    through a process without that hook, and its user would get a second quota here.
+    """
+    global _misrouted_reported
+    if _misrouted_reported or user_rank(user, ranks) == rank:
+        return
+    _misrouted_reported = True
+    logger.warning(
+        "tokenpace: request %s of user %r reached data-parallel rank %d but the user is "
+        "pinned to rank %d: this user's requests meet more than one limiter. Is tokenpace "
+        "installed in every API-server process?", request.request_id, user, rank,
+        user_rank(user, ranks),
+    )
 
 
 def _report_untrusted_rate(request: Request) -> None:

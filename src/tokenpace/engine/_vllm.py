@@ -68,9 +68,15 @@ HOOKED_METHODS = (
     ("vllm.v1.engine.core", "EngineCoreProc", "_handle_client_request"),
     ("vllm.v1.engine.core", "EngineCoreProc", "is_running"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_init_message_queues"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request"),
 )
 # EngineCoreProc instance attributes: scheduler, input_queue (a queue.Queue of
 # (request_type, request)), batch_queue (None or deque of (future, SchedulerOutput, future)).
+# DPLBAsyncMPClient (API server, data parallel): core_engines (one per rank, in rank order),
+# vllm_config; EngineCoreRequest: sampling_params, data_parallel_rank (the rank it goes to
+# when set; the X-data-parallel-rank header sets it too).
+# ParallelConfig: data_parallel_size, data_parallel_rank, data_parallel_external_lb,
+# data_parallel_hybrid_lb.
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
 # _spin_condition whose busy_loop_s is the spin time after each message.
 SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
