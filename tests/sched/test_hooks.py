@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import pytest
 
 from tokenpace.engine import _hooks, _vllm
+from tokenpace.engine._step_hint import StepHint, hint_path
+from tokenpace.pacing import MAX_IDLE_WAIT_S
 
 PACING = {"tokenpace": {"default_user_output_tokens_per_second": 10}}
 
@@ -89,9 +93,13 @@ class _Queue(queue.Queue):
         super().__init__()
         self.clock = clock
         self.waits: list[float] = []
+        self.hints: list[float] = []
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         self.waits.append(timeout or 0.0)
+        # What a worker of this engine reads while the engine waits.
+        worker_side = StepHint(hint_path(os.getpid()), create=False)
+        self.hints.append((worker_side.get() - time.monotonic_ns()) / 1e9)
         try:
             return super().get(block=False)
         except queue.Empty:
@@ -104,7 +112,7 @@ class _Scheduler:
         self.clock, self.ready_at = clock, ready_at
 
     def idle_wait_seconds(self) -> float:
-        return min(0.05, max(0.0, self.ready_at - self.clock()))
+        return min(MAX_IDLE_WAIT_S, max(0.0, self.ready_at - self.clock()))
 
 
 def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNamespace:
@@ -116,12 +124,15 @@ def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNa
     )
 
 
-def test_waits_in_slices_until_the_earliest_user_is_ready() -> None:
+def test_waits_once_until_the_earliest_user_is_ready_and_tells_the_workers() -> None:
     clock = _Clock()
     core = _core(clock, ready_at=0.12)
     _hooks.idle_wait(core, clock)
-    assert core.input_queue.waits == pytest.approx([0.05, 0.05, 0.02])
+    assert core.input_queue.waits == pytest.approx([0.12])
     assert clock.t == pytest.approx(0.12)
+    # During the wait the workers read "no step for 0.12 s"; after it, "any time".
+    assert core.input_queue.hints[0] == pytest.approx(0.12, abs=0.01)
+    assert StepHint(hint_path(os.getpid()), create=False).get() == 0
 
 
 def test_a_request_ends_the_wait_and_is_handled() -> None:
@@ -146,7 +157,7 @@ def test_no_wait_while_a_batch_with_tokens_is_in_flight() -> None:
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == []
     empty = [(None, SimpleNamespace(total_num_scheduled_tokens=0), None)]
-    core = _core(clock, ready_at=0.05, batch=empty)
+    core = _core(clock, ready_at=clock.t + 0.05, batch=empty)
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == [pytest.approx(0.05)]
 

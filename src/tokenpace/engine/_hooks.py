@@ -19,7 +19,9 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    shared-memory input queue for one second after each message. A paced engine steps
    with gaps (a 5 tok/s user with every stream throttled: five steps a second), so the
    worker would never stop spinning; with pacing on, it spins for ``WORKER_SPIN_S`` and
-   then naps between looks (see ``limit_worker_spin``).
+   then naps between looks (see ``limit_worker_spin``). While the engine's idle wait
+   runs, the step hint (``_step_hint``) tells the worker that no step can come before a
+   known instant, and it naps at once.
 4. ``DPLBAsyncMPClient.get_core_engine_for_request`` (API-server process, data parallel
    with vLLM's own load balancing): every rank has its own scheduler and limiter, so a
    user spread over the ranks would get its rate once per rank. The wrapper sets the
@@ -40,6 +42,7 @@ import time
 from typing import Any
 
 from ._config import PacingConfig
+from ._step_hint import StepHint
 
 logger = logging.getLogger("vllm.tokenpace.engine")
 
@@ -60,8 +63,13 @@ WORKER_MAX_NAP_S = 0.02
 spin ends; each nap is a tenth of the time waited so far (0.5 to 20 ms). A step that
 follows a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a
 core instead of a whole one."""
+WORKER_HINT_NAP_S = 0.005
+"""While the engine's step hint says no step can come yet, the worker naps in slices of
+this length: a request that ends the engine's wait early (a new user) waits at most this
+long for the worker, and an idle worker looks at the hint 200 times a second (each look is
+an 8-byte read, so about 0.2% of a core)."""
 MAX_IDLE_S = 1.0
-"""Longest idle wait without a step (each slice is at most 50 ms)."""
+"""Longest idle wait without a step, so that a limits-file edit is seen within a second."""
 
 _MARK = "__tokenpace_hook__"
 
@@ -162,12 +170,14 @@ def install_config_hook(engine_args_cls: type) -> bool:
 def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
     """Before a step: block on the engine's input queue while no request can run.
 
-    Waits in slices of ``scheduler.idle_wait_seconds()`` (at most 50 ms each) until the
-    earliest throttled user has quota again, so that steps which would run nothing never
-    reach the model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit
-    that makes someone ready sooner is seen. A request that ends the wait is handled here
-    (vLLM's loop drains the rest after the step). With async scheduling, a batch in flight
-    that ran tokens must be collected first, so there is no wait then.
+    Waits until the earliest throttled user has quota again (``idle_wait_seconds()``), in
+    one wait rather than in slices, so that steps which would run nothing never reach the
+    model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit that makes
+    someone ready sooner is seen. While it waits, the step hint tells the workers when the
+    next step can come at the earliest, so they nap instead of spinning. A request that
+    ends the wait is handled here (vLLM's loop drains the rest after the step). With
+    async scheduling, a batch in flight that ran tokens must be collected first, so there
+    is no wait then.
     """
     wait_seconds = getattr(core.scheduler, "idle_wait_seconds", None)
     if wait_seconds is None:
@@ -177,17 +187,33 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
             return
     if wait_seconds() <= 0:
         return  # the usual case, on every step: something can run
+    hint = _engine_hint()
     deadline = clock() + MAX_IDLE_S
-    while core.is_running():
-        timeout = min(wait_seconds(), deadline - clock())
-        if timeout <= 0:
+    try:
+        while core.is_running():
+            timeout = min(wait_seconds(), deadline - clock())
+            if timeout <= 0:
+                return
+            hint.set(time.monotonic_ns() + int(timeout * 1e9))
+            try:
+                request = core.input_queue.get(timeout=timeout)
+            except queue.Empty:
+                continue
+            hint.set(0)  # before handling: the step for this request comes at once
+            core._handle_client_request(*request)
             return
-        try:
-            request = core.input_queue.get(timeout=timeout)
-        except queue.Empty:
-            continue
-        core._handle_client_request(*request)
-        return
+    finally:
+        hint.set(0)
+
+
+_hint: StepHint | None = None
+
+
+def _engine_hint() -> StepHint:
+    global _hint
+    if _hint is None:
+        _hint = StepHint.create_for_this_engine()
+    return _hint
 
 
 def install_idle_wait(engine_core_proc_cls: type) -> bool:
@@ -225,9 +251,20 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
         return
     spin_wait = condition.wait
     nap = WorkerNap(condition.last_read, time.monotonic())
+    hint: StepHint | None = None
+    look_for_hint_at = 0.0
 
     def wait(timeout_ms: int | None = None) -> None:
+        nonlocal hint, look_for_hint_at
         now = time.monotonic()
+        if hint is None and now >= look_for_hint_at:  # the engine creates it on its first wait
+            hint = StepHint.open_for_parent_engine()
+            look_for_hint_at = now + 1.0
+        if hint is not None:
+            ahead = hint.get() / 1e9 - now
+            if ahead > 0:  # the engine is idle until then: nap at once, in short slices
+                time.sleep(min(ahead, WORKER_HINT_NAP_S))
+                return
         pause = nap.pause_s(condition.last_read, now)
         if pause == 0.0 or now - condition.last_read > condition.busy_loop_s:
             spin_wait(timeout_ms)  # vLLM's spin, or after its busy period its socket wait

@@ -34,9 +34,11 @@ from typing import NamedTuple
 
 from ._limiter import OutputRateLimiter
 
-MAX_IDLE_WAIT_S = 0.05
-"""Longest idle wait: short enough to notice work that became ready by other means (a
-grammar finished compiling), long enough that an all-throttled engine stays cool."""
+MAX_IDLE_WAIT_S = 1.0
+"""Longest idle wait. The engine waits on its input queue, so new requests and aborts end
+the wait at once; the wait ends exactly when the earliest user has quota again, and this
+bound only makes a limits-file edit visible within a second. (Waiting in 50 ms slices
+woke an all-throttled engine 20 times a second for nothing.)"""
 
 NO_SAMPLE = 0
 """``Stream.samples``: this step samples nothing (an intermediate prefill chunk)."""
