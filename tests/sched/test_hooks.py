@@ -208,3 +208,15 @@ def test_a_busy_worker_that_goes_idle_naps_after_its_longer_spin() -> None:
     nap.pause_s(0.02, 0.025)  # a 20 ms step period
     assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S - 0.001) == 0.0
     assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S + 0.001) > 0.0
+
+
+def test_engines_learn_the_data_parallel_size_from_their_api_server(monkeypatch) -> None:
+    # vLLM hands each rank of a dense model a config of size 1 (rank kept as the index).
+    reduced = SimpleNamespace(data_parallel_index=1, data_parallel_rank=0,
+                              data_parallel_size=1, data_parallel_external_lb=False)
+    monkeypatch.delenv(_hooks.DATA_PARALLEL_ENV, raising=False)
+    assert _hooks.data_parallel_of(reduced) == (1, 1, False)
+    monkeypatch.setenv(_hooks.DATA_PARALLEL_ENV, "2")
+    assert _hooks.data_parallel_of(reduced) == (1, 2, True)
+    monkeypatch.setenv(_hooks.DATA_PARALLEL_ENV, "4/external")
+    assert _hooks.data_parallel_of(reduced) == (1, 4, False)

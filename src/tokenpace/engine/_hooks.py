@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import sys
 import time
@@ -68,6 +69,9 @@ WORKER_HINT_NAP_S = 0.005
 this length: a request that ends the engine's wait early (a new user) waits at most this
 long for the worker, and an idle worker looks at the hint 200 times a second (each look is
 an 8-byte read, so about 0.2% of a core)."""
+DATA_PARALLEL_ENV = "TOKENPACE_DATA_PARALLEL"
+"""Set by the API server for its engine processes: ``N`` (users pinned to one of N ranks
+by this API server) or ``N/external`` (one server per rank behind a load balancer)."""
 MAX_IDLE_S = 1.0
 """Longest idle wait without a step, so that a limits-file edit is seen within a second."""
 
@@ -137,6 +141,11 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
         sched.scheduler_cls = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1:
+        # The engine processes (started after this, with this environment) see a config
+        # reduced to one rank of size 1 for dense models; this tells them the real size.
+        os.environ[DATA_PARALLEL_ENV] = f"{parallel.data_parallel_size}" + (
+            "/external" if parallel.data_parallel_external_lb else ""
+        )
         if parallel.data_parallel_external_lb:
             logger.warning(
                 "tokenpace: data parallel with external load balancing: this server runs "
@@ -149,6 +158,8 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
             install_rank_pinning(core_client.DPLBAsyncMPClient)
             logger.info("tokenpace: data parallel size %d: each user is pinned to one rank",
                         parallel.data_parallel_size)
+    else:
+        os.environ.pop(DATA_PARALLEL_ENV, None)
     return pacing
 
 
@@ -343,3 +354,22 @@ def install_rank_pinning(client_cls: type) -> bool:
         return get_core_engine_for_request
 
     return _wrap(client_cls, "get_core_engine_for_request", make)
+
+
+def data_parallel_of(parallel_config: Any) -> tuple[int, int, bool]:
+    """(this engine's rank, ranks, whether the API server pins users to ranks).
+
+    Read in an engine process: vLLM gives each rank of a dense model a configuration of
+    one rank of size 1 (keeping the rank as ``data_parallel_index``), so the size comes
+    from ``DATA_PARALLEL_ENV`` when the API server set it.
+    """
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    if rank is None:
+        rank = parallel_config.data_parallel_rank
+    size, external = parallel_config.data_parallel_size, parallel_config.data_parallel_external_lb
+    value = os.environ.get(DATA_PARALLEL_ENV, "")
+    if value:
+        count, _, kind = value.partition("/")
+        if count.isdigit() and int(count) > size:
+            size, external = int(count), kind == "external"
+    return rank, size, size > 1 and not external

@@ -49,7 +49,7 @@ from ..pacing import (
 )
 from ._config import PacingConfig
 from ._events import EventLog
-from ._hooks import install_idle_wait
+from ._hooks import data_parallel_of, install_idle_wait
 from ._modes import unsupported_modes
 from ._vllm import (
     AsyncScheduler,
@@ -144,14 +144,12 @@ class _PacingMixin:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
             )
-        parallel = self.vllm_config.parallel_config
-        ranks = parallel.data_parallel_size
-        if ranks > 1 and not parallel.data_parallel_external_lb:
+        rank, ranks, pinned = data_parallel_of(self.vllm_config.parallel_config)
+        if pinned:
             # The API server pins each user to one rank (_hooks, part 4); checked here.
-            self._pinned_rank = (parallel.data_parallel_rank, ranks)
+            self._pinned_rank = (rank, ranks)
         if config.event_log is not None:
-            self._event_log = EventLog(config.event_log,
-                                       parallel.data_parallel_rank if ranks > 1 else None)
+            self._event_log = EventLog(config.event_log, rank if ranks > 1 else None)
         logger.info(
             "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
             "%d user override(s)%s%s",
