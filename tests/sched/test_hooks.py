@@ -220,3 +220,20 @@ def test_engines_learn_the_data_parallel_size_from_their_api_server(monkeypatch)
     assert _hooks.data_parallel_of(reduced) == (1, 2, True)
     monkeypatch.setenv(_hooks.DATA_PARALLEL_ENV, "4/external")
     assert _hooks.data_parallel_of(reduced) == (1, 4, False)
+
+
+def test_step_hint_files_of_dead_engines_are_removed(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = hint_path(int(dead))
+    stale.write_bytes(b"\0" * 8)
+    hint = StepHint.create_for_this_engine()
+    try:
+        assert not stale.exists()
+        assert hint.path.exists() and hint.get() == 0
+    finally:
+        hint.remove()
+    assert not hint.path.exists()

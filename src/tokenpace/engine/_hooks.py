@@ -227,6 +227,15 @@ def _engine_hint() -> StepHint:
     return _hint
 
 
+def release_step_hint() -> None:
+    """Remove this engine's step hint (at scheduler shutdown: vLLM ends engine processes
+    without running ``atexit``)."""
+    global _hint
+    if _hint is not None:
+        _hint.remove()
+        _hint = None
+
+
 def install_idle_wait(engine_core_proc_cls: type) -> bool:
     def make(original: Any) -> Any:
         def _process_engine_step(self: Any) -> bool:

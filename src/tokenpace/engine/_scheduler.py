@@ -49,7 +49,7 @@ from ..pacing import (
 )
 from ._config import PacingConfig
 from ._events import EventLog
-from ._hooks import data_parallel_of, install_idle_wait
+from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
 from ._modes import unsupported_modes
 from ._vllm import (
     AsyncScheduler,
@@ -252,6 +252,7 @@ class _PacingMixin:
             logger.debug("tokenpace: user %r paced at %s tok/s (sent by the gateway)", user, rate)
 
     def shutdown(self) -> None:
+        release_step_hint()
         if self._event_log is not None:
             self._event_log.close()
             self._event_log = None

@@ -46,7 +46,10 @@ class StepHint:
 
     @classmethod
     def create_for_this_engine(cls) -> StepHint:
-        """The engine side: a fresh hint of 0, removed when the process exits."""
+        """The engine side: a fresh hint of 0, removed at shutdown (``remove``, called by
+        the scheduler's ``shutdown`` and at exit). An engine killed outright leaves its
+        8 bytes behind; the next engine on the host removes those of dead processes."""
+        _remove_stale()
         hint = cls(hint_path(os.getpid()), create=True)
         hint.set(0)
         atexit.register(hint.remove)
@@ -71,3 +74,19 @@ class StepHint:
             self.path.unlink()
         except OSError:
             pass
+
+
+def _remove_stale() -> None:
+    for path in _DIR.glob("tokenpace-step-hint-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        except OSError:
+            pass  # alive, someone else's
