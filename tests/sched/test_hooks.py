@@ -237,3 +237,36 @@ def test_step_hint_files_of_dead_engines_are_removed(tmp_path) -> None:
     finally:
         hint.remove()
     assert not hint.path.exists()
+
+
+def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
+    """The worker side of the step hint, on vLLM's real SpinCondition."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    # This process plays the worker: its engine is its parent process.
+    engine_side = StepHint(hint_path(os.getppid()), create=True)
+    context = zmq.Context()
+    condition = SpinCondition(True, context, f"inproc://tokenpace-test-{os.getpid()}")
+    spins: list[Any] = []
+    vllm_wait = condition.wait
+
+    def counted_wait(timeout_ms: int | None = None) -> None:
+        spins.append(timeout_ms)
+        vllm_wait(timeout_ms)
+
+    condition.wait = counted_wait
+    worker = SimpleNamespace(rpc_broadcast_mq=SimpleNamespace(_spin_condition=condition))
+    try:
+        _hooks.limit_worker_spin(worker, SimpleNamespace(additional_config=PACING))
+        condition.last_read = time.monotonic()  # a step was just taken: vLLM would spin
+        engine_side.set(time.monotonic_ns() + 10**9)  # the engine is idle for a second
+        t0 = time.monotonic()
+        condition.wait()
+        assert spins == [] and time.monotonic() - t0 >= 0.9 * _hooks.WORKER_HINT_NAP_S
+        engine_side.set(0)  # a request ended the engine's wait: back to vLLM's spin
+        condition.wait()
+        assert spins == [None]
+    finally:
+        engine_side.remove()
+        context.destroy(linger=0)
