@@ -40,7 +40,7 @@ from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
 from ._errors import GatewayError, error_body
 from ._ledger import Ledger, UsageRecord
-from ._stream import ChunkRewriter
+from ._stream import ChunkRewriter, EventSplitter
 from ._tenants import TenantState, Tenants
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -514,22 +514,36 @@ class StreamResponse:
             self.watch.stop()
 
     async def _relay(self, send: Send) -> str | None:
-        """Copy events until the engine ends the stream; return a failure description."""
-        ex, progress = self.ex, self.rewriter.progress
+        """Copy events until the engine ends the stream; return a failure description.
+
+        The events of one network read go out in one ``send``: one write per read, not
+        per event.
+        """
+        ex, rewriter = self.ex, self.rewriter
+        progress = rewriter.progress
+        splitter = EventSplitter()
         try:
-            async for line in self.upstream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                out = self.rewriter.event(line[5:].strip())
+            async for data in self.upstream.aiter_bytes():
+                out = []
+                for payload in splitter.feed(data):
+                    event = rewriter.event(payload)
+                    if event is not None:
+                        out.append(b"data: " + event + b"\n\n")
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
                 if progress.completion_tokens > ex.completion_tokens:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()
-                if out is not None:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
                 if progress.done:
                     return None
+            for payload in splitter.flush():
+                event = rewriter.event(payload)
+                if event is not None:
+                    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
+                                "more_body": True})
         except httpx.HTTPError as exc:
             return f"the engine stream failed: {type(exc).__name__}"
         return None
