@@ -220,21 +220,24 @@ class Gateway:
                               code="method_not_allowed")
 
 
-async def _engine_load(client: httpx.AsyncClient) -> tuple[float | None, float | None]:
-    """vLLM's waiting-request count and KV-cache use from its /metrics (None: not there)."""
+async def _engine_load(client: httpx.AsyncClient) -> tuple[float | None, float | None, float | None]:
+    """vLLM's waiting-request count, KV-cache use and running-request count from its
+    /metrics (None: not there)."""
     try:
         resp = await client.get("/metrics", timeout=2.0)
     except httpx.HTTPError:
-        return None, None
+        return None, None, None
     if resp.status_code != 200:
-        return None, None
-    waiting = kv = None
+        return None, None, None
+    waiting = kv = running = None
     for line in resp.text.splitlines():
-        if line.startswith("vllm:num_requests_waiting"):
+        if line.startswith("vllm:num_requests_waiting{") or line.startswith("vllm:num_requests_waiting "):
             waiting = (waiting or 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_running{") or line.startswith("vllm:num_requests_running "):
+            running = (running or 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:kv_cache_usage_perc"):
             kv = max(kv or 0.0, float(line.rsplit(" ", 1)[1]))
-    return waiting, kv
+    return waiting, kv, running
 
 
 def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:

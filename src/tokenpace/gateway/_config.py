@@ -40,6 +40,9 @@ class EngineConfig:
     # fairness decides) while the engine already queues this many or its KV cache is this full.
     max_engine_waiting: int | None = 4
     max_kv_cache_usage: float | None = 0.95
+    # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
+    # its /metrics (the running count while requests keep waiting in it).
+    max_num_seqs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage"))
+                      "max_kv_cache_usage", "max_num_seqs"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -220,6 +223,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         max_engine_waiting=_int(m, "max_engine_waiting", where, 4, minimum=0)
         if m.get("max_engine_waiting", 4) is not None else None,
         max_kv_cache_usage=None if kv is None else float(kv),
+        max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
     )
 
 

@@ -36,7 +36,23 @@ class QueueFull(Exception):
 
 
 class EngineSlots:
-    """One engine's capacity as the gateway sees it, and its queue of waiting requests."""
+    """One engine's capacity as the gateway sees it, and its queue of waiting requests.
+
+    The saturation gate reads the engine's own gauges, polled every ``LOAD_INTERVAL_S``. A
+    reading is stale the moment the gateway dispatches again, and it counts the gateway's
+    own fresh dispatches as "waiting" until the engine's next step admits them: a burst the
+    engine can run at once would hold itself back until a later poll. So the gate projects
+    the reading forward with what the gateway itself did since:
+
+    - with the engine's capacity known (``max_num_seqs`` configured, or learned from two
+      readings in a row that show requests waiting beside the same running count), the
+      engine holds ``others + inflight`` requests now, where ``others`` is what the reading
+      showed beyond the gateway's own in-flight count then; more than capacity +
+      ``max_engine_waiting`` is saturation. A burst larger than the engine can run stops at
+      that bound and waits here, where the fair queue orders it.
+    - without it, waiting requests count only beyond those the gateway dispatched since
+      the reading before (they may just not have been scheduled yet).
+    """
 
     def __init__(self, config: EngineConfig, queue: FairQueue[Waiter]) -> None:
         self.config = config
@@ -44,21 +60,71 @@ class EngineSlots:
         self.healthy = True
         self.down_since: float | None = None
         self.engine_waiting: float | None = None  # from the engine's /metrics
+        self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
+        self.learned_capacity: int | None = None
         self.queue = queue
+        self._inflight_at_reading = 0
+        self._dispatched_since_reading = 0
+        self._fresh_at_reading = 0  # dispatched between the previous reading and the last
 
     @property
     def url(self) -> str:
         return self.config.url
 
+    @property
+    def capacity(self) -> int | None:
+        """Requests the engine runs at once (configured, else learned; None: unknown)."""
+        return self.config.max_num_seqs or self.learned_capacity
+
+    def record_reading(self, running: float | None, waiting: float | None,
+                       kv_usage: float | None) -> None:
+        """A fresh reading of the engine's gauges (None: not reported)."""
+        if running is not None and waiting and self.engine_waiting and running == self.engine_running \
+                and not self._kv_full(kv_usage):
+            # Requests waited across two polls beside the same running count: that is the
+            # engine's limit, not a burst between two scheduler steps.
+            self.learned_capacity = max(self.learned_capacity or 0, int(running))
+        if running is not None and self.learned_capacity is not None:
+            self.learned_capacity = max(self.learned_capacity, int(running))
+        self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
+        self._inflight_at_reading = self.inflight
+        self._fresh_at_reading = self._dispatched_since_reading
+        self._dispatched_since_reading = 0
+
+    def dispatched(self) -> None:
+        self.inflight += 1
+        self._dispatched_since_reading += 1
+
+    def _kv_full(self, kv_usage: float | None) -> bool:
+        limit = self.config.max_kv_cache_usage
+        return limit is not None and kv_usage is not None and kv_usage >= limit
+
+    def projected_waiting(self) -> float | None:
+        """Requests that would wait inside the engine now (None: no reading)."""
+        waiting = self.engine_waiting
+        if waiting is None:
+            return None
+        capacity = self.capacity
+        if capacity is not None and self.engine_running is not None:
+            others = max(0.0, self.engine_running + waiting - self._inflight_at_reading)
+            return others + self.inflight - capacity
+        return max(0.0, waiting - self._fresh_at_reading)
+
     def saturated(self) -> bool:
-        """The engine's own gauges say more work would only queue inside it."""
-        cfg = self.config
-        if cfg.max_engine_waiting is not None and self.engine_waiting is not None \
-                and self.engine_waiting > cfg.max_engine_waiting:
+        """More work now would only queue inside the engine (or its KV cache is full)."""
+        if self._kv_full(self.kv_cache_usage):
             return True
-        return cfg.max_kv_cache_usage is not None and self.kv_cache_usage is not None \
-            and self.kv_cache_usage >= cfg.max_kv_cache_usage
+        limit = self.config.max_engine_waiting
+        if limit is None:
+            return False
+        projected = self.projected_waiting()
+        if projected is None:
+            return False
+        if self.capacity is not None and self.engine_running is not None:
+            # exact projection: one more dispatch must keep the engine's queue within limit
+            return projected + 1 > limit
+        return projected > limit
 
     def has_room(self) -> bool:
         return self.inflight < self.config.max_inflight and not self.saturated()
@@ -117,9 +183,10 @@ class Dispatcher:
         if healthy:
             self._pump(engine)
 
-    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None) -> None:
+    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
+                 running: float | None = None) -> None:
         """Saturation gauges read from the engine's /metrics (None: not reported)."""
-        engine.engine_waiting, engine.kv_cache_usage = waiting, kv_usage
+        engine.record_reading(running, waiting, kv_usage)
         self._pump(engine)
 
     # -- waiting and dispatch ----------------------------------------------------------
@@ -186,7 +253,7 @@ class Dispatcher:
             waiter.granted = True
             tenant.queued -= 1
             tenant.inflight += 1
-            engine.inflight += 1
+            engine.dispatched()
             metrics.QUEUED.labels(tenant.id).set(tenant.queued)
             metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
             if not waiter.future.done():
