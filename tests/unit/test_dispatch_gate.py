@@ -41,7 +41,7 @@ def test_a_reading_that_shows_the_gateways_own_burst_does_not_close_the_gate() -
         first = await burst(dispatcher, tenant, 16)
         assert granted(first) == 16
         # The poll lands before the engine's next step: all 16 still "waiting" in it.
-        dispatcher.set_load(engine, 16.0, 0.01, running=0.0)
+        dispatcher.set_load(engine, 16.0, 0.01, running=16.0)
         second = await burst(dispatcher, tenant, 16)
         assert granted(second) == 16  # the old gate held these until a later poll
         for t in first + second:
@@ -60,10 +60,10 @@ def test_with_a_known_capacity_a_larger_burst_waits_in_the_gateway() -> None:
         dispatcher.set_load(engine, 4.0, 0.2, running=8.0)  # the engine holds our 12
         dispatcher.release(await tasks[0])
         assert engine.inflight == 12  # the freed slot went to the next one in the queue
-        # Another client now holds 3 more requests in the engine: 3 fewer of ours fit.
+        # Another client now has 3 more requests waiting in the engine: 7 > 4 wait there.
         dispatcher.set_load(engine, 4.0 + 3, 0.2, running=8.0)
         dispatcher.release(await tasks[1])
-        assert engine.inflight == 11  # 3 others + 11 + 1 > 8 + 4: the gate holds
+        assert engine.inflight == 11  # the gate holds
         for t in tasks:
             t.cancel()
     asyncio.run(main())
@@ -120,4 +120,18 @@ def test_a_full_kv_cache_holds_requests() -> None:
         dispatcher.set_load(engine, 0.0, 0.5, running=3.0)
         await asyncio.sleep(0)
         assert granted(tasks) == 2
+    asyncio.run(main())
+
+
+def test_a_stale_running_gauge_of_an_idle_engine_does_not_hold_a_burst() -> None:
+    """vLLM's gauges keep the values of the engine's last step while it is idle: a reading
+    of 32 running after the last burst ended must not count as load."""
+    async def main() -> None:
+        dispatcher, tenant = setup(max_num_seqs=32, max_engine_waiting=4)
+        engine = dispatcher.engines[0]
+        dispatcher.set_load(engine, 0.0, 0.1, running=32.0)
+        tasks = await burst(dispatcher, tenant, 40)
+        assert granted(tasks) == 36
+        for t in tasks:
+            t.cancel()
     asyncio.run(main())

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from . import _metrics as metrics
 from ._config import ConfigError, GatewayConfig, load_config
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, EngineSlots
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
@@ -33,6 +33,7 @@ logger = logging.getLogger("tokenpace.gateway")
 
 HEALTH_INTERVAL_S = 2.0
 LOAD_INTERVAL_S = 0.5
+LOAD_SOON_S = 0.025
 HEALTH_TIMEOUT_S = 5.0
 DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
@@ -83,6 +84,7 @@ class Gateway:
                               clients, ledger, self.clock)
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
+            tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.config.engines), self.config.ledger)
             try:
@@ -113,30 +115,47 @@ class Gateway:
             self._snapshot()
 
     async def _health_loop(self) -> None:
-        """Engine health every 2 s (down after two failed checks in a row, up after one
-        good one); its saturation gauges every 0.5 s (when it has them)."""
+        """Engine health every 2 s: down after two failed checks in a row, up after one good one."""
         assert self.rt is not None
         dispatcher = self.rt.dispatcher
         failures: dict[str, int] = {}
-        ticks = 0
         while True:
             for engine in dispatcher.engines:
                 client = self.rt.clients[engine.url]
-                if ticks % round(HEALTH_INTERVAL_S / LOAD_INTERVAL_S) == 0:
-                    try:
-                        ok = (await client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
-                    # One slow answer from a busy engine is not an outage.
-                    healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
-                    if healthy != engine.healthy:
-                        logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
-                    dispatcher.set_health(engine, healthy)
-                if engine.healthy:
-                    dispatcher.set_load(engine, *await _engine_load(client))
-            ticks += 1
-            await asyncio.sleep(LOAD_INTERVAL_S)
+                try:
+                    ok = (await client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
+                # One slow answer from a busy engine is not an outage.
+                healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
+                if healthy != engine.healthy:
+                    logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                dispatcher.set_health(engine, healthy)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _load_loop(self, engine: EngineSlots) -> None:
+        """The engine's saturation gauges every 0.5 s, and sooner while the gate holds
+        requests: 25 ms after it closes, doubling while the engine stays full."""
+        assert self.rt is not None
+        dispatcher, client = self.rt.dispatcher, self.rt.clients[engine.url]
+        soon = LOAD_SOON_S
+        while True:
+            if engine.healthy:
+                dispatcher.set_load(engine, *await _engine_load(client))
+            if engine.held.is_set():
+                engine.held.clear()
+                if len(engine.queue) and engine.saturated():
+                    await asyncio.sleep(soon)
+                    soon = min(2 * soon, LOAD_INTERVAL_S)
+                    continue
+            soon = LOAD_SOON_S
+            try:
+                await asyncio.wait_for(engine.held.wait(), LOAD_INTERVAL_S)
+            except TimeoutError:
+                pass
+            else:
+                await asyncio.sleep(LOAD_SOON_S)
 
     def reload(self) -> GatewayConfig:
         """Re-read the configuration file; in-flight requests are not touched.

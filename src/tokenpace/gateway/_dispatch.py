@@ -38,20 +38,23 @@ class QueueFull(Exception):
 class EngineSlots:
     """One engine's capacity as the gateway sees it, and its queue of waiting requests.
 
-    The saturation gate reads the engine's own gauges, polled every ``LOAD_INTERVAL_S``. A
-    reading is stale the moment the gateway dispatches again, and it counts the gateway's
-    own fresh dispatches as "waiting" until the engine's next step admits them: a burst the
-    engine can run at once would hold itself back until a later poll. So the gate projects
-    the reading forward with what the gateway itself did since:
+    The saturation gate holds requests here while more would only queue inside the engine.
+    Two signals, because each alone fails:
 
-    - with the engine's capacity known (``max_num_seqs`` configured, or learned from two
-      readings in a row that show requests waiting beside the same running count), the
-      engine holds ``others + inflight`` requests now, where ``others`` is what the reading
-      showed beyond the gateway's own in-flight count then; more than capacity +
-      ``max_engine_waiting`` is saturation. A burst larger than the engine can run stops at
-      that bound and waits here, where the fair queue orders it.
-    - without it, waiting requests count only beyond those the gateway dispatched since
-      the reading before (they may just not have been scheduled yet).
+    - The gateway's own count. With the engine's capacity known (``max_num_seqs``
+      configured, or learned from two readings in a row that show requests waiting beside
+      the same running count), at most capacity + ``max_engine_waiting`` of the gateway's
+      requests are in the engine at once: a burst larger than the engine can run waits here,
+      where the fair queue orders it, and a burst that fits goes at once.
+    - The engine's own waiting count, polled from its ``/metrics``, for load the gateway does
+      not see (other clients, other gateway replicas). A reading is stale: it counts the
+      gateway's fresh dispatches as "waiting" until the engine's next step admits them (a
+      burst would hold itself back until a later poll), so the requests the gateway
+      dispatched between the two last readings are not counted against it. vLLM's running
+      gauge is not used for load: it keeps its last value while the engine is idle.
+
+    While the gate holds requests it sets ``held``, and the poller reads the gauges again
+    within tens of milliseconds (backing off while the engine stays full).
     """
 
     def __init__(self, config: EngineConfig, queue: FairQueue[Waiter]) -> None:
@@ -64,7 +67,7 @@ class EngineSlots:
         self.kv_cache_usage: float | None = None
         self.learned_capacity: int | None = None
         self.queue = queue
-        self._inflight_at_reading = 0
+        self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
         self._dispatched_since_reading = 0
         self._fresh_at_reading = 0  # dispatched between the previous reading and the last
 
@@ -88,7 +91,6 @@ class EngineSlots:
         if running is not None and self.learned_capacity is not None:
             self.learned_capacity = max(self.learned_capacity, int(running))
         self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
-        self._inflight_at_reading = self.inflight
         self._fresh_at_reading = self._dispatched_since_reading
         self._dispatched_since_reading = 0
 
@@ -100,17 +102,6 @@ class EngineSlots:
         limit = self.config.max_kv_cache_usage
         return limit is not None and kv_usage is not None and kv_usage >= limit
 
-    def projected_waiting(self) -> float | None:
-        """Requests that would wait inside the engine now (None: no reading)."""
-        waiting = self.engine_waiting
-        if waiting is None:
-            return None
-        capacity = self.capacity
-        if capacity is not None and self.engine_running is not None:
-            others = max(0.0, self.engine_running + waiting - self._inflight_at_reading)
-            return others + self.inflight - capacity
-        return max(0.0, waiting - self._fresh_at_reading)
-
     def saturated(self) -> bool:
         """More work now would only queue inside the engine (or its KV cache is full)."""
         if self._kv_full(self.kv_cache_usage):
@@ -118,13 +109,11 @@ class EngineSlots:
         limit = self.config.max_engine_waiting
         if limit is None:
             return False
-        projected = self.projected_waiting()
-        if projected is None:
-            return False
-        if self.capacity is not None and self.engine_running is not None:
-            # exact projection: one more dispatch must keep the engine's queue within limit
-            return projected + 1 > limit
-        return projected > limit
+        capacity = self.capacity
+        if capacity is not None and self.inflight + 1 > capacity + limit:
+            return True
+        waiting = self.engine_waiting
+        return waiting is not None and waiting - self._fresh_at_reading > limit
 
     def has_room(self) -> bool:
         return self.inflight < self.config.max_inflight and not self.saturated()
@@ -258,6 +247,8 @@ class Dispatcher:
             metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
             if not waiter.future.done():
                 waiter.future.set_result(None)
+        if len(engine.queue) and engine.inflight < engine.config.max_inflight and engine.saturated():
+            engine.held.set()  # ask for a fresh reading: the one that closed the gate may be stale
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
 
     def _may_dispatch(self, tenant_id: str) -> bool:
