@@ -52,6 +52,7 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
+    tokenized: int = 0  # /tokenize calls received
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -100,6 +101,7 @@ class FakeEngine:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _tokenize(self, request: Request) -> Response:
+        self.tokenized += 1
         body = await request.json()
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})

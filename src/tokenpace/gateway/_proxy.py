@@ -109,6 +109,7 @@ class Exchange:
     max_completion_tokens: int = 0
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
+    prompt_counted: bool = False  # the prompt's cost is in the fair queue's counter
     queue_s: float | None = None
     ttft_s: float | None = None
     waiter: Waiter | None = None
@@ -119,11 +120,20 @@ class Exchange:
         return self.tenant.config.lane
 
     def charge_progress(self) -> None:
-        """Grow the tenant's fair-queue counter by the tokens generated since last time."""
+        """Grow the tenant's fair-queue counter by the tokens generated since last time
+        (and by the prompt, once the engine's usage gave its size if it was not counted)."""
+        if self.waiter is None or not self.charge_usage:
+            return
+        cost = 0.0
+        if not self.prompt_counted and self.prompt_tokens:
+            cost += self.prompt_tokens * self.rt.config.cost.prompt
+            self.prompt_counted = True
         delta = self.completion_tokens - self.charged_tokens
-        if delta > 0 and self.waiter is not None and self.charge_usage:
-            self.rt.dispatcher.charge(self.waiter, delta * self.rt.config.cost.completion)
+        if delta > 0:
+            cost += delta * self.rt.config.cost.completion
             self.charged_tokens = self.completion_tokens
+        if cost:
+            self.rt.dispatcher.charge(self.waiter, cost)
 
     def finish(self, outcome: str) -> None:
         if self.finished:
@@ -216,7 +226,15 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             raise GatewayError(503, f"the engine serving tenant {tenant.id!r} is unavailable",
                                reason="engine_unavailable", code="engine_unavailable")
         client = rt.clients[engine.url]
-        prompt_tokens, max_model_len = await _count_prompt(client, req)
+        _cheap_refusals(rt, tenant, req)
+        if _needs_count(tenant, req):
+            async with tenant.tokenize_slots:
+                prompt_tokens, max_model_len = await _count_prompt(client, req)
+            ex.prompt_counted = True
+        else:
+            # No decision depends on the prompt's size: it is counted by the engine, and
+            # the engine's first usage chunk (or its answer) brings the exact number.
+            prompt_tokens, max_model_len = 0, None
         ex.prompt_tokens = prompt_tokens
         max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
         reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
@@ -225,18 +243,14 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             raise _budget_error(refusal)
         ex.reserved = reserved
         ex.max_completion_tokens = max_tokens * req.n
+        admitted = rt.clock()
         with watch.guard(anyio.CancelScope()):
             try:
                 ex.waiter = await rt.dispatcher.acquire(
                     tenant, engine, tenant.config.queue_timeout_s,
                     prompt_cost=rt.config.cost.prompt * prompt_tokens, estimate=reserved)
             except QueueFull:
-                cfg = tenant.config
-                raise GatewayError(
-                    429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
-                    f"(max_concurrency {cfg.max_concurrency}) and {cfg.max_queued} waiting "
-                    f"(max_queued {cfg.max_queued})", reason="queue_full",
-                    code="rate_limit_exceeded") from None
+                raise _queue_full(tenant) from None
             except TimeoutError:
                 if not engine.healthy:
                     raise GatewayError(
@@ -252,7 +266,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             ex.finish("cancelled")
             watch.stop()
             return Response(status_code=499)
-        ex.queue_s = rt.clock() - arrived
+        ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
         metrics.QUEUE_SECONDS.labels(tenant.id).observe(ex.queue_s)
         lane = rt.config.lane(tenant.config.lane)
         body = engine_body(
@@ -274,6 +288,80 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         if watch is not None:
             watch.stop()
         raise
+
+
+def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
+    """Whether a decision before dispatch depends on the prompt's size: a prompt cap, a
+    budget reservation, or the ``max_tokens`` the gateway must fill in (it fits the
+    context only with the prompt's size known)."""
+    cfg = tenant.config
+    return cfg.max_input_tokens is not None or bool(cfg.budgets) or req.max_tokens is None
+
+
+MAX_BYTES_PER_TOKEN = 64
+"""No tokenizer in use packs more text into one token on average (byte-level BPE vocabularies
+have ~3-5 bytes per token on text; their longest tokens, runs of spaces or dashes, are
+well below this): a prompt of more than 64 bytes per allowed token is certainly over the
+limit, whatever the model, and is refused without asking the engine to count it."""
+
+
+def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> None:
+    """Refusals that need no prompt count, checked before one is asked for.
+
+    A tenant at its concurrency limit with a full queue; a prompt whose size in bytes
+    proves it over ``max_input_tokens``; a budget that cannot take the request's lower-bound
+    cost (the output part, ``max_tokens`` x n, plus the fewest tokens the prompt's bytes can
+    make). A multi-megabyte prompt its limits refuse never reaches the engine's tokenizer,
+    where it would delay every other tenant's requests.
+    """
+    cfg = tenant.config
+    if tenant.at_concurrency_limit() and tenant.queue_full():
+        raise _queue_full(tenant)
+    if cfg.max_output_tokens is not None and req.max_tokens is not None \
+            and req.max_tokens > cfg.max_output_tokens:
+        return  # refused with its own message by the size checks
+    size = prompt_bytes(req)
+    least_tokens = -(-size // MAX_BYTES_PER_TOKEN)
+    if cfg.max_input_tokens is not None and least_tokens > cfg.max_input_tokens:
+        raise GatewayError(
+            400, f"the prompt has {size} bytes, at least {least_tokens} tokens; tenant "
+            f"{tenant.id!r} may send at most {cfg.max_input_tokens} (max_input_tokens)",
+            reason="max_input_tokens", code="max_input_tokens_exceeded",
+            param="messages" if req.kind == "chat" else "prompt")
+    output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
+    if cfg.budgets:
+        least = rt.config.cost.of(least_tokens, (output or 0) * req.n)
+        refusal = tenant.budgets.would_refuse(least, rt.clock())
+        if refusal is not None:
+            raise _budget_error(refusal)
+
+
+def prompt_bytes(req: ParsedRequest) -> int:
+    """A lower bound of the prompt text's UTF-8 size: the characters of the completion
+    prompt, or of the messages' text content (images and other parts are not text and
+    are left out). One pass over the messages, nothing encoded."""
+    if req.kind != "chat":
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    size = 0
+    for message in req.body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part["text"]) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
+
+
+def _queue_full(tenant: TenantState) -> GatewayError:
+    cfg = tenant.config
+    return GatewayError(
+        429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
+        f"(max_concurrency {cfg.max_concurrency}) and {tenant.queued} waiting "
+        f"(max_queued {cfg.max_queued})", reason="queue_full", code="rate_limit_exceeded")
 
 
 async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[int, int | None]:
@@ -531,7 +619,9 @@ class StreamResponse:
                         out.append(b"data: " + event + b"\n\n")
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
-                if progress.completion_tokens > ex.completion_tokens:
+                if progress.prompt_tokens is not None and not ex.prompt_counted:
+                    ex.prompt_tokens = progress.prompt_tokens
+                if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()
                 if out:

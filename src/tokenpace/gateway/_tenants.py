@@ -7,11 +7,15 @@ change keep their level.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 from ..fairness import BudgetRefusal, TenantBudgets
 from . import _metrics as metrics
 from ._config import GatewayConfig, TenantConfig
+
+
+TOKENIZE_SLOTS_PER_TENANT = 2
 
 
 class TenantState:
@@ -26,6 +30,9 @@ class TenantState:
         self.budgets = TenantBudgets(list(config.budgets), now, levels)
         self.inflight = 0
         self.queued = 0
+        # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
+        # for each other here instead of taking every tokenizer slot of the engine.
+        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
 
     @property
     def id(self) -> str:
