@@ -27,6 +27,7 @@ from tokenpace.bench._load import stream_completion
 pytestmark = pytest.mark.vllm
 
 KEY = "sk-relay"
+KEY_HUGE = "sk-huge"
 MAX_NUM_SEQS = 32
 
 
@@ -50,7 +51,8 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "engines": [{"url": engine.base_url, "max_inflight": 128, "max_num_seqs": MAX_NUM_SEQS,
                      "max_engine_waiting": 4}],
         "ledger": f"sqlite:///{home / 'usage.db'}",
-        "tenants": [{"id": "relay", "api_keys": [KEY]}],
+        "tenants": [{"id": "relay", "api_keys": [KEY]},
+                    {"id": "huge", "api_keys": [KEY_HUGE], "max_input_tokens": 2048}],
     }
     gw = GatewayProcess(home, config).start()
     try:
@@ -185,3 +187,50 @@ def test_a_burst_larger_than_the_engine_waits_in_the_gateway(engine: Server, gat
     print(f"engine held at most {highest:.0f} requests; {len(held)} of 96 waited > 50 ms in the gateway")
     assert highest <= MAX_NUM_SEQS + 4
     assert len(held) >= 96 - MAX_NUM_SEQS - 4 - 8  # margin: requests arriving after a slot freed
+
+
+def test_huge_prompts_a_tenant_may_not_send_do_not_stall_others(engine: Server, gateway: GatewayProcess) -> None:
+    """One tenant sends 4 MB prompts over its max_input_tokens, four at a time, while
+    another tenant's small requests keep their latency: the gateway refuses the big ones
+    from their size, without asking the engine's tokenizer (which took seconds per prompt
+    and delayed everyone's requests behind them)."""
+    import threading
+
+    def small_latencies(count: int) -> list[float]:
+        out = []
+        with httpx.Client(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
+            for _ in range(count):
+                t = time.monotonic()
+                resp = client.post(gateway.url + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "Hi", "max_tokens": 5})
+                assert resp.status_code == 200
+                out.append(time.monotonic() - t)
+        return out
+
+    small_latencies(3)  # warm-up
+    alone = statistics.median(small_latencies(15))
+    stop = threading.Event()
+    refused: list[int] = []
+
+    def flood() -> None:
+        body = json.dumps({"model": "tiny", "prompt": "lorem ipsum " * 350_000, "max_tokens": 5})
+        with httpx.Client(timeout=120, headers={"authorization": f"Bearer {KEY_HUGE}"}) as client:
+            while not stop.is_set():
+                refused.append(client.post(gateway.url + "/v1/completions", content=body).status_code)
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        during = statistics.median(small_latencies(15))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    print(f"small request median latency alone {alone * 1000:.1f} ms, beside the 4 MB prompts "
+          f"{during * 1000:.1f} ms; {len(refused)} big prompts refused")
+    assert refused and set(refused) == {400}
+    # Margin: reading and parsing a 4 MB body takes the gateway's event loop tens of ms
+    # per big request; a stall behind the engine's tokenizer took seconds.
+    assert during <= 3 * alone + 0.25
