@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 import httpx
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -38,7 +38,7 @@ from ._body import (
 )
 from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
-from ._errors import GatewayError, error_body
+from ._errors import GatewayError, error_body, error_response
 from ._ledger import Ledger, UsageRecord
 from ._stream import ChunkRewriter, EventSplitter
 from ._tenants import TenantState, Tenants
@@ -148,6 +148,8 @@ class Exchange:
         if self.reserved:
             self.tenant.settle(self.reserved, actual, rt.clock())
         e2e = rt.clock() - self.arrived
+        if self.waiter is not None and self.waiter.granted:
+            self.tenant.record_service(e2e - (self.queue_s or 0.0))
         tenant, lane = self.tenant.id, self.lane
         metrics.REQUESTS.labels(tenant, lane, outcome.split(":", 1)[0]).inc()
         if outcome.startswith("rejected:"):
@@ -198,7 +200,7 @@ async def read_body(request: Request, limit: int) -> bytes:
                            code="body_too_large")
     chunks = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():  # raises ClientDisconnect if the client leaves
         size += len(chunk)
         if size > limit:
             raise GatewayError(413, f"request body larger than {limit} bytes",
@@ -257,10 +259,12 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
                         503, f"the engine serving tenant {tenant.id!r} went down while the "
                         "request waited", reason="engine_unavailable",
                         code="engine_unavailable") from None
+                wait = tenant.slot_wait_s()
                 raise GatewayError(
                     429, f"waited {tenant.config.queue_timeout_s:g} s in the queue without an "
-                    "engine slot (queue_timeout)", reason="queue_timeout",
-                    code="rate_limit_exceeded") from None
+                    f"engine slot (queue_timeout); a slot frees in about {wait:.1f} s",
+                    reason="queue_timeout", code="queue_timeout",
+                    headers=_retry_headers(wait)) from None
         if ex.waiter is None:
             ex.charge_usage = False
             ex.finish("cancelled")
@@ -283,6 +287,20 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         if watch is not None:
             watch.stop()
         return exc.response(request_id)
+    except ClientDisconnect:
+        # The client left while sending its body: nothing was asked of the engine.
+        ex.charge_usage = False
+        ex.finish("client_disconnected")
+        return Response(status_code=499)
+    except Exception:
+        # A bug, not a refusal: logged here once with the request id the client receives.
+        logger.exception("request %s failed", request_id)
+        ex.charge_usage = ex.waiter is not None
+        ex.finish("error")
+        if watch is not None:
+            watch.stop()
+        return error_response(500, f"internal error in the gateway (request id {request_id})",
+                              code="internal_error", headers={"x-request-id": request_id})
     except BaseException:
         ex.finish("error")
         if watch is not None:
@@ -358,10 +376,17 @@ def prompt_bytes(req: ParsedRequest) -> int:
 
 def _queue_full(tenant: TenantState) -> GatewayError:
     cfg = tenant.config
+    wait = tenant.slot_wait_s()
     return GatewayError(
         429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
         f"(max_concurrency {cfg.max_concurrency}) and {tenant.queued} waiting "
-        f"(max_queued {cfg.max_queued})", reason="queue_full", code="rate_limit_exceeded")
+        f"(max_queued {cfg.max_queued}); a slot frees in about {wait:.1f} s",
+        reason="queue_full", code="queue_full", headers=_retry_headers(wait))
+
+
+def _retry_headers(wait_s: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(wait_s))),
+            "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
 
 
 async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[int, int | None]:
@@ -465,7 +490,8 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
-                resp = await client.post(PATHS[ex.kind], content=body, headers=_upstream_headers(ex))
+                resp = await _send(client, client.build_request(
+                    "POST", PATHS[ex.kind], content=body, headers=_upstream_headers(ex)))
             except httpx.HTTPError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"
@@ -501,6 +527,17 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
         watch.stop()
 
 
+async def _send(client: httpx.AsyncClient, request: httpx.Request, stream: bool = False) -> httpx.Response:
+    """Send to the engine; a failed *connect* (the request never left) is retried once on
+    a fresh connection: the engine may just have closed an idle one, or restarted."""
+    try:
+        return await client.send(request, stream=stream)
+    except httpx.ConnectError:
+        logger.warning("engine %s: connect failed for %s; retrying once", request.url.netloc.decode(),
+                       request.headers.get("x-request-id"))
+        return await client.send(request, stream=stream)
+
+
 def _timeout_response(ex: Exchange) -> Response:
     return Response(
         json.dumps(error_body(504, f"the request did not finish within request_timeout "
@@ -518,7 +555,7 @@ async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedReque
             try:
                 request = client.build_request("POST", PATHS[ex.kind], content=body,
                                                headers=_upstream_headers(ex))
-                resp = await client.send(request, stream=True)
+                resp = await _send(client, request, stream=True)
             except httpx.HTTPError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"

@@ -30,6 +30,7 @@ class TenantState:
         self.budgets = TenantBudgets(list(config.budgets), now, levels)
         self.inflight = 0
         self.queued = 0
+        self.service_s: float | None = None  # moving average of time on the engine
         # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
         # for each other here instead of taking every tokenizer slot of the engine.
         self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
@@ -41,6 +42,18 @@ class TenantState:
     def at_concurrency_limit(self) -> bool:
         limit = self.config.max_concurrency
         return limit is not None and self.inflight >= limit
+
+    def record_service(self, seconds: float) -> None:
+        """A dispatched request ended after ``seconds`` on the engine (moving average)."""
+        self.service_s = seconds if self.service_s is None else 0.8 * self.service_s + 0.2 * seconds
+
+    def slot_wait_s(self) -> float:
+        """Expected seconds until one of the tenant's running requests ends and a slot
+        frees (its recent service time spread over what runs; 1 s before any is known):
+        the ``retry-after`` of a full queue or a queue timeout."""
+        if self.service_s is None:
+            return 1.0
+        return max(0.001, self.service_s / max(1, self.inflight))
 
     def queue_full(self) -> bool:
         limit = self.config.max_queued
