@@ -82,6 +82,7 @@ class Gateway:
             }
             self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
                               clients, ledger, self.clock)
+            metrics.BUDGET_REMAINING.source = tenants.budget_samples
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]

@@ -8,7 +8,7 @@ change keep their level.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from ..fairness import BudgetRefusal, TenantBudgets
 from . import _metrics as metrics
@@ -60,17 +60,10 @@ class TenantState:
         return limit is not None and self.queued >= limit
 
     def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
-        refusal = self.budgets.try_reserve(cost, now)
-        self.publish_budgets(now)
-        return refusal
+        return self.budgets.try_reserve(cost, now)
 
     def settle(self, reserved: float, actual: float, now: float) -> None:
         self.budgets.settle(reserved, actual, now)
-        self.publish_budgets(now)
-
-    def publish_budgets(self, now: float) -> None:
-        for key, level in self.budgets.levels(now).items():
-            metrics.BUDGET_REMAINING.labels(self.id, key).set(level)
 
 
 class Tenants:
@@ -84,7 +77,6 @@ class Tenants:
         saved_levels = saved_levels or {}
         self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
         for state in self._states.values():
-            state.publish_budgets(now)
             metrics.INFLIGHT.labels(state.id).set(0)
             metrics.QUEUED.labels(state.id).set(0)
 
@@ -110,17 +102,20 @@ class Tenants:
                 metrics.QUEUED.labels(state.id).set(0)
             else:
                 old_budgets = state.budgets
-                old_keys = {b.key for b in state.config.budgets}
                 state.config = tenant
                 state.budgets = TenantBudgets(list(tenant.budgets), now)
                 state.budgets.carry_over(old_budgets, now)
-                for key in old_keys - {b.key for b in tenant.budgets}:
-                    metrics.forget_budget(tenant.id, key)
-            state.publish_budgets(now)
             new_states[tenant.id] = state
         for tenant_id in set(self._states) - set(new_states):
             metrics.forget_tenant(tenant_id)
         self._states = new_states
+
+    def budget_samples(self) -> Iterator[tuple[tuple[str, str], float]]:
+        """``((tenant, budget), level)`` now, for the budget gauge at scrape time."""
+        now = self._clock()
+        for state in self._states.values():
+            for key, level in state.budgets.levels(now).items():
+                yield (state.id, key), level
 
     def budget_levels(self) -> dict[str, dict[str, float]]:
         now = self._clock()
