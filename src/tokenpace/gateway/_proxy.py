@@ -236,7 +236,9 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         else:
             # No decision depends on the prompt's size: it is counted by the engine, and
             # the engine's first usage chunk (or its answer) brings the exact number.
-            prompt_tokens, max_model_len = 0, None
+            ids = prompt_token_ids(req)
+            prompt_tokens, max_model_len = (0 if ids is None else len(ids)), None
+            ex.prompt_counted = ids is not None
         ex.prompt_tokens = prompt_tokens
         max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
         reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
