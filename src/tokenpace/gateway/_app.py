@@ -28,6 +28,7 @@ from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
 from ._tenants import Tenants
+from ._upstream import Upstream
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -80,8 +81,10 @@ class Gateway:
                 )
                 for e in self.config.engines
             }
+            upstreams = {e.url: Upstream(e.url, e.max_inflight + 8, ENGINE_KEEPALIVE_S)
+                         for e in self.config.engines}
             self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
-                              clients, ledger, self.clock)
+                              clients, ledger, clock=self.clock, upstreams=upstreams)
             metrics.BUDGET_REMAINING.source = tenants.budget_samples
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
@@ -95,6 +98,8 @@ class Gateway:
                     task.cancel()
                 for client in clients.values():
                     await client.aclose()
+                for upstream in upstreams.values():
+                    await upstream.close()
                 self._snapshot()
         finally:
             ledger.close()

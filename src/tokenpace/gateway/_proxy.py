@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -42,6 +43,7 @@ from ._errors import GatewayError, error_body, error_response
 from ._ledger import Ledger, UsageRecord
 from ._stream import ChunkRewriter, EventSplitter
 from ._tenants import TenantState, Tenants
+from ._upstream import Upstream, UpstreamError
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -55,8 +57,9 @@ class Runtime:
     config: GatewayConfig
     tenants: Tenants
     dispatcher: Dispatcher
-    clients: dict[str, httpx.AsyncClient]
+    clients: dict[str, httpx.AsyncClient]  # background calls: /tokenize, /health, gauges
     ledger: Ledger
+    upstreams: dict[str, Upstream] = field(default_factory=dict)  # the hot path: completions
     clock: Callable[[], float] = time.monotonic
 
 
@@ -227,7 +230,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         if not engine.healthy:
             raise GatewayError(503, f"the engine serving tenant {tenant.id!r} is unavailable",
                                reason="engine_unavailable", code="engine_unavailable")
-        client = rt.clients[engine.url]
+        client, upstream = rt.clients[engine.url], rt.upstreams[engine.url]
         _cheap_refusals(rt, tenant, req)
         if _needs_count(tenant, req):
             async with tenant.tokenize_slots:
@@ -281,8 +284,8 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             max_tokens=max_tokens)
         deadline = anyio.current_time() + rt.config.request_timeout_s
         if req.stream:
-            return await _open_stream(ex, client, req, body, watch, deadline)
-        return await _call(ex, client, body, watch, deadline)
+            return await _open_stream(ex, upstream, req, body, watch, deadline)
+        return await _call(ex, upstream, body, watch, deadline)
     except GatewayError as exc:
         ex.charge_usage = False
         ex.finish(f"rejected:{exc.reason}")
@@ -485,16 +488,17 @@ def _upstream_headers(ex: Exchange) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": ex.id}
 
 
-async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: ClientWatch,
+async def _call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
                 deadline: float) -> Response:
     """A non-streaming request: the engine's answer is passed on as it is."""
     outcome = "cancelled"
+    resp = None
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
-                resp = await _send(client, client.build_request(
-                    "POST", PATHS[ex.kind], content=body, headers=_upstream_headers(ex)))
-            except httpx.HTTPError as exc:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                content = await resp.read()
+            except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 raise GatewayError(502, f"engine failed: {type(exc).__name__}",
@@ -507,14 +511,15 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
                 return Response(status_code=499)
             outcome = "timeout"
             return _timeout_response(ex)
-        if resp.status_code != 200:
+        assert resp is not None
+        if resp.status != 200:
             ex.charge_usage = False
             outcome = "upstream_error"
-            return Response(resp.content, status_code=resp.status_code,
+            return Response(content, status_code=resp.status,
                             media_type=resp.headers.get("content-type"),
                             headers={"x-request-id": ex.id})
         try:
-            data = resp.json()
+            data = json.loads(content)
             usage = data.get("usage") or {}
             ex.completion_tokens = int(usage.get("completion_tokens") or 0)
             ex.prompt_tokens = int(usage.get("prompt_tokens") or ex.prompt_tokens)
@@ -522,22 +527,13 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
             outcome = next((r for r in reasons if r), "stop")
         except (ValueError, AttributeError, TypeError):
             outcome = "upstream_error"
-        return Response(resp.content, status_code=200, media_type="application/json",
+        return Response(content, status_code=200, media_type="application/json",
                         headers={"x-request-id": ex.id})
     finally:
+        if resp is not None:
+            resp.close() if outcome == "cancelled" or outcome == "timeout" else resp.release()
         ex.finish(outcome)
         watch.stop()
-
-
-async def _send(client: httpx.AsyncClient, request: httpx.Request, stream: bool = False) -> httpx.Response:
-    """Send to the engine; a failed *connect* (the request never left) is retried once on
-    a fresh connection: the engine may just have closed an idle one, or restarted."""
-    try:
-        return await client.send(request, stream=stream)
-    except httpx.ConnectError:
-        logger.warning("engine %s: connect failed for %s; retrying once", request.url.netloc.decode(),
-                       request.headers.get("x-request-id"))
-        return await client.send(request, stream=stream)
 
 
 def _timeout_response(ex: Exchange) -> Response:
@@ -547,36 +543,36 @@ def _timeout_response(ex: Exchange) -> Response:
         status_code=504, media_type="application/json", headers={"x-request-id": ex.id})
 
 
-async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedRequest, body: bytes,
+async def _open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
                        watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
     """Start the engine stream; its status decides between a pass-through error and SSE."""
     outcome = "cancelled"
-    resp: httpx.Response | None = None
+    resp: aiohttp.ClientResponse | None = None
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
-                request = client.build_request("POST", PATHS[ex.kind], content=body,
-                                               headers=_upstream_headers(ex))
-                resp = await _send(client, request, stream=True)
-            except httpx.HTTPError as exc:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+            except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 raise GatewayError(502, f"engine failed: {type(exc).__name__}",
                                    reason="engine_error", code="engine_error") from None
-            if resp.status_code != 200:
-                content = await resp.aread()
-                await resp.aclose()
+            if resp.status != 200:
+                try:
+                    content = await resp.read()
+                except UpstreamError:
+                    content = b""
+                resp.release()
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 ex.finish(outcome)
                 watch.stop()
-                return Response(content, status_code=resp.status_code,
+                return Response(content, status_code=resp.status,
                                 media_type=resp.headers.get("content-type"),
                                 headers={"x-request-id": ex.id})
         if scope.cancelled_caught:
             if resp is not None:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
+                resp.close()  # closing the connection makes the engine abort the request
             ex.charge_usage = False
             outcome = "cancelled" if watch.gone else "timeout"
             ex.finish(outcome)
@@ -586,8 +582,7 @@ async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedReque
         return StreamResponse(ex, resp, req, watch, deadline)
     except BaseException:
         if resp is not None:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            resp.close()
         ex.finish(outcome)
         watch.stop()
         raise
@@ -596,7 +591,7 @@ async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedReque
 class StreamResponse:
     """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
 
-    def __init__(self, ex: Exchange, upstream: httpx.Response, req: ParsedRequest,
+    def __init__(self, ex: Exchange, upstream: aiohttp.ClientResponse, req: ParsedRequest,
                  watch: ClientWatch, deadline: float) -> None:
         self.ex = ex
         self.upstream = upstream
@@ -632,8 +627,10 @@ class StreamResponse:
         except OSError:
             outcome = "cancelled"  # the client socket broke while we wrote to it
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+            if progress.done:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # the engine sees the connection go and aborts
             ex.completion_tokens = progress.completion_tokens
             if progress.prompt_tokens is not None:
                 ex.prompt_tokens = progress.prompt_tokens
@@ -650,7 +647,7 @@ class StreamResponse:
         progress = rewriter.progress
         splitter = EventSplitter()
         try:
-            async for data in self.upstream.aiter_bytes():
+            async for data in self.upstream.content.iter_any():
                 out = []
                 for payload in splitter.feed(data):
                     event = rewriter.event(payload)
@@ -673,7 +670,7 @@ class StreamResponse:
                 if event is not None:
                     await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
                                 "more_body": True})
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             return f"the engine stream failed: {type(exc).__name__}"
         return None
 
