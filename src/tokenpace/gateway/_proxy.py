@@ -531,7 +531,10 @@ async def _call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatc
                         headers={"x-request-id": ex.id})
     finally:
         if resp is not None:
-            resp.close() if outcome == "cancelled" or outcome == "timeout" else resp.release()
+            if outcome in ("cancelled", "timeout"):
+                resp.close()  # the engine sees the connection go and aborts the request
+            else:
+                resp.release()
         ex.finish(outcome)
         watch.stop()
 
