@@ -8,6 +8,12 @@ the engine's. Its "tokenizer" counts bytes; prompts steer it:
 
 - ``FAIL_AFTER:k`` in the prompt: stream ``k`` tokens, then drop the connection.
 - ``SLOW`` in the prompt: 50 ms per token instead of ``token_delay_s``.
+- ``UNICODE`` in the prompt: each token's text carries U+0085, U+2028, U+2029 and a
+  multi-byte character, unescaped in the JSON as vLLM writes them, and each event is
+  written in two pieces cut inside a multi-byte character.
+
+Like vLLM, continuous usage (``continuous_usage_stats``) counts the tokens of the chunk's
+own choice; the final usage chunk counts all choices.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class FakeEngine:
     scheduling_policy: str | None = None  # reported on /health as tokenpace serve does
     # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
     other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    tokenized: int = 0  # /tokenize calls received
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -107,6 +114,7 @@ class FakeEngine:
 
     async def _tokenize(self, request: Request) -> Response:
         self._note(request)
+        self.tokenized += 1
         body = await request.json()
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})
@@ -149,7 +157,11 @@ class FakeEngine:
         include_usage = bool(options.get("include_usage"))
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
 
+        unicode = "UNICODE" in text
+        piece = "a\u0085b\u2028c\u2029d\u20ac" if unicode else "x"
+
         async def events() -> Any:
+            per_choice = [0] * n
             try:
                 for i in range(max_tokens):
                     if fail_after is not None and i == fail_after:
@@ -159,21 +171,30 @@ class FakeEngine:
                     for c in range(n):
                         choice: dict[str, Any] = {"index": c, "finish_reason": "length" if last else None}
                         if chat:
-                            choice["delta"] = {"content": "x"}
+                            choice["delta"] = {"content": piece}
                         else:
-                            choice["text"] = "x"
+                            choice["text"] = piece
                         chunk: dict[str, Any] = {"id": "cmpl-fake", "object": kind + ".chunk",
                                                  "model": body["model"], "choices": [choice]}
                         seen.streamed += 1
+                        per_choice[c] += 1
                         if continuous:
                             chunk["usage"] = {"prompt_tokens": prompt_tokens,
-                                              "completion_tokens": seen.streamed,
-                                              "total_tokens": prompt_tokens + seen.streamed}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                                              "completion_tokens": per_choice[c],
+                                              "total_tokens": prompt_tokens + per_choice[c]}
+                        event = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+                        if unicode:
+                            cut = event.index("\u20ac".encode()) + 1  # inside the euro sign
+                            yield event[:cut]
+                            await asyncio.sleep(0.002)
+                            yield event[cut:]
+                        else:
+                            yield event
                 if include_usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": seen.streamed,
                              "total_tokens": prompt_tokens + seen.streamed}
-                    yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"
+                    final = {"id": "cmpl-fake", "choices": [], "usage": usage}
+                    yield f"data: {json.dumps(final, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"
                 seen.finished = True
             finally:

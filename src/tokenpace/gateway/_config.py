@@ -47,6 +47,9 @@ class EngineConfig:
     # route). Not compared: ``tokenpace up`` fills in keys it generates, and a reload of
     # the file (which lacks them) must still see the same engines; see keep_engine_keys.
     api_key: str | None = field(default=None, repr=False, compare=False)
+    # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
+    # its /metrics (the running count while requests keep waiting in it).
+    max_num_seqs: int | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
@@ -225,7 +228,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage", "api_key", "api_key_env"))
+                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -250,6 +253,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         if m.get("max_engine_waiting", 4) is not None else None,
         max_kv_cache_usage=None if kv is None else float(kv),
         api_key=_engine_key(m, where),
+        max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
     )
 
 

@@ -9,6 +9,8 @@ deploy/ read them by name, and tests/monitoring fails when a name they use is go
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -17,6 +19,8 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # `_created` series double every counter and histogram and nothing here reads them.
 disable_created_metrics()
@@ -68,10 +72,37 @@ QUEUED = Gauge(
     "tokenpace_gateway_queued_requests", "Admitted requests waiting in the gateway for dispatch.",
     ["tenant"], registry=REGISTRY,
 )
-BUDGET_REMAINING = Gauge(
+
+
+class LiveGauge(Collector):
+    """A gauge whose samples are read from live state when Prometheus scrapes.
+
+    A gauge set on change shows the value of the last change: a token budget refills
+    continuously, so a pushed level was stale between requests, and series of a tenant a
+    reload removed came back with the next push. Read at scrape time, the value is the
+    bucket's level now and only configured tenants appear.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.source: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+        if self.source is not None:
+            for values, value in self.source():
+                family.add_metric(list(values), value)
+        yield family
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labels)]
+
+
+BUDGET_REMAINING = LiveGauge(
     "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget.",
-    ["tenant", "budget"], registry=REGISTRY,
+    ["tenant", "budget"],
 )
+REGISTRY.register(BUDGET_REMAINING)
 FAIRNESS_DEBT = Gauge(
     "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
     "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
@@ -116,7 +147,6 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     QUEUED: ("tenant",),
     FAIRNESS_DEBT: ("tenant",),
     QUEUED_COST: ("tenant",),
-    BUDGET_REMAINING: ("tenant", "budget"),
     OUTPUT_RATE: ("tenant",),
 }
 
@@ -145,10 +175,3 @@ def publish_output_rate(tenant: str, rate: float | None) -> None:
             pass
     else:
         OUTPUT_RATE.labels(tenant).set(rate)
-
-
-def forget_budget(tenant: str, budget: str) -> None:
-    try:
-        BUDGET_REMAINING.remove(tenant, budget)
-    except KeyError:
-        pass
