@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
-from tests.e2e._engine_log import net_rate, wait_for_engine_requests
+from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess
 
@@ -93,10 +93,11 @@ def test_prompt_tokens_are_counted_as_the_engine_counts_them(gateway: GatewayPro
 
 def test_tenant_rate_from_the_gateway_paces_the_engine(gateway: GatewayProcess,
                                                       engine: Server) -> None:
-    """The rate at the engine (event log), not between chunks as the client read them.
+    """The rate at the engine (event log, net of the engine's absences: see
+    ``paced_rate``), not between chunks as the client read them.
 
-    60 tokens at 20 tok/s span 2.85 s; 10% is 0.29 s of engine lag, and GCRA cannot run
-    faster than the rate. The unpaced tenant's 60 tokens take a fraction of a second; the
+    60 tokens at 20 tok/s span 2.85 s; 10% is 0.29 s of lag, and GCRA cannot run faster
+    than the rate. The unpaced tenant's 60 tokens take a fraction of a second; the
     bound, half of 3 s, is what a tenant paced at 20 tok/s cannot reach.
     """
     tokens = 60
@@ -112,11 +113,11 @@ def test_tenant_rate_from_the_gateway_paces_the_engine(gateway: GatewayProcess,
     assert usage is not None and usage.completion_tokens == tokens
     [request] = wait_for_engine_requests(events, {"slow"}, since, tokens)
     assert len(request.times) == tokens, (len(request.times), events)
-    rate = net_rate(request.times, 20)
+    rate = paced_rate(request.times, 20, all_dispatches(events, since))
     logs = [engine.log_path, events]
-    expect("gateway_engine", "slow tenant's engine rate (20 tok/s)", rate, 0.9 * 20,
-           upper=False, logs=logs)
-    expect("gateway_engine", "slow tenant's engine rate (20 tok/s)", rate, 1.1 * 20, logs=logs)
+    for bound, upper in ((0.9 * 20, False), (1.1 * 20, True)):
+        expect("gateway_engine", "slow tenant's paced rate (20 tok/s)", rate.paced_rate, bound,
+               upper=upper, logs=logs, **rate.as_series())
     # The unpaced tenant is not held to that rate.
     t0 = time.monotonic()
     api(gateway, KEY_FAST).completions.create(model="tiny", prompt="Hello", max_tokens=60,
