@@ -30,7 +30,10 @@ def summarise(path: Path) -> str:
     for line in path.read_text().splitlines():
         e = json.loads(line)
         values[(e["test"], e["name"], e["upper"])].append((e["value"], e["bound"]))
-    rows = ["test | value | n | min | median | max | bound | worst value/bound"]
+    loads = [json.loads(line).get("load1", float("nan")) for line in path.read_text().splitlines()]
+    rows = [f"1-min load average while measuring: {min(loads):.1f} to {max(loads):.1f} "
+            f"(median {statistics.median(loads):.1f}) on {os.cpu_count()} cores",
+            "test | value | n | min | median | max | bound | worst value/bound"]
     for (test, name, upper), pairs in sorted(values.items()):
         vs, bs = [v for v, _ in pairs], [b for _, b in pairs]
         ratios = [v / b for v, b in pairs]

@@ -29,7 +29,7 @@ def expect(test: str, name: str, value: float, bound: float, *, upper: bool = Tr
            logs: Iterable[Path] = (), **series: Any) -> None:
     """Assert ``value <= bound`` (``upper``) or ``value >= bound``, recording it either way."""
     entry = {"test": test, "name": name, "value": value, "bound": bound, "upper": upper,
-             **series}
+             "load1": os.getloadavg()[0], **series}
     path = os.environ.get("TOKENPACE_TIMING_LOG")
     if path:
         with open(path, "a", encoding="utf-8") as out:
