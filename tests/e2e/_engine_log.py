@@ -94,29 +94,41 @@ class PacedRate:
                 "absent_s": self.absent_s, "stalls": self.stalls}
 
 
+MAX_RESTART_SHARE = 0.25
+
+
 def paced_rate(times: Collection[float], limit: float, everyone: list[float]) -> PacedRate:
     """The rate the limiter gave a backlogged user, net of the engine's absences.
 
-    GCRA never holds a backlogged user longer than ``1 / limit`` between two tokens, and
-    its burst tolerance makes good a gap of up to ``1 / limit + 0.1 s`` afterwards. A
-    longer gap in which the engine dispatched no token for anyone (``everyone``: every
-    charge in the log, sorted; tokens of one step share its instant) is time the engine
-    did not step: a CPU-starved process on a loaded machine, not the limiter. That time
-    beyond ``1 / limit + 0.1 s`` is lost for good (the limiter restarts the user's
-    schedule), so it is left out of the span; GCRA's bound then holds for the rest
-    exactly: ``paced_rate <= limit``. A gap in which other users got tokens stays in: a
-    limiter or scheduler that holds a user while the engine runs is a defect.
+    Replays GCRA (``1 / limit`` per token, 0.1 s tolerance) over the user's dispatch
+    instants. While the engine steps, a backlogged user is served within a step of the
+    limiter allowing it, so its tokens never fall behind the theoretical arrival time
+    (TAT). A token that does came after the engine was away: the user's schedule restarts
+    and the time behind is lost for good. When nobody at all was dispatched between the
+    instant the user was allowed and that token (``everyone``: every charge in the log,
+    sorted; one step's tokens share its instant), the engine did not step: a CPU-starved
+    process on a loaded machine, not the limiter, so that time leaves the span. A token
+    held while others were dispatched stays in: a limiter or scheduler that holds a user
+    while the engine runs is a defect. GCRA's bound holds for the rest exactly:
+    ``paced_rate <= limit``. Absences are sporadic; a limiter slower than its rate makes
+    nearly every token restart, so beyond ``MAX_RESTART_SHARE`` of the tokens nothing is
+    forgiven.
     """
     ordered = sorted(times)
-    forgiven = 1 / limit + BURST_S
+    interval = 1 / limit
+    tat = ordered[0] + interval
     absent, stalls = 0.0, 0
-    for a, b in zip(ordered, ordered[1:]):
-        if b - a <= forgiven:
+    for before, t in zip(ordered, ordered[1:]):
+        if t <= tat:
+            tat += interval
             continue
-        inside = bisect.bisect_left(everyone, b) - bisect.bisect_right(everyone, a)
-        if inside == 0:
-            absent += b - a - forgiven
+        waited_from = max(tat - BURST_S, before)  # allowed and not just served
+        if bisect.bisect_left(everyone, t) == bisect.bisect_right(everyone, waited_from):
+            absent += t - tat
             stalls += 1
+        tat = t + interval
+    if stalls > MAX_RESTART_SHARE * len(ordered):
+        absent = 0.0
     span = ordered[-1] - ordered[0]
     net = len(ordered) - 1 - BURST_S * limit
     return PacedRate(net / span, net / (span - absent), absent, stalls)
