@@ -141,6 +141,14 @@ class Timed:
     def total(self) -> float:
         return self.times[-1] - self.start
 
+    @property
+    def step(self) -> float:
+        """Median time between two of its tokens: the engine's step time while it ran.
+
+        A median over 299 gaps: a CPU-starved engine that stalls for a few of them (0.3 s
+        and more under load) does not move it; a slower step does."""
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
+
 
 async def _timed(api: openai.AsyncOpenAI, user: str, tokens: int) -> Timed:
     start = time.monotonic()
@@ -196,34 +204,39 @@ def _attach_engine_times(p: Paced, pairs: list[tuple[Timed, Timed]]) -> None:
 def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
     """8 resident streams of a 5 tok/s user, 4 active slots: the other user keeps its pace.
 
-    Measured at the source: from the client's send to the engine's dispatch of the first
-    and of the last token (event log), not between tokens as the client read them (a
-    client that reads a burst of buffered chunks at once made that interval a few ms).
-    Bounds, on the median of 5 pairs measured back to back: the whole request next to the
-    flood takes at most 1/0.7 = 1.43x as long as alone, and its first token at most
-    1.5x + 10 ms. A broken handover never admits the request (the timeout above); an
-    engine that idles or sleeps while the unthrottled user could run makes it several
-    times slower. Noise: the flood's 5 tok/s add one token to one step in 200, and the two
-    halves of a pair share the machine's load; 20 loaded runs per mode are in issue 19's
-    note (the paired ratio stayed far below its bound).
+    Measured at the source (event log), per round of one request alone and one next to
+    the flood, back to back so both see the machine's load of the moment:
+    - pace: the median time between the request's tokens at the engine (its step time),
+      next to the flood at most 1/0.7 = 1.43x alone (median over 5 rounds). Not the
+      client's first-to-last interval (a client that reads buffered chunks in a burst made
+      it a few ms), and not the whole request's duration: at a load average of 17 on 2
+      cores a CPU-starved engine stalled single requests 3.8x in issue 19's runs, and the
+      median of 5 durations failed twice in 10; a median over 299 gaps ignores stalls.
+      An engine that sleeps or skips the user while the flood is throttled, or a per-step
+      cost of the throttled requests, slows every step: that fails here.
+    - first token: send to the first token's dispatch, next to the flood at most 1.5x
+      alone + 10 ms (one step of jitter). A broken slot handover never admits the request:
+      the timeout above fails the test.
     """
     for p in paced:
         pairs = asyncio.run(_isolation(p))
         _attach_engine_times(p, pairs)
-        ratios = [s.total / a.total for a, s in pairs]
+        ratios = [s.step / a.step for a, s in pairs]
         ttft_excess = [s.ttft - 1.5 * a.ttft for a, s in pairs]
         series = {
             "mode": p.mode,
+            "alone_step_s": [a.step for a, _ in pairs],
+            "shared_step_s": [s.step for _, s in pairs],
             "alone_total_s": [a.total for a, _ in pairs],
             "shared_total_s": [s.total for _, s in pairs],
             "alone_ttft_s": [a.ttft for a, _ in pairs],
             "shared_ttft_s": [s.ttft for _, s in pairs],
         }
-        expect("isolation", f"{p.mode} median shared/alone request time",
-               statistics.median(ratios), 1 / 0.7, logs=[p.server.log_path], **series)
-        # 10 ms of slack: one scheduling step of this 2-core machine's jitter.
+        logs = [p.server.log_path, p.event_log]
+        expect("isolation", f"{p.mode} median shared/alone step time",
+               statistics.median(ratios), 1 / 0.7, logs=logs, **series)
         expect("isolation", f"{p.mode} median of shared TTFT - 1.5 x alone TTFT (s)",
-               statistics.median(ttft_excess), 0.010, logs=[p.server.log_path], **series)
+               statistics.median(ttft_excess), 0.010, logs=logs, **series)
 
 
 async def _probe_ttfts(p: Paced, count: int) -> list[float]:
