@@ -87,11 +87,12 @@ class PacedRate:
     rate: float  # net rate over the whole span: what the user received
     paced_rate: float  # net rate over the span less ``absent_s``: what the limiter allowed
     absent_s: float
-    stalls: int
+    stalls: int  # restarts forgiven as the engine's absences
+    restarts: int  # tokens behind the user's GCRA schedule
 
     def as_series(self) -> dict[str, float]:
         return {"rate": self.rate, "paced_rate": self.paced_rate,
-                "absent_s": self.absent_s, "stalls": self.stalls}
+                "absent_s": self.absent_s, "stalls": self.stalls, "restarts": self.restarts}
 
 
 MAX_RESTART_SHARE = 0.25
@@ -111,27 +112,28 @@ def paced_rate(times: Collection[float], limit: float, everyone: list[float]) ->
     held while others were dispatched stays in: a limiter or scheduler that holds a user
     while the engine runs is a defect. GCRA's bound holds for the rest exactly:
     ``paced_rate <= limit``. Absences are sporadic; a limiter slower than its rate makes
-    nearly every token restart, so beyond ``MAX_RESTART_SHARE`` of the tokens nothing is
-    forgiven.
+    nearly every token restart, so when more than ``MAX_RESTART_SHARE`` of the tokens
+    restart (forgiven or not), nothing is forgiven.
     """
     ordered = sorted(times)
     interval = 1 / limit
     tat = ordered[0] + interval
-    absent, stalls = 0.0, 0
+    absent, stalls, restarts = 0.0, 0, 0
     for before, t in zip(ordered, ordered[1:]):
         if t <= tat:
             tat += interval
             continue
+        restarts += 1
         waited_from = max(tat - BURST_S, before)  # allowed and not just served
         if bisect.bisect_left(everyone, t) == bisect.bisect_right(everyone, waited_from):
             absent += t - tat
             stalls += 1
         tat = t + interval
-    if stalls > MAX_RESTART_SHARE * len(ordered):
+    if restarts > MAX_RESTART_SHARE * len(ordered):
         absent = 0.0
     span = ordered[-1] - ordered[0]
     net = len(ordered) - 1 - BURST_S * limit
-    return PacedRate(net / span, net / (span - absent), absent, stalls)
+    return PacedRate(net / span, net / (span - absent), absent, stalls, restarts)
 
 
 def all_dispatches(event_log: Path, since: float) -> list[float]:

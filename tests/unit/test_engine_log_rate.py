@@ -62,3 +62,11 @@ def test_a_slow_limiter_alone_on_the_engine_is_not_forgiven(slow: float) -> None
     mine, everyone = _serve(20, 10, {}, slow=slow)
     rate = paced_rate(mine, 20, everyone)
     assert rate.paced_rate < 0.97 * 20, rate
+
+
+def test_a_slow_limiter_next_to_a_busy_user_is_not_forgiven() -> None:
+    """Its tokens restart while the other user's run: nearly all of them, none forgiven."""
+    mine, everyone = _serve(20, 10, {}, slow=1.05)
+    everyone = sorted(everyone + [i * 0.003 + 0.001 for i in range(3300)])
+    rate = paced_rate(mine, 20, everyone)
+    assert rate.restarts > 0.25 * len(mine) and rate.paced_rate < 0.97 * 20, rate
