@@ -83,8 +83,8 @@ def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:
     burst, over the span less the time the engine was away (no dispatch for anyone while
     the user was allowed and fell behind its schedule). A loaded machine (load average 12
     on 2 cores) starved the engine for 0.03-8 s at a time in issue 19's runs; whole-span
-    rates fell to 84 tok/s (user-b) and 18.8 (user-a) while ``paced_rate`` stayed within
-    0.3% of the limit. Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
+    rates fell to 68 tok/s (user-b) and 17.9 (user-a) while ``paced_rate`` stayed within
+    1% of the limit. Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
     slow fails the lower side (tests/unit/test_engine_log_rate.py).
     """
     plan = [("user-a", 4, 200), ("user-b", 4, 250)]
@@ -211,7 +211,9 @@ def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
       client's first-to-last interval (a client that reads buffered chunks in a burst made
       it a few ms), and not the whole request's duration: at a load average of 17 on 2
       cores a CPU-starved engine stalled single requests 3.8x in issue 19's runs, and the
-      median of 5 durations failed twice in 10; a median over 299 gaps ignores stalls.
+      median of 5 durations failed twice in 10; a median over 299 gaps ignores stalls
+      (its median of 5 ratios stayed at or below 1.06 in 15 of 16 runs at loads of 20-40,
+      1.38 once).
       An engine that sleeps or skips the user while the flood is throttled, or a per-step
       cost of the throttled requests, slows every step: that fails here.
     - first token: send to the first token's dispatch, next to the flood at most 1.5x
