@@ -95,7 +95,8 @@ class PacedRate:
                 "absent_s": self.absent_s, "stalls": self.stalls, "restarts": self.restarts}
 
 
-MAX_RESTART_SHARE = 0.25
+MAX_RESTART_SHARE = 0.5
+MIN_FORGIVEN = 0.1  # of an interval
 
 
 def paced_rate(times: Collection[float], limit: float, everyone: list[float]) -> PacedRate:
@@ -111,9 +112,11 @@ def paced_rate(times: Collection[float], limit: float, everyone: list[float]) ->
     process on a loaded machine, not the limiter, so that time leaves the span. A token
     held while others were dispatched stays in: a limiter or scheduler that holds a user
     while the engine runs is a defect. GCRA's bound holds for the rest exactly:
-    ``paced_rate <= limit``. Absences are sporadic; a limiter slower than its rate makes
-    nearly every token restart, so when more than ``MAX_RESTART_SHARE`` of the tokens
-    restart (forgiven or not), nothing is forgiven.
+    ``paced_rate <= limit``. A limiter slower than its rate by a factor ``s`` makes its
+    tokens restart by ``(s - 1) / limit`` each, nearly all of them once the burst is spent:
+    a restart is forgiven only from ``MIN_FORGIVEN`` of an interval up (``s`` below 1.1 is
+    never forgiven), and when more than ``MAX_RESTART_SHARE`` of the tokens restart
+    nothing is (``s`` of 1.1 and above, for requests of 40 tokens and more).
     """
     ordered = sorted(times)
     interval = 1 / limit
@@ -125,7 +128,8 @@ def paced_rate(times: Collection[float], limit: float, everyone: list[float]) ->
             continue
         restarts += 1
         waited_from = max(tat - BURST_S, before)  # allowed and not just served
-        if bisect.bisect_left(everyone, t) == bisect.bisect_right(everyone, waited_from):
+        nobody = bisect.bisect_left(everyone, t) == bisect.bisect_right(everyone, waited_from)
+        if nobody and t - tat >= MIN_FORGIVEN * interval:
             absent += t - tat
             stalls += 1
         tat = t + interval

@@ -57,11 +57,15 @@ def test_a_user_held_while_the_engine_runs_others_is_not_forgiven() -> None:
     assert rate.stalls == 0 and rate.paced_rate < 0.95 * 100
 
 
-@pytest.mark.parametrize("slow", [1.05, 1.5, 3.0])
-def test_a_slow_limiter_alone_on_the_engine_is_not_forgiven(slow: float) -> None:
-    mine, everyone = _serve(20, 10, {}, slow=slow)
-    rate = paced_rate(mine, 20, everyone)
-    assert rate.paced_rate < 0.97 * 20, rate
+@pytest.mark.parametrize("slow", [1.05, 1.1, 1.2, 1.5, 3.0])
+@pytest.mark.parametrize(("limit", "tokens"), [(20, 800), (40, 120), (20, 60), (10, 40)])
+def test_a_slow_limiter_alone_on_the_engine_is_not_forgiven(slow: float, limit: float,
+                                                            tokens: int) -> None:
+    """The token counts and rates of the end-to-end tests."""
+    mine, everyone = _serve(limit, tokens * slow / limit + 0.5, {}, slow=slow)
+    mine = mine[:tokens]
+    rate = paced_rate(mine, limit, everyone)
+    assert rate.paced_rate < 0.97 * limit, rate
 
 
 def test_a_slow_limiter_next_to_a_busy_user_is_not_forgiven() -> None:
