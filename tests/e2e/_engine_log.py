@@ -96,7 +96,7 @@ class PacedRate:
 
 
 MAX_RESTART_SHARE = 0.5
-MIN_FORGIVEN = 0.1  # of an interval
+MIN_FORGIVEN = 0.5  # of an interval
 
 
 def paced_rate(times: Collection[float], limit: float, everyone: list[float]) -> PacedRate:
@@ -114,9 +114,11 @@ def paced_rate(times: Collection[float], limit: float, everyone: list[float]) ->
     while the engine runs is a defect. GCRA's bound holds for the rest exactly:
     ``paced_rate <= limit``. A limiter slower than its rate by a factor ``s`` makes its
     tokens restart by ``(s - 1) / limit`` each, nearly all of them once the burst is spent:
-    a restart is forgiven only from ``MIN_FORGIVEN`` of an interval up (``s`` below 1.1 is
-    never forgiven), and when more than ``MAX_RESTART_SHARE`` of the tokens restart
-    nothing is (``s`` of 1.1 and above, for requests of 40 tokens and more).
+    a restart is forgiven only from ``MIN_FORGIVEN`` of an interval up (more than an engine
+    step, so ``s`` below 1.5 is never forgiven), and when more than ``MAX_RESTART_SHARE``
+    of the tokens restart nothing is (``s`` of 1.5 and above, for 40 tokens and more).
+    An absence forgives what it cost beyond the burst that remained; a slow limiter's
+    drift that used the burst up before it (at most 0.1 s per absence) goes with it.
     """
     ordered = sorted(times)
     interval = 1 / limit
@@ -129,8 +131,12 @@ def paced_rate(times: Collection[float], limit: float, everyone: list[float]) ->
         restarts += 1
         waited_from = max(tat - BURST_S, before)  # allowed and not just served
         nobody = bisect.bisect_left(everyone, t) == bisect.bisect_right(everyone, waited_from)
-        if nobody and t - tat >= MIN_FORGIVEN * interval:
-            absent += t - tat
+        # What the engine's absence cost, beyond the latest instant a limiter that keeps
+        # its rate would have let the token through (``before + interval``): a slow
+        # limiter's drift, which used up the burst before the absence, is not forgiven.
+        away = min(t - tat, t - before - interval)
+        if nobody and away >= MIN_FORGIVEN * interval:
+            absent += away
             stalls += 1
         tat = t + interval
     if restarts > MAX_RESTART_SHARE * len(ordered):

@@ -74,3 +74,13 @@ def test_a_slow_limiter_next_to_a_busy_user_is_not_forgiven() -> None:
     everyone = sorted(everyone + [i * 0.003 + 0.001 for i in range(3300)])
     rate = paced_rate(mine, 20, everyone)
     assert rate.restarts > 0.25 * len(mine) and rate.paced_rate < 0.97 * 20, rate
+
+
+def test_a_slow_limiter_is_not_forgiven_by_the_engine_absences_around_it() -> None:
+    """Its drift uses up the burst, then restarts by less than half an interval: never
+    forgiven. (An absence forgives the drift that used up the burst before it, at most
+    0.1 s each: absences more often than that drift hide a slow limiter.)"""
+    stalls = {s: 300_000_000 for s in range(100, 12000, 2500)}  # 0.3 s every 5 s of steps
+    mine, everyone = _serve(100, 30, stalls, slow=1.05)
+    rate = paced_rate(mine, 100, everyone)
+    assert rate.stalls >= 4 and rate.paced_rate < 0.97 * 100, rate
