@@ -15,11 +15,12 @@ from tests.e2e._timing import expect
 pytestmark = pytest.mark.vllm
 
 
-def _bench(name: str, model: Path, out: Path) -> dict:
+def _bench(name: str, model: Path, out: Path, *args: str) -> dict:
+    """``tokenpace bench NAME --quick`` (or ``args`` instead of ``--quick``)."""
     json_path, png = out / f"{name}.json", out / f"{name}.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenpace.cli", "bench", name, "--quick", "--model", str(model),
-         "--json", str(json_path), "--plot", str(png)],
+        [sys.executable, "-m", "tokenpace.cli", "bench", name, *(args or ("--quick",)),
+         "--model", str(model), "--json", str(json_path), "--plot", str(png)],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -50,12 +51,15 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("overhead", tiny_model, tmp_path)
-    assert len(result["stock_tokens_per_s"]) == len(result["paced_tokens_per_s"]) == 1
-    # A sanity bound, not a performance claim: one short alternated run each, so a load
-    # swing on a shared machine moves it; pacing that never reaches its limits costs ~1%.
-    expect("bench_quick", "overhead paced/stock ratio", result["ratio_min"], 0.5, upper=False,
-           logs=[tmp_path / "overhead.json"], stock=result["stock_tokens_per_s"],
+    # --quick's workload (8 streams of 64 tokens: about 0.2 s a run), alternated 5 times:
+    # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in issue 19's
+    # runs; the median of 5 adjacent pairs does not hang on one moment of the machine.
+    result = _bench("overhead", tiny_model, tmp_path, "--streams", "8", "--tokens", "64",
+                    "--repeats", "5")
+    assert len(result["stock_tokens_per_s"]) == len(result["paced_tokens_per_s"]) == 5
+    # A sanity bound, not a performance claim: pacing that never throttles costs ~1%.
+    expect("bench_quick", "overhead paced/stock median ratio", result["ratio_median"], 0.5,
+           upper=False, logs=[tmp_path / "overhead.json"], stock=result["stock_tokens_per_s"],
            paced=result["paced_tokens_per_s"])
 
 
