@@ -83,8 +83,8 @@ def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:
     burst, over the span less the time the engine was away (no dispatch for anyone while
     the user was allowed and fell behind its schedule). A loaded machine (load average 12
     on 2 cores) starved the engine for 0.03-8 s at a time in issue 19's runs; whole-span
-    rates fell to 68 tok/s (user-b) and 17.9 (user-a) while ``paced_rate`` stayed within
-    1% of the limit. Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
+    rates fell to 68 tok/s (user-b) and 16 (user-a) while ``paced_rate`` stayed within
+    1% of the limit (0.2% in the final 10 runs per mode). Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
     slow fails the lower side (tests/unit/test_engine_log_rate.py).
     """
     plan = [("user-a", 4, 200), ("user-b", 4, 250)]
@@ -355,7 +355,9 @@ def test_limits_file_edits_apply_without_restart(paced: list[Paced]) -> None:
     """Each request's rate at the engine (event log, net of the engine's absences as in
     the rates test): 40 tokens at 10 tok/s span 3.8 s, 120 at 40 tok/s 2.9 s; 5% is
     0.15 s of lag, and GCRA cannot exceed the limit. A reload that did not apply paces
-    at 10 instead of 40 tok/s; a broken file that was applied raises an error."""
+    at 10 instead of 40 tok/s; a broken file that was applied raises an error. Under a
+    load average of 24 on 2 cores the 10 tok/s request measured 9.51 once: each engine
+    absence keeps up to 0.1 s (the burst it used) in the span, one token at 10 tok/s."""
     async def run(p: Paced) -> None:
         url = p.server.base_url
         p.limits_file.write_text(json.dumps(LIMITS))  # as the module began (repeat runs)
