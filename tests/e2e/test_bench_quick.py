@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e._timing import expect
+
 pytestmark = pytest.mark.vllm
 
 
-def _bench(name: str, model: Path, out: Path) -> dict:
+def _bench(name: str, model: Path, out: Path, *args: str) -> dict:
+    """``tokenpace bench NAME --quick`` (or ``args`` instead of ``--quick``)."""
     json_path, png = out / f"{name}.json", out / f"{name}.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenpace.cli", "bench", name, "--quick", "--model", str(model),
-         "--json", str(json_path), "--plot", str(png)],
+        [sys.executable, "-m", "tokenpace.cli", "bench", name, *(args or ("--quick",)),
+         "--model", str(model), "--json", str(json_path), "--plot", str(png)],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,22 +38,38 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
             assert user["tokens"] == user["streams"] * 40
             # 40-token streams are too short to measure a rate closely (the full run is in
             # docs/benchmarks.md, and tests/e2e/test_serve.py checks 3%): never above it.
-            assert user["engine_rate"] <= 1.05 * user["limit"], user
+            # Measured at the engine, where GCRA makes it exact (5% for rounding).
+            expect("bench_quick", "pacing engine rate / limit", user["engine_rate"]
+                   / user["limit"], 1.05, logs=[tmp_path / "pacing.json"], user=user)
             # Gaps at the engine: a busy client reads several chunks at once, which makes the
             # client's median gap of a short 100 tok/s stream collapse to ~0 on this box.
-            assert user["engine_gap_p50_s"] >= 0.5 * user["ideal_gap_s"], user
+            # A paced user's tokens leave at the step after its quota returns: the median
+            # gap is the ideal one plus up to a step, never half of it.
+            expect("bench_quick", "pacing engine median gap / ideal gap",
+                   user["engine_gap_p50_s"] / user["ideal_gap_s"], 0.5, upper=False,
+                   logs=[tmp_path / "pacing.json"], user=user)
 
 
 def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("overhead", tiny_model, tmp_path)
-    assert len(result["stock_tokens_per_s"]) == len(result["paced_tokens_per_s"]) == 1
-    assert result["ratio_min"] > 0.5, result  # a sanity bound, not a performance claim
+    # --quick's workload (8 streams of 64 tokens: about 0.2 s a run), alternated 5 times:
+    # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in issue 19's
+    # runs; the median of 5 adjacent pairs does not hang on one moment of the machine.
+    result = _bench("overhead", tiny_model, tmp_path, "--streams", "8", "--tokens", "64",
+                    "--repeats", "5")
+    assert len(result["stock_tokens_per_s"]) == len(result["paced_tokens_per_s"]) == 5
+    # A sanity bound, not a performance claim: pacing that never throttles costs ~1%.
+    expect("bench_quick", "overhead paced/stock median ratio", result["ratio_median"], 0.5,
+           upper=False, logs=[tmp_path / "overhead.json"], stock=result["stock_tokens_per_s"],
+           paced=result["paced_tokens_per_s"])
 
 
 def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
     result = _bench("idle", tiny_model, tmp_path)
     cases = result["cases"]
-    assert cases["idle_wait"]["throttled_cores"] < cases["busy_loop"]["throttled_cores"]
+    # CPU of the server's process tree (at the source): the busy loop takes about a core.
+    expect("bench_quick", "idle cores with idle wait / busy loop",
+           cases["idle_wait"]["throttled_cores"] / cases["busy_loop"]["throttled_cores"], 1.0,
+           logs=[tmp_path / "idle.json"], cases=cases)
 
 
 def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
@@ -62,7 +81,8 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert result["gateway_cpu_us_per_chunk"]["median"] >= 0
     assert result["requests_per_gateway_cpu_second"]["median"] > 0
     assert len(result["burst_ttft_ms_median"]["gateway"]) == result["parameters"]["rounds"]
-    assert result["throughput_ratio"]["median"] > 0.3, result  # a sanity bound, not a claim
+    expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
+           0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
 
 
 def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
@@ -81,4 +101,5 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
     for name in ("overload_1_2", "short_long"):
         fcfs = by_name[name]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
         vtc = by_name[name]["policies"]["vtc"]["tenants"]["a"]["service_share"]
-        assert vtc > fcfs + 0.05, (name, fcfs, vtc)
+        expect("bench_quick", f"fairness {name}: light tenant's share, vtc - fcfs", vtc - fcfs,
+               0.05, upper=False, logs=[tmp_path / "fairness.json"], fcfs=fcfs, vtc=vtc)

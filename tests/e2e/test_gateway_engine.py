@@ -18,6 +18,8 @@ import openai
 import pytest
 
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
+from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess
 
 pytestmark = pytest.mark.vllm
@@ -32,7 +34,9 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     home = tmp_path_factory.mktemp("engine")
     srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
                                       "--allow-unauthenticated-trusted-gateway",
-                                      "--scheduling-policy", "priority"), port, home / "vllm.log")
+                                      "--scheduling-policy", "priority",
+                                      "--output-rate-event-log", str(home / "events.jsonl")),
+                 port, home / "vllm.log")
     start_all([srv])
     try:
         yield srv
@@ -88,27 +92,42 @@ def test_prompt_tokens_are_counted_as_the_engine_counts_them(gateway: GatewayPro
     assert f"at most {chat_tokens} (max_input_tokens)" in info.value.message
 
 
-def test_tenant_rate_from_the_gateway_paces_the_engine(gateway: GatewayProcess) -> None:
+def test_tenant_rate_from_the_gateway_paces_the_engine(gateway: GatewayProcess,
+                                                      engine: Server) -> None:
+    """The rate at the engine (event log, net of the engine's absences: see
+    ``paced_rate``), not between chunks as the client read them.
+
+    60 tokens at 20 tok/s span 2.85 s; 10% is 0.29 s of lag, and GCRA cannot run faster
+    than the rate. The unpaced tenant is not in the event log (it has no rate), so its
+    check is the whole request, send to last byte: paced at 20 tok/s its 60 tokens could
+    not take less than (60 - 1 - 2) / 20 = 2.85 s (GCRA is exact), unpaced they took
+    0.33-1.54 s at load averages of 14-22 on 2 cores (the old bound, 1.5 s, failed once
+    in 10 there).
+    """
     tokens = 60
-    times: list[float] = []
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
     usage = None
     chunks = api(gateway, KEY_SLOW).completions.create(
         model="tiny", prompt="Hello", max_tokens=tokens, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     for chunk in chunks:
-        if chunk.choices:
-            times.append(time.monotonic())
         if chunk.usage is not None:
             usage = chunk.usage
     assert usage is not None and usage.completion_tokens == tokens
-    # GCRA: 1 + 0.1 x 20 tokens at once, then 20 per second.
-    rate = (tokens - 1 - 2) / (times[-1] - times[0])
-    assert rate == pytest.approx(20, rel=0.1)
+    [request] = wait_for_engine_requests(events, {"slow"}, since, tokens)
+    assert len(request.times) == tokens, (len(request.times), events)
+    rate = paced_rate(request.times, 20, all_dispatches(events, since))
+    logs = [engine.log_path, events]
+    for bound, upper in ((0.9 * 20, False), (1.1 * 20, True)):
+        expect("gateway_engine", "slow tenant's paced rate (20 tok/s)", rate.paced_rate, bound,
+               upper=upper, logs=logs, **rate.as_series())
     # The unpaced tenant is not held to that rate.
     t0 = time.monotonic()
     api(gateway, KEY_FAST).completions.create(model="tiny", prompt="Hello", max_tokens=60,
                                               extra_body={"ignore_eos": True})
-    assert time.monotonic() - t0 < 60 / 20 / 2
+    expect("gateway_engine", "unpaced tenant's 60 tokens (s)", time.monotonic() - t0,
+           (60 - 1 - 0.1 * 20) / 20, logs=logs)
 
 
 def test_ledger_usage_equals_engine_usage(gateway: GatewayProcess) -> None:

@@ -19,9 +19,10 @@ import httpx
 import openai
 import pytest
 
-from tokenpace.bench.pacing import wait_for_engine_log
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv, tree_cpu_seconds
-from tests.e2e._streams import Stream, client, stream, streams, user_rate
+from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
+from tests.e2e._streams import client, stream, streams, user_rate
+from tests.e2e._timing import expect
 
 pytestmark = pytest.mark.vllm
 
@@ -74,93 +75,242 @@ def test_each_server_runs_the_paced_scheduler_it_was_asked_for(paced: list[Paced
 
 
 def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:
-    # user-b has two streams: one stream takes at most one token per engine step, and a
-    # busy 2-core CI machine does not always step 100 times a second (that would measure
-    # the machine, not the limiter).
-    plan = [("user-a", 4, 200), ("user-b", 2, 500)]
+    """Rates and stream finishes at the engine (event log), token counts at both ends.
+
+    user-b has four streams: one stream takes at most one token per engine step, and a
+    busy 2-core CI machine does not always step 100 (or 50) times a second; with four,
+    25 steps a second suffice. The rate is the limiter's (``paced_rate``): net of GCRA's
+    burst, over the span less the time the engine was away (no dispatch for anyone while
+    the user was allowed and fell behind its schedule). A loaded machine (load average 12
+    on 2 cores) starved the engine for 0.03-8 s at a time in issue 19's runs; whole-span
+    rates fell to 68 tok/s (user-b) and 16 (user-a) while ``paced_rate`` stayed within
+    1% of the limit (0.2% in the final 10 runs per mode). Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
+    slow fails the lower side (tests/unit/test_engine_log_rate.py).
+    """
+    plan = [("user-a", 4, 200), ("user-b", 4, 250)]
     for p in paced:  # one at a time: two busy servers on two cores disturb each other's timing
+        since = time.monotonic()
         results = asyncio.run(streams(p.server.base_url, plan))
-        a, b = results[:4], results[4:]
         for r in results:
-            assert r.completion_tokens == (200 if r.user == "user-a" else 500), p.mode
-        rate_a, rate_b = user_rate(a, 20), user_rate(b, 100)
-        assert abs(rate_a - 20) <= 0.03 * 20, (p.mode, rate_a)
-        assert abs(rate_b - 100) <= 0.03 * 100, (p.mode, rate_b)
-        span_a = max(r.last for r in a) - min(r.first for r in a)
-        finishes = [r.last for r in a]
-        assert max(finishes) - min(finishes) <= 0.15 * span_a, (p.mode, finishes)
-        charged = _engine_tokens(p.event_log)
-        assert charged["user-a"] == 800 and charged["user-b"] == 1000, (p.mode, charged)
+            assert r.completion_tokens == (200 if r.user == "user-a" else 250), p.mode
+        found = wait_for_engine_requests(p.event_log, {"user-a", "user-b"}, since, 1800)
+        a = [r for r in found if r.user == "user-a"]
+        b = [r for r in found if r.user == "user-b"]
+        charged = {"user-a": sum(len(r.times) for r in a), "user-b": sum(len(r.times) for r in b)}
+        assert charged == {"user-a": 800, "user-b": 1000}, (p.mode, charged, p.event_log)
+        everyone = all_dispatches(p.event_log, since)
+        times_a = [t for r in a for t in r.times]
+        rate_a = paced_rate(times_a, 20, everyone)
+        rate_b = paced_rate([t for r in b for t in r.times], 100, everyone)
+        series = {"mode": p.mode, "user_a": rate_a.as_series(), "user_b": rate_b.as_series(),
+                  "client_rate_a": user_rate(results[:4], 20),
+                  "client_rate_b": user_rate(results[4:], 100)}  # for comparison only
+        logs = [p.server.log_path, p.event_log]
+        for user, rate, limit in (("user-a", rate_a, 20), ("user-b", rate_b, 100)):
+            for bound, upper in ((0.97 * limit, False), (1.03 * limit, True)):
+                expect("rates", f"{p.mode} {user} paced rate ({limit} tok/s)", rate.paced_rate,
+                       bound, upper=upper, logs=logs, **series)
+        # The user's 4 streams share its rate in turn, so they finish together: within
+        # 15% of the 40 s span (6 s); the rotation keeps them within a few tokens (0.2 s).
+        span_a = max(times_a) - min(times_a)
+        finishes = [r.last - min(times_a) for r in a]
+        expect("rates", f"{p.mode} user-a finish spread / span", (max(finishes) - min(finishes))
+               / span_a, 0.15, logs=logs, finishes_s=finishes, span_s=span_a, mode=p.mode)
 
 
-def _engine_tokens(event_log: Path) -> dict[str, int]:
-    """Tokens charged minus refunded per user, from the engine's event log."""
-    times = wait_for_engine_log(event_log, {"user-a", "user-b"}, 1800)
-    return {user: len(stamps) for user, stamps in times.items()}
+ISO_TOKENS = 300
+ISO_ROUNDS = 5
+# With the throttled-slot handover broken, the other user's request waits for an active
+# slot that 2000-token streams at 5 tok/s never free: the test fails at this timeout.
+ISO_SHARED_TIMEOUT_S = 30.0
 
 
-async def _isolation(base_url: str) -> tuple[list[Stream], list[Stream]]:
-    api = client(base_url)
+@dataclass
+class Timed:
+    """One request: sent at ``start`` (client); tokens dispatched at ``times`` (engine)."""
+
+    start: float
+    end: float  # the client's last byte
+    times: tuple[float, ...] = ()
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.start
+
+    @property
+    def total(self) -> float:
+        return self.times[-1] - self.start
+
+    @property
+    def step(self) -> float:
+        """Median time between two of its tokens: the engine's step time while it ran.
+
+        A median over 299 gaps: a CPU-starved engine that stalls for a few of them (0.3 s
+        and more under load) does not move it; a slower step does."""
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
+
+
+async def _timed(api: openai.AsyncOpenAI, user: str, tokens: int) -> Timed:
+    start = time.monotonic()
+    record = await stream(api, user, tokens)
+    assert record.completion_tokens == tokens
+    return Timed(start, time.monotonic())
+
+
+async def _isolation(p: Paced) -> list[tuple[Timed, Timed]]:
+    """Rounds of (iso-b alone, iso-b next to 8 resident iso-a streams), back to back.
+
+    Each pair is measured seconds apart, so the load of a shared machine, which drifts
+    over tens of seconds, is nearly the same for both halves of a pair.
+    """
+    api = client(p.server.base_url)
+    pairs: list[tuple[Timed, Timed]] = []
     try:
-        # Five of each: a single stream's speed on this 2-core box varies up to 2x from one
-        # stream to the next (async mode especially), so three were too few for a median.
-        alone = [await stream(api, "iso-b", 300) for _ in range(5)]
-        flood = [asyncio.create_task(stream(api, "iso-a", 2000)) for _ in range(8)]
-        await asyncio.sleep(2.0)
-        assert not any(t.done() for t in flood), "the throttled streams should still run"
-        shared = [await stream(api, "iso-b", 300) for _ in range(5)]
-        for t in flood:
-            t.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
-        return alone, shared
+        for _ in range(ISO_ROUNDS):
+            alone = await _timed(api, "iso-b", ISO_TOKENS)
+            flood = [asyncio.create_task(stream(api, "iso-a", 2000)) for _ in range(8)]
+            try:
+                await asyncio.sleep(2.0)  # 8 admissions at 5 tok/s: all resident, throttled
+                assert not any(t.done() for t in flood), "the throttled streams should still run"
+                try:
+                    shared = await asyncio.wait_for(_timed(api, "iso-b", ISO_TOKENS),
+                                                    ISO_SHARED_TIMEOUT_S)
+                except TimeoutError:
+                    pytest.fail(f"{p.mode}: a 300-token iso-b request did not finish in "
+                                f"{ISO_SHARED_TIMEOUT_S:.0f} s next to the throttled streams "
+                                f"(alone it took {alone.end - alone.start:.2f} s); "
+                                f"server log: {p.server.log_path}")
+            finally:
+                for t in flood:
+                    t.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+            pairs.append((alone, shared))
     finally:
         await api.close()
+    return pairs
 
 
-def _throughput(s: Stream) -> float:
-    return (len(s.token_times) - 1) / (s.last - s.first)
+def _attach_engine_times(p: Paced, pairs: list[tuple[Timed, Timed]]) -> None:
+    """Each request's tokens from the event log: iso-b's requests run one at a time, so
+    its charges between a request's send and its last byte are that request's."""
+    timed = [t for pair in pairs for t in pair]
+    found = wait_for_engine_requests(p.event_log, {"iso-b"}, timed[0].start,
+                                     ISO_TOKENS * len(timed))
+    for t in timed:
+        t.times = tuple(x for r in found for x in r.times if t.start <= x <= t.end)
+        assert len(t.times) == ISO_TOKENS, (p.mode, len(t.times), p.event_log)
 
 
 def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
-    """8 resident streams of a 5 tok/s user, 4 active slots: the other user keeps its pace."""
+    """8 resident streams of a 5 tok/s user, 4 active slots: the other user keeps its pace.
+
+    Measured at the source (event log), per round of one request alone and one next to
+    the flood, back to back so both see the machine's load of the moment:
+    - pace: the median time between the request's tokens at the engine (its step time),
+      next to the flood at most 1/0.7 = 1.43x alone (median over 5 rounds). Not the
+      client's first-to-last interval (a client that reads buffered chunks in a burst made
+      it a few ms), and not the whole request's duration: at a load average of 17 on 2
+      cores a CPU-starved engine stalled single requests 3.8x in issue 19's runs, and the
+      median of 5 durations failed twice in 10; a median over 299 gaps ignores stalls
+      (its median of 5 ratios stayed at or below 1.06 in 18 of 20 runs at load averages
+      of 8-40; 1.24 and 1.38 once each; the 0.1 ms per throttled request and step that a
+      mutation added gave 1.90).
+      An engine that sleeps or skips the user while the flood is throttled, or a per-step
+      cost of the throttled requests, slows every step: that fails here.
+    - first token: send to the first token's dispatch, next to the flood at most 1.5x
+      alone + 10 ms (one step of jitter). A broken slot handover never admits the request:
+      the timeout above fails the test.
+    """
     for p in paced:
-        alone, shared = asyncio.run(_isolation(p.server.base_url))
-        for r in alone + shared:
-            assert r.completion_tokens == 300
-        tput_alone = statistics.median(_throughput(s) for s in alone)
-        tput_shared = statistics.median(_throughput(s) for s in shared)
-        ttft_alone = statistics.median(s.ttft for s in alone)
-        ttft_shared = statistics.median(s.ttft for s in shared)
-        assert tput_shared >= 0.7 * tput_alone, (p.mode, tput_alone, tput_shared)
-        # 10 ms of slack: one scheduling step of this 2-core machine's jitter.
-        assert ttft_shared <= 1.5 * ttft_alone + 0.010, (p.mode, ttft_alone, ttft_shared)
+        pairs = asyncio.run(_isolation(p))
+        _attach_engine_times(p, pairs)
+        ratios = [s.step / a.step for a, s in pairs]
+        ttft_excess = [s.ttft - 1.5 * a.ttft for a, s in pairs]
+        series = {
+            "mode": p.mode,
+            "alone_step_s": [a.step for a, _ in pairs],
+            "shared_step_s": [s.step for _, s in pairs],
+            "alone_total_s": [a.total for a, _ in pairs],
+            "shared_total_s": [s.total for _, s in pairs],
+            "alone_ttft_s": [a.ttft for a, _ in pairs],
+            "shared_ttft_s": [s.ttft for _, s in pairs],
+        }
+        logs = [p.server.log_path, p.event_log]
+        expect("isolation", f"{p.mode} median shared/alone step time",
+               statistics.median(ratios), 1 / 0.7, logs=logs, **series)
+        expect("isolation", f"{p.mode} median of shared TTFT - 1.5 x alone TTFT (s)",
+               statistics.median(ttft_excess), 0.010, logs=logs, **series)
 
 
-async def _idle(server: Server) -> tuple[float, list[float], list[float]]:
-    api = client(server.base_url)
+PROBES = 7
+PROBE_SPACING_S = 0.3
+
+
+async def _paired_probe_ttfts(p: Paced, control: Paced) -> tuple[list[float], list[float]]:
+    """1-token probes sent at the same moment to ``p`` and to the idle ``control`` server:
+    send to the engine's dispatch of the token, for each (event logs).
+
+    Pairs cancel the machine's contention of the moment: at load averages of 20-40 on 2
+    cores a probe took anywhere from 4 ms to 0.35 s (up to 20 s once), and the medians of
+    5 or 7 probes before and during the throttled phase, taken seconds apart, crossed a
+    bound of 1.5x + 10 ms in a third of issue 19's runs.
+    """
+    apis = client(p.server.base_url), client(control.server.base_url)
+    sent = []
     try:
-        before = [(await stream(api, "probe", 1)).ttft for _ in range(5)]
+        for i in range(PROBES):
+            start = time.monotonic()
+            order = apis if i % 2 == 0 else apis[::-1]  # neither is always sent first
+            await asyncio.gather(*(stream(api, "probe", 1) for api in order))
+            sent.append(start)
+            await asyncio.sleep(PROBE_SPACING_S)
+    finally:
+        for api in apis:
+            await api.close()
+    ttfts = []
+    for server in (p, control):
+        found = wait_for_engine_requests(server.event_log, {"probe"}, sent[0], PROBES)
+        firsts = sorted(r.first for r in found)
+        assert len(firsts) == PROBES, (server.mode, len(firsts), server.event_log)
+        ttfts.append([f - s for s, f in zip(sent, firsts)])
+    return ttfts[0], ttfts[1]
+
+
+async def _idle(p: Paced, control: Paced) -> tuple[float, list[float], list[float]]:
+    api = client(p.server.base_url)
+    try:
         throttled = [asyncio.create_task(stream(api, "idle", 100)) for _ in range(8)]
         await asyncio.sleep(3.0)
-        cpu0, t0 = tree_cpu_seconds(server.proc.pid), time.monotonic()
+        cpu0, t0 = tree_cpu_seconds(p.server.proc.pid), time.monotonic()
         await asyncio.sleep(10.0)
-        cores = (tree_cpu_seconds(server.proc.pid) - cpu0) / (time.monotonic() - t0)
-        during = [(await stream(api, "probe", 1)).ttft for _ in range(5)]
+        cores = (tree_cpu_seconds(p.server.proc.pid) - cpu0) / (time.monotonic() - t0)
+        during, idle_control = await _paired_probe_ttfts(p, control)
         for t in throttled:
             t.cancel()
         await asyncio.gather(*throttled, return_exceptions=True)
-        return cores, before, during
+        return cores, during, idle_control
     finally:
         await api.close()
 
 
 def test_all_throttled_server_idles_and_still_answers_at_once(paced: list[Paced]) -> None:
+    """CPU of the server's process tree (at the source) and, at the engine, the time from
+    a probe's send to its token's dispatch (event log), against a probe sent at the same
+    moment to the other server, which has nothing to do. Margins: the busy loop this
+    replaces used a whole core (1.0); 0.1 leaves the engine's 50 ms wake-ups and vLLM's
+    own threads room on a loaded machine. An idle wait that new requests do not wake
+    holds a probe until a throttled user is ready (here up to 1 s: 0.63-0.91 s in issue
+    19's check); the median of the paired excess over 1.5x the control allows 10 ms."""
     for p in paced:
-        cores, before, during = asyncio.run(_idle(p.server))
-        assert cores < 0.1, (p.mode, cores)
-        assert statistics.median(during) <= 1.5 * statistics.median(before) + 0.010, (
-            p.mode, before, during,
-        )
+        control = next(q for q in paced if q is not p)
+        cores, during, idle_control = asyncio.run(_idle(p, control))
+        logs = [p.server.log_path, p.event_log]
+        expect("idle", f"{p.mode} server cores while all throttled", cores, 0.1, logs=logs,
+               mode=p.mode)
+        excess = [d - 1.5 * c for d, c in zip(during, idle_control)]
+        expect("idle", f"{p.mode} median of probe TTFT - 1.5 x idle server's (s)",
+               statistics.median(excess), 0.010, logs=logs, mode=p.mode,
+               during_s=during, control_s=idle_control)
 
 
 BAD_BODIES = [
@@ -201,26 +351,37 @@ def test_broken_json_body_is_vllms_400_not_a_crash(paced: list[Paced]) -> None:
         assert httpx.get(f"{p.server.base_url}/health", timeout=5).status_code == 200
 
 
-async def _rate_of(base_url: str, user: str, tokens: int, limit: float) -> float:
-    return user_rate(await streams(base_url, [(user, 1, tokens)]), limit)
-
-
 def test_limits_file_edits_apply_without_restart(paced: list[Paced]) -> None:
-    async def run(p: Paced) -> tuple[float, float, float]:
+    """Each request's rate at the engine (event log, net of the engine's absences as in
+    the rates test): 40 tokens at 10 tok/s span 3.8 s, 120 at 40 tok/s 2.9 s; 5% is
+    0.15 s of lag, and GCRA cannot exceed the limit. A reload that did not apply paces
+    at 10 instead of 40 tok/s; a broken file that was applied raises an error. Under a
+    load average of 24 on 2 cores the 10 tok/s request measured 9.51 once: each engine
+    absence keeps up to 0.1 s (the burst it used) in the span, one token at 10 tok/s."""
+    async def run(p: Paced) -> None:
         url = p.server.base_url
-        before = await _rate_of(url, "reload", 40, 10)
-        p.limits_file.write_text(json.dumps({**LIMITS, "reload": 40}))
+        p.limits_file.write_text(json.dumps(LIMITS))  # as the module began (repeat runs)
         await asyncio.sleep(1.2)  # the engine looks at the file at most once a second
-        after = await _rate_of(url, "reload", 120, 40)
+        await streams(url, [("reload", 1, 40)])
+        p.limits_file.write_text(json.dumps({**LIMITS, "reload": 40}))
+        await asyncio.sleep(1.2)
+        await streams(url, [("reload", 1, 120)])
         p.limits_file.write_text('{"reload": 40, "oops"')  # an editor's half-saved file
         await asyncio.sleep(1.2)
-        kept = await _rate_of(url, "reload", 120, 40)
-        return before, after, kept
+        await streams(url, [("reload", 1, 120)])
 
     for p in paced:
-        before, after, kept = asyncio.run(run(p))
-        assert abs(before - 10) <= 0.05 * 10, (p.mode, before)
-        assert abs(after - 40) <= 0.05 * 40, (p.mode, after)
-        assert abs(kept - 40) <= 0.05 * 40, (p.mode, kept)
+        since = time.monotonic()
+        asyncio.run(run(p))
+        found = wait_for_engine_requests(p.event_log, {"reload"}, since, 280)
+        assert [len(r.times) for r in found] == [40, 120, 120], (p.mode, p.event_log)
+        everyone = all_dispatches(p.event_log, since)
+        rates = [paced_rate(r.times, limit, everyone) for r, limit in zip(found, (10, 40, 40))]
+        logs = [p.server.log_path, p.event_log]
+        series = [r.as_series() for r in rates]
+        for name, rate, limit in zip(("before", "after", "kept"), rates, (10, 40, 40)):
+            for bound, upper in ((0.95 * limit, False), (1.05 * limit, True)):
+                expect("reload", f"{p.mode} {name} paced rate ({limit} tok/s)", rate.paced_rate,
+                       bound, upper=upper, logs=logs, mode=p.mode, rates=series)
         log = p.server.log_path.read_text(errors="replace")
         assert "keeping the last good limits" in log, p.mode
