@@ -135,10 +135,14 @@ def test_short_tenant_keeps_its_ttft_next_to_a_flood_and_tenants_stay_pinned(set
     # TTFT is send to first byte at the client: one request's whole wait, not a gap between
     # chunks that a client's read bursts could shrink. Without fair dispatch the short
     # tenant's requests queue behind flood streams of 300 tokens at 20 tok/s (seconds);
-    # 2x the p95 alone leaves room for the engine steps the flood's tokens take.
+    # 2x the p95 alone leaves room for the engine steps the flood's tokens take; the 0.25 s
+    # beyond it absorbs the CPU stalls of a loaded 2-core machine running two engines, the
+    # gateway and this client (at load 19-40 the p95 ratio alone reached 4.3 with a p95 alone
+    # of ~40 ms). The defect it guards against is a short request held behind the flood: one
+    # saturation-gate poll (0.5 s) or a 300-token flood stream at 20 tok/s (seconds).
     logs = [setup["gateway"].server.log_path, *(e.log_path for e in setup["engines"])]
-    expect("fair_dispatch", "short tenant's TTFT p95 with the flood / alone", p95_crowded
-           / p95_alone, 2.0, logs=logs, alone_s=alone, crowded_s=crowded)
+    expect("fair_dispatch", "short tenant's TTFT p95 with the flood (s)", p95_crowded,
+           2.0 * p95_alone + 0.25, logs=logs, alone_s=alone, crowded_s=crowded)
 
     users: dict[str, set[str]] = {}
     for i, url in enumerate(setup["urls"]):

@@ -56,6 +56,9 @@ class FakeEngine:
     # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
     other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     tokenized: int = 0  # /tokenize calls received
+    # While this is an unset event, completions are recorded, then wait until it is set: a
+    # test can hold the requests it dispatched for as long as it needs, whatever the load.
+    gate: threading.Event | None = None
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -123,6 +126,8 @@ class FakeEngine:
         body = await request.json()
         seen = Seen(request.url.path, body, dict(request.headers))
         self.requests.append(seen)
+        while self.gate is not None and not self.gate.is_set():
+            await asyncio.sleep(0.005)
         if body.get("fake_error"):
             return JSONResponse({"error": {"message": "the fake engine refuses", "type": "BadRequestError",
                                            "code": body["fake_error"]}}, status_code=body["fake_error"])
