@@ -95,6 +95,9 @@ class OutputRateLimiter:
         self._limits = limits
         self.clock_ns = clock_ns
         self._buckets: dict[str, _Bucket] = {}
+        self.generation = 0
+        """Bumped whenever a bucket may have been dropped or a rate changed: a bucket (or
+        "not paced") obtained from ``bucket`` stays valid while this is unchanged."""
 
     @property
     def limits(self) -> UserRateLimits:
@@ -111,6 +114,7 @@ class OutputRateLimiter:
         gain a fresh one by a reload; users who become unpaced lose their state.
         """
         self._limits = limits
+        self.generation += 1
         for user in list(self._buckets):
             bucket = self._buckets[user]
             rate = limits.rate(user)
@@ -192,6 +196,24 @@ class OutputRateLimiter:
             claim.granted = granted
         return short
 
+    def bucket(self, user: str, now_ns: int) -> _Bucket | None:
+        """The user's GCRA state (created at ``now_ns`` if absent), or None if not paced.
+
+        For callers that grant many single tokens per step in their own loop (the
+        planner's fast path): they cache the result per user and ask again when
+        ``generation`` changed. A single grant on it is exactly ``try_take``'s update::
+
+            now_scaled = now_ns * b.scale; tat = max(b.tat, now_scaled)
+            if tat - now_scaled <= b.burst: b.tat = tat + b.interval; b.refundable += 1
+        """
+        bucket = self._buckets.get(user)
+        if bucket is None:
+            rate = self._limits.rate(user)
+            if rate is None:
+                return None
+            bucket = self._buckets[user] = _Bucket(rate, now_ns)
+        return bucket
+
     def refund(self, user: str) -> None:
         """Return one token granted to ``user`` by an earlier ``try_take``.
 
@@ -225,6 +247,8 @@ class OutputRateLimiter:
         idle = [u for u, b in self._buckets.items() if b.tat <= now * b.scale]
         for user in idle:
             del self._buckets[user]
+        if idle:
+            self.generation += 1
         return len(idle)
 
     def tracked_users(self) -> int:
