@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,3 +64,41 @@ def test_unexpected_errors_are_json_500_with_the_request_id(engine: EngineServer
     body = resp.json()["error"]
     assert body["code"] == "internal_error" and resp.headers["x-request-id"] in body["message"]
     assert gw.log().count(resp.headers["x-request-id"]) == 1
+
+
+def test_a_storm_of_abandoned_streams_logs_no_write_warnings(engine: EngineServer, make_gateway: Any,
+                                                            tmp_path: Path) -> None:
+    """Clients that reset their connection mid-stream are ordinary: each is one
+    ``cancelled`` row, its slot is freed, and the log stays quiet (the old relay kept writing
+    to the dead socket and asyncio logged "socket.send() raised exception." for each write)."""
+    engine.engine.token_delay_s = 0.001
+    config = base_config(engine.url, tmp_path / "u.db", max_output_tokens=2000)
+    config["engines"][0]["max_inflight"] = 64
+    gw = make_gateway(config)
+    url = urlsplit(gw.url)
+    body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 2000, "stream": True}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + KEY_A.encode() + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n")
+
+    def abandon() -> None:
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            got = b""
+            while got.count(b"data: ") < 3:
+                more = sock.recv(65536)
+                assert more and b" 200 " in (got + more)[:20], got + more
+                got += more
+            # close with a reset, as a killed client does, while the gateway is writing
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    threads = [threading.Thread(target=abandon) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = gw.rows(40, timeout_s=60)
+    assert {r.finish_reason for r in rows} == {"cancelled"}
+    assert gw.wait_metric("tokenpace_gateway_inflight_requests", 0, timeout_s=30, tenant="team-a") == 0
+    log = gw.log()
+    assert "socket.send() raised exception" not in log and "Traceback" not in log, log[-3000:]
