@@ -14,7 +14,7 @@ from tokenpace.gateway._state._redis import RedisStore
 
 
 async def main(url: str, lease_s: float, key: str, limit: int, count: int) -> None:
-    store = RedisStore(url, lease_s=lease_s, timeout_s=0.2)
+    store = RedisStore(url, lease_s=lease_s, timeout_s=lease_s / 4)
     await store.start()
     for _ in range(count):
         lease = await store.acquire([SlotClaim(key, limit)])
