@@ -20,11 +20,13 @@ import pytest
 from tests._redis import RedisServer
 from tokenpace.fairness import BudgetRefusal, BudgetSpec
 from tokenpace.gateway._state import (
+    Admission,
     Lease,
     LocalStore,
     Reservation,
     SlotClaim,
     SlotRefusal,
+    StateStore,
     StateUnavailable,
     parse_state,
     open_store,
@@ -250,7 +252,14 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
         try:
             held = await store.acquire([running_slot("a", 4)])
             assert isinstance(held, Lease) and held.store is store.primary
+            admitted = await store.admit("b", [spec], 100, queued_slot("b", 4), "l", ["a"])
+            assert isinstance(admitted, Admission)
             redis_server.kill()
+            # Admitted through Redis, dispatched and settled while it is down: no error.
+            running = await store.dispatch([running_slot("b", 4)], admitted.queued, "l", 100)
+            assert isinstance(running, Lease) and running.store is store.fallback
+            await store.finish(running, admitted.reservation, 10)
+            assert store.lost_settlements == 1
             # Fallback: 1000 / 2 per replica, 4 / 2 slots.
             took, first = await _timed(lambda: store.reserve("a", [spec], 400))
             assert isinstance(first, Reservation) and first.store is store.fallback
@@ -260,6 +269,7 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
             slots = [await store.acquire([running_slot("a", 4)]) for _ in range(3)]
             assert [isinstance(s, Lease) for s in slots] == [True, True, False]
             assert store.fallbacks["reserve"] == 2 and store.fallbacks["acquire"] == 3
+            assert store.fallbacks["dispatch"] == 1
             await store.settle(first, 100)  # settled where it was reserved
             assert (await store.fallback.budget_levels("a", [spec]))[spec.key] == pytest.approx(400)
             await store.release(held)  # Redis is down: no error, the lease will expire
@@ -304,5 +314,49 @@ def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
         finally:
             await one.close()
             await two.close()
+
+    run(body)
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+def test_stage_calls_admit_dispatch_finish(redis_server: RedisServer, kind: str) -> None:
+    """The three per-request calls (one script each with Redis) decide the same on both
+    stores: a full queue refuses before the budget, admission lifts an idle tenant, dispatch
+    trades the queued place for running slots, finish releases and settles."""
+    spec = BudgetSpec(1000, 86400)
+
+    async def body() -> None:
+        store: StateStore = (RedisStore(redis_server.url, timeout_s=SLACK_S) if kind == "redis"
+                             else LocalStore())
+        try:
+            store.charge("batch", "b", 70.0)
+            if isinstance(store, RedisStore):
+                await store.flush()
+            admitted = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch", ["b"])
+            assert isinstance(admitted, Admission)
+            assert admitted.counter == 70.0  # lifted to b's counter (b idle: the largest)
+            full = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch", ["b"])
+            assert isinstance(full, SlotRefusal) and full.claim.key == "queued:a"
+            poor = await store.admit("a", [spec], 800, queued_slot("a", 5), "batch", ["b"])
+            assert isinstance(poor, BudgetRefusal)
+            assert poor.remaining == pytest.approx(700, abs=0.01)  # nothing taken by refusals
+            engine = SlotClaim("engine:e1", 1)
+            blocker = await store.acquire([engine])
+            assert isinstance(blocker, Lease)
+            busy = await store.dispatch([running_slot("a", 2), engine], admitted.queued, "batch", 300)
+            assert isinstance(busy, SlotRefusal) and busy.claim == engine
+            await store.release(blocker)
+            running = await store.dispatch([running_slot("a", 2), engine], admitted.queued,
+                                           "batch", 300)
+            assert isinstance(running, Lease) and admitted.queued.released
+            assert await store.held(["queued:a", "running:a", "engine:e1"]) == {
+                "queued:a": 0, "running:a": 1, "engine:e1": 1}
+            assert (await store.lane_costs(["batch"], 30.0))["batch"] == 300.0
+            await store.finish(running, admitted.reservation, 120)
+            assert await store.held(["running:a", "engine:e1"]) == {"running:a": 0, "engine:e1": 0}
+            level = (await store.budget_levels("a", [spec]))[spec.key]
+            assert level == pytest.approx(880, abs=0.01)
+        finally:
+            await store.close()
 
     run(body)

@@ -1,10 +1,10 @@
 """`tokenpace bench state`: what shared state costs a request, Redis against in process.
 
-One request's state work as the gateway does it: reserve the budget, take a queued place
-(and lift the tenant's fair-queue counter), trade it for the running slots (tenant
-concurrency and engine ``max_inflight``), count the dispatch for the lane shares, charge
-the output (collected in process, not a round trip), release, settle. Six round trips
-with Redis. Measured on the same machine as a ``redis-server`` started for the run (or
+One request's state work as the gateway does it, one call per stage: admission (reserve
+the budget, take a queued place, lift the tenant's fair-queue counter), dispatch (trade
+the queued place for the running slots: tenant concurrency and engine ``max_inflight``;
+count the lane's dispatched cost), the output's charges (collected in process, not a
+round trip), settlement (release, settle). Three round trips with Redis. Measured on the same machine as a ``redis-server`` started for the run (or
 ``--redis URL``), alternating the in-process store and the Redis store over repeats:
 
 - latency: one request at a time, the wall time of its state work (median and p99);
@@ -28,9 +28,9 @@ from typing import Any
 
 from ..fairness import BudgetSpec
 from ..gateway._state import (
+    Admission,
     Lease,
     LocalStore,
-    Reservation,
     StateStore,
     engine_slot,
     queued_slot,
@@ -42,22 +42,19 @@ from .overhead import median_interval
 
 BUDGET = BudgetSpec(1e15, 86400)
 TENANTS = [f"tenant-{i}" for i in range(8)]
-ROUND_TRIPS = 6
+ROUND_TRIPS = 3
 
 
 async def _one(store: StateStore, tenant: str) -> None:
-    reservation = await store.reserve(tenant, [BUDGET], 300.0)
-    assert isinstance(reservation, Reservation)
-    queued = await store.acquire([queued_slot(tenant, 10_000)])
-    assert isinstance(queued, Lease)
-    await store.lift("default", tenant, TENANTS)
-    running = await store.acquire([running_slot(tenant, 10_000), engine_slot("http://e1", 10_000)],
-                                  releasing=queued)
+    admitted = await store.admit(tenant, [BUDGET], 300.0, queued_slot(tenant, 10_000),
+                                 "default", TENANTS)
+    assert isinstance(admitted, Admission)
+    running = await store.dispatch(
+        [running_slot(tenant, 10_000), engine_slot("http://e1", 10_000)], admitted.queued,
+        "default", 300.0)
     assert isinstance(running, Lease)
-    await store.record_dispatch("default", 300.0)
     store.charge("default", tenant, 200.0)
-    await store.release(running)
-    await store.settle(reservation, 250.0)
+    await store.finish(running, admitted.reservation, 250.0)
 
 
 async def _latency(store: StateStore, requests: int) -> list[float]:

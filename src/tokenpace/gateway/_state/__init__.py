@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ._base import (
+    Admission,
     Lease,
     Reservation,
     SlotClaim,
@@ -43,6 +44,7 @@ def open_store(config: StateConfig, workers: int = 1,
 
 
 __all__ = [
+    "Admission",
     "Lease",
     "LocalStore",
     "Reservation",

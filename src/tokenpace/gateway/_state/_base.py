@@ -48,6 +48,16 @@ class SlotRefusal:
     held: int
 
 
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request: its budget reservation, its place in the (global) queue of its
+    tenant, and the tenant's virtual counter after the lift."""
+
+    reservation: Reservation
+    queued: Lease
+    counter: float
+
+
 _ids = itertools.count()
 
 
@@ -129,6 +139,48 @@ class StateStore(ABC):
     @abstractmethod
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
         """Each lane's cost dispatched in the last ``window_s`` seconds, by every replica."""
+
+    # -- one call per gateway stage ------------------------------------------------------
+    # Each is one round trip in the shared store; these defaults compose the primitives.
+
+    async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
+                    queued: SlotClaim, lane: str,
+                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+        """Admission: a full queue refuses first, then the budgets; otherwise reserve
+        ``cost``, take a queued place, and lift the tenant's counter if it was not
+        backlogged (``others``: the other tenants of its lane)."""
+        waiting = (await self.held([queued.key]))[queued.key]
+        if queued.limit is not None and waiting >= queued.limit:
+            return SlotRefusal(queued, waiting)
+        reservation = await self.reserve(tenant, budgets, cost)
+        if isinstance(reservation, BudgetRefusal):
+            return reservation
+        if waiting == 0:
+            counter = await self.lift(lane, tenant, others)
+        else:
+            counter = (await self.counters(lane, [tenant]))[tenant]
+        place = await self.acquire([queued])
+        if isinstance(place, SlotRefusal):  # raced by another task of this process
+            await self.settle(reservation, 0.0)
+            return place
+        return Admission(reservation, place, counter)
+
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
+                       cost: float) -> Lease | SlotRefusal:
+        """Dispatch: trade the queued place for running slots (all ``claims`` or none) and
+        count ``cost`` in the lane's dispatched share."""
+        lease = await self.acquire(claims, releasing=queued)
+        if isinstance(lease, Lease):
+            await self.record_dispatch(lane, cost)
+        return lease
+
+    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+                     actual: float) -> None:
+        """Settlement: give the slots back and settle the reservation to ``actual``."""
+        if lease is not None:
+            await lease.store.release(lease)
+        if reservation is not None:
+            await reservation.store.settle(reservation, actual)
 
     # -- life cycle ------------------------------------------------------------------
 

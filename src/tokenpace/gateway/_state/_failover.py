@@ -22,7 +22,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from ...fairness import BudgetRefusal, BudgetSpec
-from ._base import Lease, Reservation, SlotClaim, SlotRefusal, StateStore, StateUnavailable
+from ._base import (
+    Admission,
+    Lease,
+    Reservation,
+    SlotClaim,
+    SlotRefusal,
+    StateStore,
+    StateUnavailable,
+)
 from ._local import LocalStore
 from ._redis import RedisStore
 
@@ -128,6 +136,41 @@ class FailoverStore(StateStore):
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
         return await self._decide("lane_costs", lambda: self.primary.lane_costs(lanes, window_s),
                                   lambda: self.fallback.lane_costs(lanes, window_s))
+
+    # -- one call per gateway stage ------------------------------------------------------
+
+    async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
+                    queued: SlotClaim, lane: str,
+                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+        return await self._decide(
+            "admit", lambda: self.primary.admit(tenant, budgets, cost, queued, lane, others),
+            lambda: self.fallback.admit(tenant, budgets, cost, queued, lane, others))
+
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
+                       cost: float) -> Lease | SlotRefusal:
+        async def local() -> Lease | SlotRefusal:
+            lease = await self.fallback.acquire(claims)
+            if isinstance(lease, Lease):
+                await self.release(queued)
+                await self.fallback.record_dispatch(lane, cost)
+            return lease
+        return await self._decide("dispatch",
+                                  lambda: self.primary.dispatch(claims, queued, lane, cost), local)
+
+    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+                     actual: float) -> None:
+        stores = {x.store for x in (lease, reservation) if x is not None}
+        if len(stores) != 1:
+            if lease is not None:
+                await self.release(lease)
+            if reservation is not None:
+                await self.settle(reservation, actual)
+            return
+        try:
+            await stores.pop().finish(lease, reservation, actual)
+        except StateUnavailable:
+            if reservation is not None and reservation.cost != actual:
+                self.lost_settlements += 1
 
     # -- life cycle ------------------------------------------------------------------
 

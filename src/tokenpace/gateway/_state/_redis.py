@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 
 from ...fairness import BudgetRefusal, BudgetSpec
 from . import _scripts
-from ._base import Lease, Reservation, SlotClaim, SlotRefusal, StateStore, StateUnavailable
+from ._base import (
+    Admission,
+    Lease,
+    Reservation,
+    SlotClaim,
+    SlotRefusal,
+    StateStore,
+    StateUnavailable,
+)
 
 logger = logging.getLogger("tokenpace.gateway.state")
 
@@ -58,7 +66,8 @@ class RedisStore(StateStore):
             decode_responses=True)
         self._scripts = {name: self._redis.register_script(getattr(_scripts, name))
                          for name in ("RESERVE", "SETTLE", "LEVELS", "ACQUIRE", "RENEW",
-                                      "RELEASE", "HELD", "LIFT", "LANES")}
+                                      "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH",
+                                      "FINISH")}
         self.healthy = True
         self._retry_at = 0.0
         self._probing = False
@@ -125,11 +134,9 @@ class RedisStore(StateStore):
             return Reservation(tenant, (), cost, self)
         keys, args = self._budget_args(tenant, budgets)
         out = await self._script("RESERVE", keys, [repr(float(cost)), *args])
-        if int(out[0]) == 0:
+        if out[0] == "ok":
             return Reservation(tenant, tuple(budgets), cost, self)
-        return BudgetRefusal(budget=budgets[int(out[0]) - 1], cost=cost,
-                             retry_after_s=float(out[1]), remaining=float(out[2]),
-                             reset_s=float(out[3]))
+        return _refusal(out, budgets, cost)
 
     async def settle(self, reservation: Reservation, actual: float) -> None:
         if not reservation.budgets or reservation.cost == actual:
@@ -240,6 +247,71 @@ class RedisStore(StateStore):
         out = await self._script("LANES", [self._k("d", lane) for lane in lanes], [repr(window_s)])
         return {lane: float(v) for lane, v in zip(lanes, out)}
 
+    # -- one script per gateway stage ------------------------------------------------------
+
+    async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
+                    queued: SlotClaim, lane: str,
+                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+        others = [o for o in others if o != tenant]
+        bkeys, bargs = self._budget_args(tenant, budgets)
+        place = Lease((queued.key,), self)
+        keys = [*bkeys, self._k("s", queued.key), self._k("v", lane),
+                *(self._k("s", f"queued:{o}") for o in others)]
+        args = [len(budgets), repr(float(cost)), *bargs, place.id, self.lease_ms,
+                -1 if queued.limit is None else queued.limit, tenant, *others]
+        out = await self._script("ADMIT", keys, args)
+        if out[0] == "queue":
+            return SlotRefusal(queued, int(out[1]))
+        if out[0] == "budget":
+            return _refusal(out, budgets, cost)
+        self._leases[place.id] = place
+        return Admission(Reservation(tenant, tuple(budgets), cost, self), place, float(out[1]))
+
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
+                       cost: float, window_s: float = 3600.0) -> Lease | SlotRefusal:
+        if queued.store is not self:
+            return await super().dispatch(claims, queued, lane, cost)
+        lease = Lease(tuple(c.key for c in claims), self)
+        keys = [*(self._k("s", c.key) for c in claims), self._k("s", queued.keys[0]),
+                self._k("d", lane)]
+        args = [lease.id, self.lease_ms, len(claims),
+                *(-1 if c.limit is None else c.limit for c in claims),
+                queued.id, repr(float(cost)), repr(window_s)]
+        out = await self._script("DISPATCH", keys, args)
+        if int(out[0]) != 0:
+            return SlotRefusal(claims[int(out[0]) - 1], int(out[1]))
+        queued.released = True
+        self._leases.pop(queued.id, None)
+        self._leases[lease.id] = lease
+        return lease
+
+    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+                     actual: float) -> None:
+        if (lease is not None and lease.store is not self) or \
+                (reservation is not None and reservation.store is not self):
+            await super().finish(lease, reservation, actual)  # mixed stores: one by one
+            return
+        mine_lease = lease is not None and not lease.released
+        mine_res = reservation is not None and bool(reservation.budgets) \
+            and reservation.cost != actual
+        if not mine_lease and not mine_res:
+            return
+        keys: list[str] = []
+        args: list[Any] = [0, "", 0]
+        if mine_lease:
+            assert lease is not None
+            lease.released = True
+            self._leases.pop(lease.id, None)
+            keys += [self._k("s", key) for key in lease.keys]
+            args[:2] = [len(lease.keys), lease.id]
+        if mine_res:
+            assert reservation is not None
+            bkeys, bargs = self._budget_args(reservation.tenant, reservation.budgets)
+            keys += bkeys
+            args[2] = repr(float(reservation.cost - actual))
+            args += bargs
+        await self._script("FINISH", keys, args)
+
     # -- life cycle ------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -279,3 +351,10 @@ class RedisStore(StateStore):
     def describe(self) -> dict[str, object]:
         return {"backend": "redis", "url": self.url_redacted, "healthy": self.healthy,
                 "leases": len(self._leases)}
+
+
+def _refusal(out: Sequence[Any], budgets: Sequence[BudgetSpec], cost: float) -> BudgetRefusal:
+    """``{'budget', index, wait, remaining, reset}`` from a script -> the refusal."""
+    return BudgetRefusal(budget=budgets[int(out[1]) - 1], cost=cost,
+                         retry_after_s=float(out[2]), remaining=float(out[3]),
+                         reset_s=float(out[4]))
