@@ -360,3 +360,43 @@ def test_stage_calls_admit_dispatch_finish(redis_server: RedisServer, kind: str)
             await store.close()
 
     run(body)
+
+
+def test_bench_state_quick(tmp_path: Any) -> None:
+    """`tokenpace bench state --quick` keeps working (it starts its own redis-server)."""
+    from tests._redis import redis_server_binary
+
+    redis_server_binary()  # skip or fail like the other tests when it is missing
+    out = tmp_path / "state.json"
+    done = subprocess.run([sys.executable, "-m", "tokenpace.cli", "bench", "state", "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import json
+    result = json.loads(out.read_text())
+    assert result["round_trips_per_request"] == 3
+    for name in ("memory", "redis"):
+        assert result[name]["latency_median_us"] > 0 and result[name]["cpu_us_per_request"] > 0
+
+
+def test_renewal_restores_lost_leases_but_never_released_ones(redis_server: RedisServer) -> None:
+    async def body() -> None:
+        store = RedisStore(redis_server.url, timeout_s=SLACK_S)
+        try:
+            kept = await store.acquire([SlotClaim("engine:e1", 4)])
+            gone = await store.acquire([SlotClaim("engine:e1", 4)])
+            assert isinstance(kept, Lease) and isinstance(gone, Lease)
+            # A renewal already on its way when `gone` is released arrives after the release:
+            late = [store._k("r", gone.id), store._k("s", "engine:e1")]
+            await store.release(gone)
+            assert await store._script("RENEW", late, [store.lease_ms, gone.id, 1]) == 0
+            assert (await store.held(["engine:e1"]))["engine:e1"] == 1
+            # Redis lost its data (restarted without persistence): renewal takes `kept` again.
+            await store._redis.flushall()
+            assert (await store.held(["engine:e1"]))["engine:e1"] == 0
+            await store.renew()
+            assert store.lost_leases == 1
+            assert (await store.held(["engine:e1"]))["engine:e1"] == 1
+        finally:
+            await store.close()
+
+    run(body)

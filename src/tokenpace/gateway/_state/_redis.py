@@ -165,6 +165,7 @@ class RedisStore(StateStore):
         if same:
             assert releasing is not None
             keys += [self._k("s", key) for key in releasing.keys]
+            keys.append(self._k("r", releasing.id))
         args.append(releasing.id if same and releasing is not None else "")
         out = await self._script("ACQUIRE", keys, args)
         if int(out[0]) != 0:
@@ -184,7 +185,8 @@ class RedisStore(StateStore):
         lease.released = True
         self._leases.pop(lease.id, None)
         # If Redis does not answer, the lease expires by itself within the lease time.
-        await self._script("RELEASE", [self._k("s", key) for key in lease.keys], [lease.id])
+        await self._script("RELEASE", [*(self._k("s", key) for key in lease.keys),
+                                       self._k("r", lease.id)], [lease.id, self.lease_ms])
 
     async def held(self, keys: Sequence[str]) -> dict[str, int]:
         out = await self._script("HELD", [self._k("s", key) for key in keys], [])
@@ -195,9 +197,10 @@ class RedisStore(StateStore):
         leases = [lease for lease in self._leases.values() if not lease.released]
         if not leases:
             return
-        keys = [self._k("s", key) for lease in leases for key in lease.keys]
-        ids = [lease.id for lease in leases for _ in lease.keys]
-        lost = int(await self._script("RENEW", keys, [self.lease_ms, *ids]))
+        keys = [k for lease in leases
+                for k in (self._k("r", lease.id), *(self._k("s", key) for key in lease.keys))]
+        args = [a for lease in leases for a in (lease.id, len(lease.keys))]
+        lost = int(await self._script("RENEW", keys, [self.lease_ms, *args]))
         if lost:
             self.lost_leases += lost
             logger.warning("%d slot leases had vanished from the state store (restarted "
@@ -273,7 +276,7 @@ class RedisStore(StateStore):
             return await super().dispatch(claims, queued, lane, cost)
         lease = Lease(tuple(c.key for c in claims), self)
         keys = [*(self._k("s", c.key) for c in claims), self._k("s", queued.keys[0]),
-                self._k("d", lane)]
+                self._k("d", lane), self._k("r", queued.id)]
         args = [lease.id, self.lease_ms, len(claims),
                 *(-1 if c.limit is None else c.limit for c in claims),
                 queued.id, repr(float(cost)), repr(window_s)]
@@ -297,12 +300,12 @@ class RedisStore(StateStore):
         if not mine_lease and not mine_res:
             return
         keys: list[str] = []
-        args: list[Any] = [0, "", 0]
+        args: list[Any] = [0, "", 0, self.lease_ms]
         if mine_lease:
             assert lease is not None
             lease.released = True
             self._leases.pop(lease.id, None)
-            keys += [self._k("s", key) for key in lease.keys]
+            keys += [*(self._k("s", key) for key in lease.keys), self._k("r", lease.id)]
             args[:2] = [len(lease.keys), lease.id]
         if mine_res:
             assert reservation is not None

@@ -12,6 +12,8 @@ Key layout under a prefix ``P`` (default ``tokenpace:``):
   whenever the set is counted, and the set itself expires after twice the lease time.
 - ``P v:<lane>`` hash tenant -> virtual counter.
 - ``P d:<lane>`` hash second -> cost dispatched in that second (lane shares).
+- ``P r:<lease id>`` a released lease's tombstone (for two lease times): a renewal that
+  was already on its way when the lease was released must not bring it back.
 """
 
 from __future__ import annotations
@@ -156,8 +158,9 @@ return {'ok', num(counter)}
 """
 
 # Dispatch: trade a queued place for running slots and count the lane's dispatched cost.
-# KEYS: n claimed slot sets, the queued set given back, the lane's dispatch hash.
-# ARGV: lease id, lease ms, n, n limits, queued lease id, cost, lane window s.
+# KEYS: n claimed slot sets, the queued set given back, the lane's dispatch hash, the
+# queued lease's tombstone. ARGV: lease id, lease ms, n, n limits, queued lease id, cost,
+# lane window s.
 # Returns {0} or {index, held} of the first full claim.
 DISPATCH = _NOW + _SLOTS + _LANE + """
 local id, ttl, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -170,20 +173,27 @@ for i = 1, n do
 end
 for i = 1, n do take(KEYS[i], id, ttl) end
 redis.call('ZREM', KEYS[n + 1], ARGV[4 + n])
+redis.call('SET', KEYS[n + 3], '1', 'PX', 2 * ttl)
 lane_total(KEYS[n + 2], tonumber(ARGV[6 + n]), tonumber(ARGV[5 + n]))
 return {0}
 """
 
-# Settlement: release a lease and settle a reservation. KEYS: ns slot sets, then the
-# budget buckets. ARGV: ns, lease id, delta (reserved - actual), tokens and refill/s per budget.
+# Settlement: release a lease and settle a reservation. KEYS: ns slot sets and the lease's
+# tombstone (when ns > 0), then the budget buckets. ARGV: ns, lease id, delta (reserved -
+# actual), lease ms, tokens and refill/s per budget.
 FINISH = _NOW + _LEVEL + """
 local ns = tonumber(ARGV[1])
-for i = 1, ns do redis.call('ZREM', KEYS[i], ARGV[2]) end
+local off = 0
+if ns > 0 then
+  for i = 1, ns do redis.call('ZREM', KEYS[i], ARGV[2]) end
+  redis.call('SET', KEYS[ns + 1], '1', 'PX', 2 * tonumber(ARGV[4]))
+  off = ns + 1
+end
 local delta = tonumber(ARGV[3])
 if delta ~= 0 then
-  for i = ns + 1, #KEYS do
-    local j = i - ns
-    local tokens, rate = tonumber(ARGV[2 + 2 * j]), tonumber(ARGV[3 + 2 * j])
+  for i = off + 1, #KEYS do
+    local j = i - off
+    local tokens, rate = tonumber(ARGV[3 + 2 * j]), tonumber(ARGV[4 + 2 * j])
     store(KEYS[i], math.min(tokens, level_of(KEYS[i], tokens, rate) + delta), tokens, rate)
   end
 end
@@ -222,7 +232,8 @@ end
 return out
 """
 
-# KEYS: n claimed slot sets, then the slot sets of the lease being given back.
+# KEYS: n claimed slot sets, then the slot sets of the lease being given back and its
+# tombstone (only when one is given back).
 # ARGV: lease id, lease ms, n, n limits (-1: none), id of the lease given back ('' if none).
 # Returns {0} when every slot was taken, else {index, held} of the first full one.
 ACQUIRE = _NOW + """
@@ -240,25 +251,38 @@ for i = 1, n do
   redis.call('PEXPIRE', KEYS[i], 2 * ttl)
 end
 local old = ARGV[4 + n]
-for i = n + 1, #KEYS do redis.call('ZREM', KEYS[i], old) end
+if old ~= '' then
+  for i = n + 1, #KEYS - 1 do redis.call('ZREM', KEYS[i], old) end
+  redis.call('SET', KEYS[#KEYS], '1', 'PX', 2 * ttl)
+end
 return {0}
 """
 
-# KEYS: slot sets. ARGV: lease ms, then the lease id held in each set.
+# KEYS: per lease its tombstone, then its slot sets. ARGV: lease ms, then per lease its id
+# and how many slot sets it holds.
 # Re-adds a lease Redis lost (restarted without its data, or expired while the holder was
-# slow): the request still runs, so it still occupies its slot. Returns how many were re-added.
+# slow): the request still runs, so it still occupies its slot; never a released lease
+# (tombstone). Returns how many were re-added.
 RENEW = _NOW + """
 local ttl, lost = tonumber(ARGV[1]), 0
-for i = 1, #KEYS do
-  lost = lost + redis.call('ZADD', KEYS[i], now_ms + ttl, ARGV[1 + i])
-  redis.call('PEXPIRE', KEYS[i], 2 * ttl)
+local k, a = 1, 2
+while a <= #ARGV do
+  local id, n = ARGV[a], tonumber(ARGV[a + 1])
+  if redis.call('EXISTS', KEYS[k]) == 0 then
+    for i = k + 1, k + n do
+      lost = lost + redis.call('ZADD', KEYS[i], now_ms + ttl, id)
+      redis.call('PEXPIRE', KEYS[i], 2 * ttl)
+    end
+  end
+  k, a = k + n + 1, a + 2
 end
 return lost
 """
 
-# KEYS: slot sets. ARGV: lease id. Returns nothing.
+# KEYS: slot sets, then the lease's tombstone. ARGV: lease id, lease ms.
 RELEASE = """
-for i = 1, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+for i = 1, #KEYS - 1 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+redis.call('SET', KEYS[#KEYS], '1', 'PX', 2 * tonumber(ARGV[2]))
 return 0
 """
 
