@@ -24,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from redis.exceptions import RedisError, ResponseError
+
 from ...fairness import BudgetRefusal, BudgetSpec
 from . import _scripts
 from ._base import (
@@ -90,9 +92,8 @@ class RedisStore(StateStore):
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await call()
-        except Exception as exc:  # redis errors, OSError, TimeoutError: all mean "no answer"
-            from redis.exceptions import ResponseError
-            if isinstance(exc, ResponseError) and "NOSCRIPT" not in str(exc):
+        except (RedisError, OSError, TimeoutError) as exc:  # all mean "no answer"
+            if isinstance(exc, ResponseError) and not str(exc).startswith(("NOSCRIPT", "BUSY")):
                 raise  # a bug in a script, not an outage
             self.failures += 1
             self._retry_at = self._clock() + self.probe_s
