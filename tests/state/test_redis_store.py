@@ -270,6 +270,10 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
             assert [isinstance(s, Lease) for s in slots] == [True, True, False]
             assert store.fallbacks["reserve"] == 2 and store.fallbacks["acquire"] == 3
             assert store.fallbacks["dispatch"] == 1
+            scraped = _scrape(store)
+            assert scraped[("tokenpace_gateway_state_up", ("redis",))] == 0.0
+            assert scraped[("tokenpace_gateway_state_fallbacks_total", ("reserve",))] == 2.0
+            assert scraped[("tokenpace_gateway_state_failures_total", ())] >= 1.0
             await store.settle(first, 100)  # settled where it was reserved
             assert (await store.fallback.budget_levels("a", [spec]))[spec.key] == pytest.approx(400)
             await store.release(held)  # Redis is down: no error, the lease will expire
@@ -282,10 +286,23 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
                 assert time.monotonic() < deadline, "the store did not recover within 5 s"
                 await asyncio.sleep(0.05)
             assert store.healthy
+            assert _scrape(store)[("tokenpace_gateway_state_up", ("redis",))] == 1.0
         finally:
             await store.close()
 
     run(body)
+
+
+def _scrape(store: StateStore) -> dict[tuple[str, tuple[str, ...]], float]:
+    """The state collector's samples, as Prometheus would read them at scrape time."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenpace.gateway._state._metrics import StateCollector
+
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store))
+    return {(sample.name, tuple(sample.labels.values())): sample.value
+            for family in registry.collect() for sample in family.samples}
 
 
 def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
