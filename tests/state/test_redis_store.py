@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests._redis import RedisServer
-from tokenpace.fairness import BudgetRefusal, BudgetSpec
-from tokenpace.gateway._state import (
+from tests._redis import RedisServer, require_redis_client
+
+require_redis_client()
+
+from tokenpace.fairness import BudgetRefusal, BudgetSpec  # noqa: E402
+from tokenpace.gateway._state import (  # noqa: E402
     Admission,
     Lease,
     LocalStore,
@@ -33,8 +36,8 @@ from tokenpace.gateway._state import (
     queued_slot,
     running_slot,
 )
-from tokenpace.gateway._state._failover import FailoverStore
-from tokenpace.gateway._state._redis import RedisStore
+from tokenpace.gateway._state._failover import FailoverStore  # noqa: E402
+from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

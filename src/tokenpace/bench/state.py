@@ -108,7 +108,8 @@ def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
 async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
     from ..gateway._state._redis import RedisStore
 
-    redis = RedisStore(url, timeout_s=1.0, prefix="tokenpace-bench:")
+    # A generous timeout: this measures cost, and a stalled shared machine must not abort it.
+    redis = RedisStore(url, timeout_s=5.0, prefix="tokenpace-bench:")
     memory = LocalStore()
     stores: dict[str, StateStore] = {"memory": memory, "redis": redis}
     runs: dict[str, dict[str, list[float]]] = {
