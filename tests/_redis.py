@@ -58,19 +58,22 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; ``kill()`` is SIGKILL, ``start()`` brings it back."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, password: str | None = None) -> None:
         self.binary = redis_server_binary()
+        self.password = password
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
+             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=(self.dir / "redis.log").open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -79,7 +82,8 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
+                    # With a password PING answers -NOAUTH: the server is up either way.
+                    if sock.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 pass

@@ -420,3 +420,26 @@ def test_renewal_restores_lost_leases_but_never_released_ones(redis_server: Redi
             await store.close()
 
     run(body)
+
+
+def test_password_in_the_url(tmp_path: Any) -> None:
+    server = RedisServer(tmp_path / "redis-auth", password="s3cret").start()
+    spec = BudgetSpec(100, 60)
+
+    async def body() -> None:
+        good = RedisStore(server.url, timeout_s=SLACK_S)
+        bad = RedisStore(server.url.replace("s3cret", "wrong"), timeout_s=SLACK_S)
+        try:
+            assert isinstance(await good.reserve("a", [spec], 10), Reservation)
+            assert good.describe()["url"] == server.url.replace("s3cret", "***")
+            with pytest.raises(StateUnavailable):
+                await bad.reserve("a", [spec], 10)
+            assert not bad.healthy
+        finally:
+            await good.close()
+            await bad.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()

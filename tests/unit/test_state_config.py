@@ -116,3 +116,16 @@ def test_local_lift_forfeits_idle_credit() -> None:
         assert await store.lift("l", "c", ["a", "b"]) == 150.0
 
     asyncio.run(run())
+
+
+def test_local_levels_survive_a_restart_when_restored() -> None:
+    clock = FakeClock()
+    spec = BudgetSpec(100, 10)
+    store = LocalStore(clock)
+    store.restore_levels("a", [spec], {spec.key: 25.0, "other/1s": 1.0})
+
+    async def run() -> None:
+        refusal = await store.reserve("a", [spec], 30)
+        assert isinstance(refusal, BudgetRefusal) and refusal.remaining == pytest.approx(25)
+
+    asyncio.run(run())

@@ -50,6 +50,16 @@ class LocalStore(StateStore):
             group.buckets.append(bucket)
         return group
 
+    def restore_levels(self, tenant: str, budgets: Sequence[BudgetSpec],
+                       levels: dict[str, float]) -> None:
+        """Start ``tenant``'s buckets at saved levels (budget key -> level), e.g. the levels
+        the ledger kept across a restart of a single replica."""
+        now = self._clock()
+        for spec in budgets:
+            if spec.key in levels:
+                self._buckets[(tenant, spec.key)] = TokenBucket(self.scaled(spec), now,
+                                                                levels[spec.key])
+
     async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
                       cost: float) -> Reservation | BudgetRefusal:
         refusal = self._tenant_budgets(tenant, budgets).try_reserve(cost, self._clock())
