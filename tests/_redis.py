@@ -58,19 +58,34 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process; ``kill()`` is SIGKILL, ``start()`` brings it back."""
 
-    def __init__(self, directory: Path, password: str | None = None) -> None:
+    def __init__(self, directory: Path, password: str | None = None, tls: bool = False) -> None:
         self.binary = redis_server_binary()
         self.password = password
+        self.tls = tls
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = _free_port()
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        self._listen = ["--port", str(self.port)]
+        if tls:
+            # A self-signed certificate for 127.0.0.1; the client trusts it as its CA.
+            cert, key = self.dir / "cert.pem", self.dir / "key.pem"
+            if shutil.which("openssl") is None:
+                pytest.skip("openssl is needed to make a certificate for the TLS test")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", str(key), "-out", str(cert), "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True)
+            self._listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                            str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+                            str(cert), "--tls-auth-clients", "no"]
+            self.url = f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={cert}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            [self.binary, *self._listen, "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--save", "", "--appendonly", "yes", "--appendfsync", "always",
              "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
              *(["--requirepass", self.password] if self.password else [])],
@@ -81,6 +96,8 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited: {(self.dir / 'redis.log').read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    if self.tls:
+                        return self  # listening; the TLS handshake is the client's test
                     sock.sendall(b"PING\r\n")
                     # With a password PING answers -NOAUTH: the server is up either way.
                     if sock.recv(64).startswith((b"+PONG", b"-NOAUTH")):

@@ -443,3 +443,22 @@ def test_password_in_the_url(tmp_path: Any) -> None:
         run(body)
     finally:
         server.stop()
+
+
+def test_rediss_url_with_tls(tmp_path: Any) -> None:
+    server = RedisServer(tmp_path / "redis-tls", tls=True).start()
+    assert server.url.startswith("rediss://")
+    assert parse_state(server.url).url == server.url
+
+    async def body() -> None:
+        store = RedisStore(server.url, timeout_s=SLACK_S)
+        try:
+            assert isinstance(await store.reserve("a", [BudgetSpec(100, 60)], 10), Reservation)
+            assert store.healthy
+        finally:
+            await store.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
