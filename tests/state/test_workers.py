@@ -11,8 +11,9 @@ import time
 
 from tokenpace.gateway._workers import reuse_port_socket, worker_argv
 
-WORKER = ("import os, sys, time; print(os.getpid(), sys.argv[1:], flush=True); "
-          "time.sleep(60)")
+# One write per line (shorter than PIPE_BUF, so atomic): the workers share one pipe.
+WORKER = ("import os, sys, time; sys.stdout.write(f'{os.getpid()} {sys.argv[1:]}\\n'); "
+          "sys.stdout.flush(); time.sleep(60)")
 
 
 def test_two_workers_bind_one_port() -> None:
