@@ -13,7 +13,11 @@ KV_CACHE_BYTES ?= 268435456
 # The gateway configuration of `make serve`: its engines are started on this machine.
 CONFIG ?= examples/gateway.yaml
 
-.PHONY: install model serve test
+# `make monitor`: Prometheus with deploy/prometheus/ (scrapes what `make serve` started).
+PROM_PORT ?= 9090
+PROM_DATA ?= .prometheus-data
+
+.PHONY: install model serve test prometheus monitor redis
 
 install: $(STAMP)
 
@@ -36,3 +40,32 @@ serve: model
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Debian's prometheus package (server + promtool), installed when missing and we are root;
+# quick when already there. The monitoring tests need it (.ci/run calls this).
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	else \
+		echo "prometheus is not installed: run 'sudo apt-get install prometheus'," \
+		     "or put prometheus and promtool on PATH" >&2; exit 1; \
+	fi
+
+# Debian's redis-server, installed when missing and we are root: tests/state (the gateway's
+# shared state) start their own on a free port (.ci/run calls this).
+redis:
+	@if command -v redis-server >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+	else \
+		echo "redis-server is not installed: run 'sudo apt-get install redis-server'," \
+		     "or put redis-server on PATH" >&2; exit 1; \
+	fi
+
+monitor: prometheus
+	@echo "Prometheus on http://$(HOST):$(PROM_PORT), scraping the gateway (127.0.0.1:8000) and engine (127.0.0.1:8001); data in $(PROM_DATA)"
+	exec prometheus --config.file=deploy/prometheus/prometheus.yml --storage.tsdb.path=$(PROM_DATA) \
+		--web.listen-address=$(HOST):$(PROM_PORT)

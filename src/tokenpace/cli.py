@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     ovh.set_defaults(func=_cmd_bench_overhead)
 
     idl = bench_sub.add_parser(
-        "idle", help="server CPU while every request is throttled, with and without idle wait",
+        "idle", help="server CPU while every request is throttled (sync, async, and without idle wait)",
     )
     _bench_common(idl)
     idl.add_argument("--window", type=_positive_float, default=10.0,

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -29,17 +29,21 @@ FLAG_DEFAULT = "--default-user-output-tokens-per-second"
 FLAG_OVERRIDES = "--user-output-tokens-per-second"
 FLAG_EVENT_LOG = "--output-rate-event-log"
 FLAG_TRUSTED_GATEWAY = "--trusted-gateway"
+FLAG_ALLOW_UNAUTHENTICATED = "--allow-unauthenticated-trusted-gateway"
 OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG)
 """Our flags that take a value."""
-OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY,)
+OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED)
 """Our flags that take no value."""
 GUARD_MIDDLEWARE = "tokenpace.engine.RequestGuard"
+AUTH_MIDDLEWARE = "tokenpace.engine.EngineAuth"
+API_KEY_ENV = "VLLM_API_KEY"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 USAGE = f"""\
 usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
                        [{FLAG_OVERRIDES} JSON|@FILE]
                        [{FLAG_EVENT_LOG} PATH] [{FLAG_TRUSTED_GATEWAY}]
+                       [{FLAG_ALLOW_UNAUTHENTICATED}]
                        [any vllm serve flag ...]
 
 Start vLLM's OpenAI-compatible server with per-user output-token pacing.
@@ -60,7 +64,14 @@ pacing flags:
         requests may carry vllm_xargs.output_rate_tokens_per_second, the rate of their
         output_rate_user; use only when nothing but a trusted gateway (tokenpace
         gateway) can reach this server. Turns pacing on; without a default rate,
-        users whose requests carry no rate are not paced.
+        users whose requests carry no rate are not paced. Needs an API key
+        (vLLM's --api-key KEY or the {API_KEY_ENV} environment variable): every
+        route but /health then requires 'Authorization: Bearer KEY', /tokenize and
+        /metrics included.
+  {FLAG_ALLOW_UNAUTHENTICATED}
+        run {FLAG_TRUSTED_GATEWAY} without an API key. Any process that can reach
+        the port can then generate outside every budget, act as any user and set
+        any user's rate: only for a port nothing untrusted can reach.
 
 Every other flag goes to vLLM unchanged (--max-num-seqs, --max-num-active-seqs,
 --async-scheduling, --port, --api-key, ...): see `python -m {VLLM_SERVER_MODULE} --help`.
@@ -95,9 +106,14 @@ def _take_value(args: Sequence[str], i: int, name: str, inline: str | None) -> t
     return args[i + 1], i + 2
 
 
-def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
-    """Translate ``tokenpace serve`` arguments into vLLM server arguments."""
+def build_command(args: Sequence[str], cwd: Path | None = None,
+                  environ: Mapping[str, str] | None = None) -> ServeCommand:
+    """Translate ``tokenpace serve`` arguments into vLLM server arguments.
+
+    ``environ`` (default ``os.environ``) is where ``VLLM_API_KEY`` is looked for.
+    """
     base = cwd or Path.cwd()
+    env = os.environ if environ is None else environ
     ours: dict[str, str] = {}
     switches: set[str] = set()
     rest: list[str] = []
@@ -166,6 +182,20 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
         section["event_log"] = str(log)
     if trusted:
         section["trusted_gateway"] = True
+    authenticated = False
+    if FLAG_ALLOW_UNAUTHENTICATED in switches and not trusted:
+        raise ServeUsageError(f"argument {FLAG_ALLOW_UNAUTHENTICATED}: only with "
+                              f"{FLAG_TRUSTED_GATEWAY}")
+    if trusted:
+        authenticated = _has_api_key(rest, env)
+        if not authenticated and FLAG_ALLOW_UNAUTHENTICATED not in switches:
+            raise ServeUsageError(
+                f"argument {FLAG_TRUSTED_GATEWAY}: needs an API key (--api-key KEY or the "
+                f"{API_KEY_ENV} environment variable) that the gateway sends "
+                "(engines[].api_key); without one any process that can reach this port "
+                "can generate outside every budget and set any user's rate. To accept "
+                f"that risk, add {FLAG_ALLOW_UNAUTHENTICATED}"
+            )
 
     rest, additional = _pop_additional_config(rest)
     if section:
@@ -186,7 +216,20 @@ def build_command(args: Sequence[str], cwd: Path | None = None) -> ServeCommand:
     if pacing:
         _refuse_foreign_scheduler(rest)
         rest += ["--middleware", GUARD_MIDDLEWARE]
+    if authenticated:
+        rest += ["--middleware", AUTH_MIDDLEWARE]
     return ServeCommand(vllm_args=rest, pacing=pacing)
+
+
+def _has_api_key(rest: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether vLLM will have an API key: ``--api-key`` with a value, else ``VLLM_API_KEY``."""
+    for i, arg in enumerate(rest):
+        name, inline = _split_flag(arg)
+        if name == "--api-key":
+            value = inline if inline is not None else (rest[i + 1] if i + 1 < len(rest) else "")
+            if value and not value.startswith("--"):
+                return True
+    return bool(env.get(API_KEY_ENV))
 
 
 def _pop_additional_config(rest: list[str]) -> tuple[list[str], dict[str, object]]:

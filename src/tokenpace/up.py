@@ -4,18 +4,29 @@ For each engine of the gateway configuration whose URL is on this machine, start
 ``tokenpace serve MODEL --trusted-gateway --port P`` (so tenants' rates travel with their
 requests), wait until it answers, then serve the gateway in this process. Engines log to
 files next to the configuration; they stop when the gateway stops.
+
+Each engine gets an API key (the configuration's ``engines[].api_key``, or a random one
+made here) through the ``VLLM_API_KEY`` environment variable, never the command line
+(which every local user can read in ``ps``); the gateway sends the same key. An engine
+whose API server dies has its whole process group stopped at once, so its engine-core
+processes do not live on holding memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import secrets
 import signal
 import sys
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from .gateway._config import GatewayConfig
+
+ENGINE_WATCH_INTERVAL_S = 1.0
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
@@ -55,6 +66,45 @@ def local_engines(config: GatewayConfig) -> list[tuple[int, str]]:
     return found
 
 
+def with_engine_keys(config: GatewayConfig) -> GatewayConfig:
+    """The configuration with an API key for every engine this command starts.
+
+    A key given in the file is kept (an operator may want to call the engine too);
+    otherwise a random 256-bit one is made for this run.
+    """
+    local = {port for port, _ in local_engines(config)}
+    engines = tuple(
+        dataclasses.replace(e, api_key=e.api_key or secrets.token_urlsafe(32))
+        if urlsplit(e.url).port in local and urlsplit(e.url).hostname in LOCAL_HOSTS else e
+        for e in config.engines)
+    return dataclasses.replace(config, engines=engines)
+
+
+def engine_key(config: GatewayConfig, port: int) -> str:
+    """The key of the local engine on ``port``."""
+    return next(e.api_key for e in config.engines if e.api_key is not None
+                and urlsplit(e.url).port == port and urlsplit(e.url).hostname in LOCAL_HOSTS)
+
+
+def watch_engines(servers: list, stop: threading.Event) -> threading.Thread:
+    """Stop the process group of an engine whose API server exited (killed or crashed)."""
+
+    def run() -> None:
+        reaped: set[int] = set()
+        while not stop.wait(ENGINE_WATCH_INTERVAL_S):
+            for server in servers:
+                if server.port not in reaped and server.exited():
+                    reaped.add(server.port)
+                    print(f"engine on port {server.port} exited (code {server.proc.returncode});"
+                          f" stopping its remaining processes. Log: {server.log_path}",
+                          file=sys.stderr, flush=True)
+                    server.stop()
+
+    thread = threading.Thread(target=run, name="tokenpace-engine-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def usage_text(config: GatewayConfig, host: str, port: int, model: str) -> str:
     key = "<a tenant API key from the configuration>"
     url = f"http://{host}:{port}"
@@ -86,22 +136,29 @@ def main(argv: list[str]) -> int:
     from .bench._server import Server, start_all
     from .serve import ServeUsageError, build_command
 
-    try:
-        build_command([args.model, "--trusted-gateway", *extra])
+    if any(a == "--api-key" or a.startswith(("--api-key=", "--api_key")) for a in extra):
+        parser.error("engine flags after --: give the engines' key as engines[].api_key in "
+                     "the configuration (or leave it out: one is generated), not --api-key")
+    try:  # the engines' keys are made below; check the other flags now
+        build_command([args.model, "--trusted-gateway", *extra],
+                      environ={"VLLM_API_KEY": "generated"})
     except ServeUsageError as exc:
         parser.error(f"engine flags after --: {exc}")
+    config = with_engine_keys(config)
     log_dir = Path(args.config).resolve().parent
     servers = []
     for port, policy in local_engines(config):
         log = log_dir / f"tokenpace-engine-{port}.log"
         print(f"starting engine on port {port} (log: {log}) ...", flush=True)
         argv = engine_argv(args.model, port, args.served_model_name, extra, policy)
-        servers.append(Server(argv, port, log))
+        servers.append(Server(argv, port, log, env={"VLLM_API_KEY": engine_key(config, port)}))
     # uvicorn re-raises SIGTERM/SIGINT once it has shut down; turning them into SystemExit
     # here lets the finally clause below stop the engines (they run in their own sessions).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    stop_watch = threading.Event()
     try:
         start_all(servers)
+        watch_engines(servers, stop_watch)
         model = args.served_model_name or args.model
         print(usage_text(config, args.host, args.port, model), flush=True)
         from .gateway._main import serve
@@ -110,5 +167,6 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        stop_watch.set()
         for server in servers:
             server.stop()

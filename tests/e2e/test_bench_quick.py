@@ -58,8 +58,11 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     for path in ("direct", "gateway"):
         assert len(result["ttft_ms"][path]) == result["parameters"]["requests"]
         assert 0 < result["latency"][path]["ttft_ms_median"] <= result["latency"][path]["ttft_ms_p99"]
-    assert result["gateway_cpu_ms_per_request"] > 0
-    assert result["throughput_ratio_median"] > 0.3, result  # a sanity bound, not a claim
+    assert result["gateway_cpu_ms_per_request"]["median"] > 0
+    assert result["gateway_cpu_us_per_chunk"]["median"] >= 0
+    assert result["requests_per_gateway_cpu_second"]["median"] > 0
+    assert len(result["burst_ttft_ms_median"]["gateway"]) == result["parameters"]["rounds"]
+    assert result["throughput_ratio"]["median"] > 0.3, result  # a sanity bound, not a claim
 
 
 def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:

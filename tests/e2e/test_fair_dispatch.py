@@ -44,6 +44,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     for i in range(2):
         port = free_port()
         argv = tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                    "--allow-unauthenticated-trusted-gateway",
                                     "--output-rate-event-log", str(home / f"events-{i}.jsonl"),
                                     "--max-num-seqs", "16")
         engines.append(Server(argv, port, home / f"vllm-{i}.log"))

@@ -31,6 +31,7 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     port = free_port()
     home = tmp_path_factory.mktemp("engine")
     srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                      "--allow-unauthenticated-trusted-gateway",
                                       "--scheduling-policy", "priority"), port, home / "vllm.log")
     start_all([srv])
     try:

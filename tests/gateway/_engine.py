@@ -8,6 +8,12 @@ the engine's. Its "tokenizer" counts bytes; prompts steer it:
 
 - ``FAIL_AFTER:k`` in the prompt: stream ``k`` tokens, then drop the connection.
 - ``SLOW`` in the prompt: 50 ms per token instead of ``token_delay_s``.
+- ``UNICODE`` in the prompt: each token's text carries U+0085, U+2028, U+2029 and a
+  multi-byte character, unescaped in the JSON as vLLM writes them, and each event is
+  written in two pieces cut inside a multi-byte character.
+
+Like vLLM, continuous usage (``continuous_usage_stats``) counts the tokens of the chunk's
+own choice; the final usage chunk counts all choices.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class FakeEngine:
     requests: list[Seen] = field(default_factory=list)
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
+    scheduling_policy: str | None = None  # reported on /health as tokenpace serve does
+    # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
+    other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    tokenized: int = 0  # /tokenize calls received
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -77,23 +87,34 @@ class FakeEngine:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
-            Route("/tokenize", self._tokenize, methods=["POST"]),
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
+            Route("/v1/completions", _validated(self._complete), methods=["POST"]),
+            Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
         ])
 
+    def _note(self, request: Request) -> None:
+        self.other_calls.append((request.url.path, dict(request.headers)))
+        del self.other_calls[:-200]  # health checks run forever: keep the recent ones
+
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        self._note(request)
+        headers = ({"x-tokenpace-scheduling-policy": self.scheduling_policy}
+                   if self.scheduling_policy else {})
+        return Response(status_code=200 if self.healthy else 503, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
+        self._note(request)
         if self.metrics_text is None:
             return Response(status_code=404)
         return Response(self.metrics_text, media_type="text/plain")
 
     async def _models(self, request: Request) -> Response:
+        self._note(request)
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _tokenize(self, request: Request) -> Response:
+        self._note(request)
+        self.tokenized += 1
         body = await request.json()
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})
@@ -107,8 +128,11 @@ class FakeEngine:
                                            "code": body["fake_error"]}}, status_code=body["fake_error"])
         chat = request.url.path.endswith("chat/completions")
         prompt_tokens = self.prompt_tokens(body)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_tokens = (body.get("max_completion_tokens") if chat else None) \
+            or body.get("max_tokens") or 16
         n = body.get("n") or 1
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (max_tokens, n)):
+            raise ValueError("max_tokens and n must be integers")  # vLLM's schema says so
         text = self.prompt_text(body)
         fail = re.search(r"FAIL_AFTER:(\d+)", text)
         fail_after = int(fail.group(1)) if fail else None
@@ -133,7 +157,11 @@ class FakeEngine:
         include_usage = bool(options.get("include_usage"))
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
 
+        unicode = "UNICODE" in text
+        piece = "a\u0085b\u2028c\u2029d\u20ac" if unicode else "x"
+
         async def events() -> Any:
+            per_choice = [0] * n
             try:
                 for i in range(max_tokens):
                     if fail_after is not None and i == fail_after:
@@ -143,21 +171,30 @@ class FakeEngine:
                     for c in range(n):
                         choice: dict[str, Any] = {"index": c, "finish_reason": "length" if last else None}
                         if chat:
-                            choice["delta"] = {"content": "x"}
+                            choice["delta"] = {"content": piece}
                         else:
-                            choice["text"] = "x"
+                            choice["text"] = piece
                         chunk: dict[str, Any] = {"id": "cmpl-fake", "object": kind + ".chunk",
                                                  "model": body["model"], "choices": [choice]}
                         seen.streamed += 1
+                        per_choice[c] += 1
                         if continuous:
                             chunk["usage"] = {"prompt_tokens": prompt_tokens,
-                                              "completion_tokens": seen.streamed,
-                                              "total_tokens": prompt_tokens + seen.streamed}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                                              "completion_tokens": per_choice[c],
+                                              "total_tokens": prompt_tokens + per_choice[c]}
+                        event = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+                        if unicode:
+                            cut = event.index("\u20ac".encode()) + 1  # inside the euro sign
+                            yield event[:cut]
+                            await asyncio.sleep(0.002)
+                            yield event[cut:]
+                        else:
+                            yield event
                 if include_usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": seen.streamed,
                              "total_tokens": prompt_tokens + seen.streamed}
-                    yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"
+                    final = {"id": "cmpl-fake", "choices": [], "usage": usage}
+                    yield f"data: {json.dumps(final, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"
                 seen.finished = True
             finally:
@@ -165,6 +202,21 @@ class FakeEngine:
                     seen.aborted = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _validated(handler: Any) -> Any:
+    """A body this engine cannot read gets a 400, as vLLM's request validation answers it
+    (hostile-input tests then see the gateway's handling, not this engine's crash)."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            return JSONResponse({"error": {"message": f"invalid request: {exc!r}",
+                                           "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+
+    return route
 
 
 class EngineServer:

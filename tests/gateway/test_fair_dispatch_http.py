@@ -93,7 +93,11 @@ def test_interactive_lane_goes_first(engine: EngineServer, make_gateway: Any, tm
 
 def test_fairness_debt_and_queued_tokens(engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
     engine.engine.token_delay_s = 0.05
-    gw = make_gateway(config([engine.url], tmp_path / "u.db"))
+    cfg = config([engine.url], tmp_path / "u.db")
+    # a prompt cap makes the gateway count prompts before dispatch (otherwise the engine's
+    # usage brings the count and the queued estimate is the output part alone)
+    cfg["tenants"][0]["max_input_tokens"] = 1000
+    gw = make_gateway(cfg)
     threads = [send(gw, "sk-hog", "x" * 9, tokens=20, stream=True) for _ in range(3)]
     wait_queued(gw, "hog", 2)
     threads.append(send(gw, "sk-polite", "y" * 9, tokens=20))

@@ -242,6 +242,8 @@ def test_concurrency_and_queue_depth(engine: EngineServer, make_gateway: Any, tm
     with pytest.raises(openai.RateLimitError) as info:
         client(gw).completions.create(model="fake", prompt="hi", max_tokens=2)
     assert "max_queued" in info.value.message
+    assert info.value.body["code"] == "queue_full"
+    assert int(info.value.response.headers["retry-after"]) >= 1
     # Another tenant is not held up by team-a's limits.
     assert post(gw, {"model": "fake", "prompt": "hi", "max_tokens": 2}, key=KEY_B).status_code == 200
     for t in threads:
@@ -260,7 +262,8 @@ def test_queue_timeout(engine: EngineServer, make_gateway: Any, tmp_path: Path) 
     time.sleep(0.2)
     resp = post(gw, {"model": "fake", "prompt": "hi", "max_tokens": 2})
     t.join()
-    assert resp.status_code == 429 and "queue_timeout" in resp.json()["error"]["message"]
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == "queue_timeout"
+    assert int(resp.headers["retry-after"]) >= 1
     assert gw.wait_metric("tokenpace_gateway_queued_requests", 0, tenant="team-a") == 0
     rows = gw.rows(2)
     assert {r.finish_reason for r in rows} == {"length", "rejected:queue_timeout"}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import pytest
 
 from tokenpace.engine import _hooks, _vllm
+from tokenpace.engine._step_hint import StepHint, hint_path
+from tokenpace.pacing import MAX_IDLE_WAIT_S
 
 PACING = {"tokenpace": {"default_user_output_tokens_per_second": 10}}
 
@@ -89,9 +93,13 @@ class _Queue(queue.Queue):
         super().__init__()
         self.clock = clock
         self.waits: list[float] = []
+        self.hints: list[float] = []
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         self.waits.append(timeout or 0.0)
+        # What a worker of this engine reads while the engine waits.
+        worker_side = StepHint(hint_path(os.getpid()), create=False)
+        self.hints.append((worker_side.get() - time.monotonic_ns()) / 1e9)
         try:
             return super().get(block=False)
         except queue.Empty:
@@ -104,7 +112,7 @@ class _Scheduler:
         self.clock, self.ready_at = clock, ready_at
 
     def idle_wait_seconds(self) -> float:
-        return min(0.05, max(0.0, self.ready_at - self.clock()))
+        return min(MAX_IDLE_WAIT_S, max(0.0, self.ready_at - self.clock()))
 
 
 def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNamespace:
@@ -116,12 +124,15 @@ def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNa
     )
 
 
-def test_waits_in_slices_until_the_earliest_user_is_ready() -> None:
+def test_waits_once_until_the_earliest_user_is_ready_and_tells_the_workers() -> None:
     clock = _Clock()
     core = _core(clock, ready_at=0.12)
     _hooks.idle_wait(core, clock)
-    assert core.input_queue.waits == pytest.approx([0.05, 0.05, 0.02])
+    assert core.input_queue.waits == pytest.approx([0.12])
     assert clock.t == pytest.approx(0.12)
+    # During the wait the workers read "no step for 0.12 s"; after it, "any time".
+    assert core.input_queue.hints[0] == pytest.approx(0.12, abs=0.01)
+    assert StepHint(hint_path(os.getpid()), create=False).get() == 0
 
 
 def test_a_request_ends_the_wait_and_is_handled() -> None:
@@ -146,7 +157,7 @@ def test_no_wait_while_a_batch_with_tokens_is_in_flight() -> None:
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == []
     empty = [(None, SimpleNamespace(total_num_scheduled_tokens=0), None)]
-    core = _core(clock, ready_at=0.05, batch=empty)
+    core = _core(clock, ready_at=clock.t + 0.05, batch=empty)
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == [pytest.approx(0.05)]
 
@@ -197,3 +208,65 @@ def test_a_busy_worker_that_goes_idle_naps_after_its_longer_spin() -> None:
     nap.pause_s(0.02, 0.025)  # a 20 ms step period
     assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S - 0.001) == 0.0
     assert nap.pause_s(0.02, 0.025 + _hooks.WORKER_BUSY_PERIOD_S + 0.001) > 0.0
+
+
+def test_engines_learn_the_data_parallel_size_from_their_api_server(monkeypatch) -> None:
+    # vLLM hands each rank of a dense model a config of size 1 (rank kept as the index).
+    reduced = SimpleNamespace(data_parallel_index=1, data_parallel_rank=0,
+                              data_parallel_size=1, data_parallel_external_lb=False)
+    monkeypatch.delenv(_hooks.DATA_PARALLEL_ENV, raising=False)
+    assert _hooks.data_parallel_of(reduced) == (1, 1, False)
+    monkeypatch.setenv(_hooks.DATA_PARALLEL_ENV, "2")
+    assert _hooks.data_parallel_of(reduced) == (1, 2, True)
+    monkeypatch.setenv(_hooks.DATA_PARALLEL_ENV, "4/external")
+    assert _hooks.data_parallel_of(reduced) == (1, 4, False)
+
+
+def test_step_hint_files_of_dead_engines_are_removed(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = hint_path(int(dead))
+    stale.write_bytes(b"\0" * 8)
+    hint = StepHint.create_for_this_engine()
+    try:
+        assert not stale.exists()
+        assert hint.path.exists() and hint.get() == 0
+    finally:
+        hint.remove()
+    assert not hint.path.exists()
+
+
+def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
+    """The worker side of the step hint, on vLLM's real SpinCondition."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    # This process plays the worker: its engine is its parent process.
+    engine_side = StepHint(hint_path(os.getppid()), create=True)
+    context = zmq.Context()
+    condition = SpinCondition(True, context, f"inproc://tokenpace-test-{os.getpid()}")
+    spins: list[Any] = []
+    vllm_wait = condition.wait
+
+    def counted_wait(timeout_ms: int | None = None) -> None:
+        spins.append(timeout_ms)
+        vllm_wait(timeout_ms)
+
+    condition.wait = counted_wait
+    worker = SimpleNamespace(rpc_broadcast_mq=SimpleNamespace(_spin_condition=condition))
+    try:
+        _hooks.limit_worker_spin(worker, SimpleNamespace(additional_config=PACING))
+        condition.last_read = time.monotonic()  # a step was just taken: vLLM would spin
+        engine_side.set(time.monotonic_ns() + 10**9)  # the engine is idle for a second
+        t0 = time.monotonic()
+        condition.wait()
+        assert spins == [] and time.monotonic() - t0 >= 0.9 * _hooks.WORKER_HINT_NAP_S
+        engine_side.set(0)  # a request ended the engine's wait: back to vLLM's spin
+        condition.wait()
+        assert spins == [None]
+    finally:
+        engine_side.remove()
+        context.destroy(linger=0)

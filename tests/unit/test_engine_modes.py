@@ -24,13 +24,19 @@ def config(**changes):
 
 def test_plain_decoder_is_supported():
     assert unsupported_modes(config()) == []
+    # Data parallel: users are pinned to one rank by the API server, or (one server per
+    # rank) by the load balancer in front.
+    for lb in ({}, {"data_parallel_external_lb": True}):
+        dp = NS(data_parallel_size=2, pipeline_parallel_size=1, data_parallel_hybrid_lb=False, **lb)
+        assert unsupported_modes(config(parallel_config=dp)) == []
     ours = config(scheduler_config=NS(scheduler_cls="tokenpace.engine.PacedScheduler"))
     assert unsupported_modes(ours) == []
 
 
 @pytest.mark.parametrize(("changes", "named"), [
     ({"speculative_config": object()}, "speculative decoding"),
-    ({"parallel_config": NS(data_parallel_size=2, pipeline_parallel_size=1)}, "data parallel"),
+    ({"parallel_config": NS(data_parallel_size=2, pipeline_parallel_size=1,
+                            data_parallel_hybrid_lb=True)}, "hybrid load balancing"),
     ({"parallel_config": NS(data_parallel_size=1, pipeline_parallel_size=2)}, "pipeline parallel"),
     ({"kv_transfer_config": object()}, "KV connectors"),
     ({"ec_transfer_config": object()}, "encoder-cache connectors"),

@@ -106,3 +106,81 @@ def test_documented_examples_load() -> None:
     for example in sorted((REPO / "examples").glob("*.yaml")):
         config = load_config(example)
         assert config.tenants, example
+
+
+# -- engine API keys ---------------------------------------------------------------------
+
+
+def test_engine_key_given_inline_or_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = parse_config(with_change("engines.0.api_key", "sk-engine"))
+    assert cfg.engines[0].auth_headers() == {"authorization": "Bearer sk-engine"}
+    assert "sk-engine" not in repr(cfg), "the key must not appear in logs of the config"
+    monkeypatch.setenv("ENGINE_KEY", "from-env")
+    cfg = parse_config(with_change("engines.0.api_key_env", "ENGINE_KEY"))
+    assert cfg.engines[0].api_key == "from-env"
+    assert parse_config(GOOD).engines[0].auth_headers() == {}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("api_key", "", "engines[0].api_key: expected a non-empty string"),
+    ("api_key", 12, "engines[0].api_key: expected a non-empty string"),
+    ("api_key", " k", "engines[0].api_key: expected a non-empty string"),
+    ("api_key_env", "TOKENPACE_TEST_UNSET_VAR", "engines[0].api_key_env: the environment variable "
+     "TOKENPACE_TEST_UNSET_VAR is not set"),
+    ("api_key_env", "", "engines[0].api_key_env: expected the name"),
+])
+def test_bad_engine_keys_are_named(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(with_change(f"engines.0.{key}", value))
+    assert message in str(err.value)
+
+
+def test_engine_key_inline_and_from_env_together_is_refused() -> None:
+    config = with_change("engines.0.api_key", "k")
+    config["engines"][0]["api_key_env"] = "X"
+    with pytest.raises(ConfigError, match="engines\\[0\\]: give api_key or api_key_env, not both"):
+        parse_config(config)
+
+
+def test_a_reload_keeps_generated_engine_keys_and_refuses_a_changed_one() -> None:
+    from tokenpace.gateway._config import keep_engine_keys
+
+    running = parse_config(with_change("engines.0.api_key", "generated"))
+    reloaded = keep_engine_keys(parse_config(GOOD), running)
+    assert reloaded.engines == running.engines
+    assert reloaded.engines[0].api_key == "generated"
+    with pytest.raises(ConfigError, match="engines\\[0\\].api_key: changing"):
+        keep_engine_keys(parse_config(with_change("engines.0.api_key", "other")), running)
+
+
+# -- prefix-cache salt -------------------------------------------------------------------
+
+
+def test_each_tenant_gets_its_own_stable_cache_salt_unless_it_shares() -> None:
+    cfg = parse_config(GOOD)
+    a, b = (t.cache_salt for t in cfg.tenants)
+    assert a and b and a != b
+    assert len(a) <= 128 and not set(a) & set("@/\\\0"), "vLLM's limits on cache_salt"
+    assert parse_config(copy.deepcopy(GOOD)).tenants[0].cache_salt == a, "same on every replica"
+    rekeyed = parse_config(with_change("tenants.0.api_keys", ["sk-other"]))
+    assert rekeyed.tenants[0].cache_salt != a, "derived from the tenant's own keys"
+    assert parse_config(with_change("tenants.0.share_prefix_cache", True)).tenants[0].cache_salt is None
+    with pytest.raises(ConfigError, match="tenants\\[0\\].share_prefix_cache: expected true or false"):
+        parse_config(with_change("tenants.0.share_prefix_cache", "yes"))
+
+
+def test_engine_body_sets_the_salt_and_mixes_in_a_clients_own() -> None:
+    import json
+
+    from tokenpace.gateway._body import engine_body, parse_request
+
+    def sent(body: dict, salt: str | None) -> dict:
+        req = parse_request("completion", {"model": "m", "prompt": "p", **body})
+        return json.loads(engine_body(req, user="u", rate=None, priority=0, max_tokens=1,
+                                      cache_salt=salt))
+
+    assert sent({}, "s1")["cache_salt"] == "s1"
+    assert sent({"cache_salt": "s1"}, "s2")["cache_salt"] not in ("s1", "s2")
+    assert sent({"cache_salt": "mine"}, "s1")["cache_salt"] != sent({"cache_salt": "mine"}, "s2")["cache_salt"]
+    assert sent({}, None).get("cache_salt") is None
+    assert sent({"cache_salt": "mine"}, None)["cache_salt"] == "mine"

@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,6 +163,71 @@ def check_usage_totals(url: str) -> None:
         ledger.close()
 
 
+def check_rewritten_rows_are_recorded_once(url: str) -> None:
+    """A batch written again (its commit was lost in transit) adds nothing: the insert is
+    idempotent on the request id."""
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        ledger.record(record(0))
+        ledger.flush()
+        ledger.record(record(0))  # the writer's retry of a batch that had committed
+        ledger.record(record(1))
+        ledger.flush()
+        assert ledger.rows() == [record(0), record(1)]
+    finally:
+        ledger.close()
+
+
+def check_unserved_prompt_tokens_are_a_separate_total(url: str) -> None:
+    """Served prompt tokens (the gateway metric's count) and unserved ones apart."""
+    unserved = [
+        UsageRecord("req-r", "acme", "tiny", "interactive", 50, 0, 0.0, None, None, 1.0,
+                    "rejected:budget", T0, T0 + 1, served=False),
+        UsageRecord("req-q", "acme", "tiny", "interactive", 7, 0, 0.0, 900.0, None, 900.0,
+                    "cancelled", T0, T0 + 2, served=False),
+    ]
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        for rec in [record(0, prompt=10, completion=4), *unserved]:
+            ledger.record(rec)
+        ledger.flush()
+        assert ledger.usage() == [UsageTotal("acme", 3, 10, 4, 18.0, 1, 57)]
+        assert [r.served for r in ledger.rows()] == [True, False, False]
+    finally:
+        ledger.close()
+
+
+OLD_REQUESTS_TABLE = """CREATE TABLE requests (
+    request_id TEXT NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL, lane TEXT NOT NULL,
+    prompt_tokens {integer} NOT NULL, completion_tokens {integer} NOT NULL, cost {real} NOT NULL,
+    queue_ms {real}, ttft_ms {real}, e2e_ms {real} NOT NULL, finish_reason TEXT NOT NULL,
+    started_at {real} NOT NULL, ended_at {real} NOT NULL)"""
+
+
+def check_an_old_ledger_is_migrated(url: str, execute: Any, integer: str, real: str) -> None:
+    """A ledger of the previous schema (no ``served``, request ids not unique, duplicates
+    already written) opens: duplicates go, ``served`` is inferred, new rows are idempotent."""
+    execute(OLD_REQUESTS_TABLE.format(integer=integer, real=real))
+    old = "INSERT INTO requests VALUES ('{id}', 'acme', 'tiny', 'lane', {p}, {c}, {cost}, " \
+          "NULL, NULL, 1.0, '{finish}', {t}, {t})"
+    execute(old.format(id="a", p=10, c=5, cost=20.0, finish="stop", t=T0))
+    execute(old.format(id="a", p=10, c=5, cost=20.0, finish="stop", t=T0))  # written twice
+    execute(old.format(id="b", p=40, c=0, cost=0.0, finish="rejected:budget", t=T0 + 1))
+    execute(old.format(id="c", p=9, c=0, cost=0.0, finish="cancelled", t=T0 + 2))
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        assert [(r.request_id, r.served) for r in ledger.rows()] == [
+            ("a", True), ("b", False), ("c", False)]
+        assert ledger.usage() == [UsageTotal("acme", 3, 10, 5, 20.0, 1, 49)]
+        ledger.record(record(0))
+        ledger.record(record(0))
+        ledger.flush()
+        assert len(ledger.rows()) == 4
+    finally:
+        ledger.close()
+    open_ledger(url).close()  # migrating again is a no-op
+
+
 # -- SQLite ------------------------------------------------------------------------------
 
 
@@ -184,6 +250,24 @@ def test_budgets_upsert_and_survive_a_restart(tmp_path: Path) -> None:
 
 def test_usage_totals_by_tenant_model_lane_and_since(tmp_path: Path) -> None:
     check_usage_totals(_url(tmp_path / "usage.db"))
+
+
+def test_rewritten_rows_are_recorded_once(tmp_path: Path) -> None:
+    check_rewritten_rows_are_recorded_once(_url(tmp_path / "usage.db"))
+
+
+def test_unserved_prompt_tokens_are_a_separate_total(tmp_path: Path) -> None:
+    check_unserved_prompt_tokens_are_a_separate_total(_url(tmp_path / "usage.db"))
+
+
+def test_an_old_ledger_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+
+    def execute(sql: str) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    check_an_old_ledger_is_migrated(_url(path), execute, "INTEGER", "REAL")
 
 
 def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:

@@ -28,8 +28,11 @@ from tokenpace.gateway._ledger import LedgerError, open_ledger
 
 from .test_ledger import (
     T0,
+    check_an_old_ledger_is_migrated,
     check_budgets_survive_restart,
+    check_rewritten_rows_are_recorded_once,
     check_round_trip,
+    check_unserved_prompt_tokens_are_a_separate_total,
     check_usage_totals,
     record,
 )
@@ -220,3 +223,19 @@ def test_many_records_in_batches(pg_url: str) -> None:
         assert reader.rows(since=T0 + 1990) == recs[1990:]
     finally:
         reader.close()
+
+
+def test_rewritten_rows_are_recorded_once(pg_url: str) -> None:
+    check_rewritten_rows_are_recorded_once(pg_url)
+
+
+def test_unserved_prompt_tokens_are_a_separate_total(pg_url: str) -> None:
+    check_unserved_prompt_tokens_are_a_separate_total(pg_url)
+
+
+def test_an_old_ledger_is_migrated(pg_url: str) -> None:
+    def execute(sql: str) -> None:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    check_an_old_ledger_is_migrated(pg_url, execute, "BIGINT", "DOUBLE PRECISION")

@@ -280,3 +280,33 @@ def test_set_limits_keeps_the_debt_of_a_user():
     assert limiter.ready_at_ns("u") > clock.now_ns
     limiter.set_limits(UserRateLimits(None, {}))
     assert limiter.try_take("u") and limiter.tracked_users() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(rate=rates_st, ops=st.lists(op_st, max_size=80))
+def test_take_n_is_n_single_takes_at_one_instant(rate, ops):
+    """``take(user, n, now)`` (one call per user per step) grants exactly what n calls of
+    ``try_take`` at that instant would, and leaves the same state behind."""
+    one, clock_one = make({"u": rate})
+    many, clock_many = make({"u": rate})
+    for kind, arg in ops:
+        if kind == "advance":
+            clock_one.advance(arg)
+            clock_many.advance(arg)
+        elif kind == "take":
+            singles = sum(one.try_take("u") for _ in range(arg))
+            assert many.take("u", arg, clock_many.now_ns) == singles
+        elif kind == "refund":
+            for _ in range(arg):
+                one.refund("u")
+                many.refund("u")
+        else:
+            one.cleanup_idle_users()
+            many.cleanup_idle_users()
+        assert one.ready_at_ns("u") == many.ready_at_ns("u")
+
+
+def test_take_for_an_unpaced_user_counts_nothing():
+    limiter, clock = make({}, default=None)
+    assert limiter.take("u", 5, clock.now_ns) is None
+    assert limiter.tracked_users() == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenpace.pacing import OutputRateLimiter, StepPlanner, UserRateLimits
+from tokenpace.pacing import MAX_IDLE_WAIT_S, OutputRateLimiter, StepPlanner, UserRateLimits
 
 
 class TickingClock:
@@ -31,13 +31,16 @@ def test_a_ready_user_means_no_wait_even_on_a_moving_clock() -> None:
     assert planner.idle_wait_seconds([]) == 0.0
 
 
-def test_wait_until_the_earliest_user_is_ready_capped_at_50_ms() -> None:
+def test_wait_until_the_earliest_user_is_ready_capped_at_a_second() -> None:
     clock = TickingClock()
     planner = _planner(clock)
     while planner.limiter.try_take("slow"):  # spend the burst
         pass
     wait = planner.idle_wait_seconds(["slow", "slow"])
-    assert 0.0 < wait <= 0.05
+    ready_in = (planner.limiter.ready_at_ns("slow") - clock.ns) / 1e9
+    assert wait == pytest.approx(ready_in, abs=1e-4)  # 10 tok/s: ~0.1 s, in one wait
+    clock.ns = planner.limiter.ready_at_ns("slow") - 3 * 10**9
+    assert planner.idle_wait_seconds(["slow"]) == MAX_IDLE_WAIT_S == 1.0
     clock.ns = planner.limiter.ready_at_ns("slow") - 20_000_000  # 20 ms before ready
     assert planner.idle_wait_seconds(["slow"]) == pytest.approx(0.02, abs=1e-4)
     assert planner.idle_wait_seconds(["slow", "fast"]) == 0.0

@@ -9,12 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from tokenpace.serve import GUARD_MIDDLEWARE, ServeUsageError, build_command
+from tokenpace.serve import AUTH_MIDDLEWARE, GUARD_MIDDLEWARE, ServeUsageError, build_command
 
 RATE = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
 EVENTS = "--output-rate-event-log"
 TRUSTED = "--trusted-gateway"
+ALLOW = "--allow-unauthenticated-trusted-gateway"
+
+
+@pytest.fixture(autouse=True)
+def _engine_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trusted engine needs a key; tests of other flags get one from the environment."""
+    monkeypatch.setenv("VLLM_API_KEY", "sk-engine")
 
 
 def _additional(args: list[str]) -> dict:
@@ -106,7 +113,46 @@ def test_trusted_gateway_alone_turns_pacing_on() -> None:
     assert cmd.pacing
     assert cmd.vllm_args[:4] == ["--model", "m", "--port", "9000"]
     assert _additional(cmd.vllm_args) == {"tokenpace": {"trusted_gateway": True}}
-    assert cmd.vllm_args[-2:] == ["--middleware", GUARD_MIDDLEWARE]
+    assert cmd.vllm_args[-4:] == ["--middleware", GUARD_MIDDLEWARE, "--middleware", AUTH_MIDDLEWARE]
+
+
+@pytest.mark.parametrize("args, environ", [
+    (["--api-key", "k1"], {}),
+    (["--api_key=k1"], {}),
+    (["--api-key", "k1", "k2"], {}),
+    ([], {"VLLM_API_KEY": "k"}),
+])
+def test_trusted_gateway_with_a_key_adds_the_auth_middleware(args: list[str], environ: dict) -> None:
+    cmd = build_command(["m", TRUSTED, *args], environ=environ)
+    assert cmd.vllm_args.count("--middleware") == 2 and AUTH_MIDDLEWARE in cmd.vllm_args
+    for key in args:
+        assert key in cmd.vllm_args, "vLLM keeps its own --api-key too"
+
+
+@pytest.mark.parametrize("args, environ", [
+    ([], {}),
+    ([], {"VLLM_API_KEY": ""}),
+    (["--api-key"], {}),
+    (["--api-key", "--port", "1"], {}),
+])
+def test_trusted_gateway_without_a_key_refuses_to_start(args: list[str], environ: dict) -> None:
+    with pytest.raises(ServeUsageError) as err:
+        build_command(["m", TRUSTED, *args], environ=environ)
+    assert str(err.value).startswith(f"argument {TRUSTED}: needs an API key")
+    assert ALLOW in str(err.value)
+
+
+def test_unauthenticated_trusted_gateway_only_when_asked_for_explicitly() -> None:
+    cmd = build_command(["m", TRUSTED, ALLOW], environ={})
+    assert cmd.pacing and AUTH_MIDDLEWARE not in cmd.vllm_args
+    assert ALLOW not in cmd.vllm_args
+    with pytest.raises(ServeUsageError, match=f"argument {ALLOW}: only with {TRUSTED}"):
+        build_command(["m", ALLOW], environ={})
+
+
+def test_non_trusted_engines_need_no_key() -> None:
+    cmd = build_command(["m", RATE, "5"], environ={})
+    assert AUTH_MIDDLEWARE not in cmd.vllm_args
 
 
 def test_trusted_gateway_with_rates_and_underscores(tmp_path: Path) -> None:
@@ -159,6 +205,6 @@ def test_cli_help_lists_the_pacing_flags() -> None:
     proc = subprocess.run([sys.executable, "-m", "tokenpace.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
-    for flag in (RATE, USERS, EVENTS, TRUSTED):
+    for flag in (RATE, USERS, EVENTS, TRUSTED, ALLOW):
         assert flag in proc.stdout
     assert "vllm_xargs.output_rate_tokens_per_second" in proc.stdout

@@ -19,9 +19,10 @@ NOV29 = datetime(2024, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()
 
 def _rec(rid: str, tenant: str, model: str, lane: str, prompt: int, completion: int,
          ended_at: float, finish: str = "stop") -> UsageRecord:
+    served = not finish.startswith("rejected:")  # a refusal keeps its counted prompt size
     return UsageRecord(rid, tenant, model, lane, prompt, completion,
-                       0.5 * prompt + 1.5 * completion, 2.0, 40.0, 900.0, finish,
-                       ended_at - 1.0, ended_at)
+                       0.5 * prompt + 1.5 * completion if served else 0.0, 2.0, 40.0, 900.0,
+                       finish, ended_at - 1.0, ended_at, served=served)
 
 
 def _write(path: Path, recs: list[UsageRecord]) -> str:
@@ -41,7 +42,7 @@ def ledger_url(tmp_path: Path) -> str:
         _rec("a", "acme", "tiny", "interactive", 100, 10, NOV28),
         _rec("b", "beta", "tiny", "batch", 40, 4, NOV28 + 60),
         _rec("c", "acme", "big", "batch", 10, 1, NOV29),
-        _rec("d", "beta", "big", "interactive", 0, 0, NOV29 + 60, "rejected:concurrency"),
+        _rec("d", "beta", "big", "interactive", 12, 0, NOV29 + 60, "rejected:concurrency"),
         _rec("e", "acme", "tiny", "interactive", 7, 3, now - 3 * 3600),
         _rec("f", "", "tiny", "interactive", 0, 0, now - 60, "rejected:unknown_key"),
     ])
@@ -58,17 +59,20 @@ def test_table_has_aligned_columns_and_a_total(
     assert main(["--ledger", ledger_url]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == [
-        "tenant", "requests", "rejected", "prompt_tokens", "completion_tokens", "cost"
+        "tenant", "requests", "rejected", "prompt_tokens", "completion_tokens", "cost",
+        "unserved_prompt_tokens",
     ]
+    # Served and unserved prompt tokens in separate columns: beta's refused request
+    # counted 12 prompt tokens that the engine never saw.
     assert [line.split() for line in lines[1:4]] == [
-        ["(none)", "1", "1", "0", "0", "0"],
-        ["acme", "3", "0", "117", "14", "79.5"],
-        ["beta", "2", "1", "40", "4", "26"],
+        ["(none)", "1", "1", "0", "0", "0", "0"],
+        ["acme", "3", "0", "117", "14", "79.5", "0"],
+        ["beta", "2", "1", "40", "4", "26", "12"],
     ]
     assert set(lines[4].replace(" ", "")) == {"-"}
-    assert lines[5].split() == ["total", "6", "2", "157", "18", "105.5"]
+    assert lines[5].split() == ["total", "6", "2", "157", "18", "105.5", "12"]
     # Right-aligned numbers: every column ends at the same place as its header.
-    ends = [lines[0].index(h) + len(h) for h in ("requests", "cost")]
+    ends = [lines[0].index(h) + len(h) for h in ("requests", "unserved_prompt_tokens")]
     for line in lines[1:4] + lines[5:]:
         assert len(line) == ends[1]
         assert line[ends[0] - 1] != " "
@@ -77,9 +81,9 @@ def test_table_has_aligned_columns_and_a_total(
 def test_json_by_model_and_lane(ledger_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert _json(capsys, ["--ledger", ledger_url, "--by", "model"]) == [
         {"model": "big", "requests": 2, "rejected": 1, "prompt_tokens": 10,
-         "completion_tokens": 1, "cost": 6.5},
+         "completion_tokens": 1, "cost": 6.5, "unserved_prompt_tokens": 12},
         {"model": "tiny", "requests": 4, "rejected": 1, "prompt_tokens": 147,
-         "completion_tokens": 17, "cost": 99.0},
+         "completion_tokens": 17, "cost": 99.0, "unserved_prompt_tokens": 0},
     ]
     by_lane = _json(capsys, ["--ledger", ledger_url, "--by", "lane"])
     assert [(x["lane"], x["requests"]) for x in by_lane] == [("batch", 2), ("interactive", 4)]
@@ -164,7 +168,7 @@ def test_config_with_relative_ledger_path(
     monkeypatch.chdir(tmp_path)  # not the config's directory
     assert _json(capsys, ["--config", "conf/gateway.yaml"]) == [
         {"tenant": "acme", "requests": 1, "rejected": 0, "prompt_tokens": 4,
-         "completion_tokens": 2, "cost": 5.0},
+         "completion_tokens": 2, "cost": 5.0, "unserved_prompt_tokens": 0},
     ]
 
 
@@ -208,7 +212,7 @@ def test_empty_ledger_prints_zero_totals(
     assert main(["--ledger", url, "--by", "lane"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == "lane"
-    assert lines[-1].split() == ["total", "0", "0", "0", "0", "0"]
+    assert lines[-1].split() == ["total", "0", "0", "0", "0", "0", "0"]
     assert _json(capsys, ["--ledger", url]) == []
 
 

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -30,12 +30,14 @@ def free_port() -> int:
 class Server:
     """A server process in its own process group, so the engine core dies with it."""
 
-    def __init__(self, argv: Sequence[str], port: int, log_path: Path) -> None:
+    def __init__(self, argv: Sequence[str], port: int, log_path: Path,
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+                   **(env or {}))
         self.proc = subprocess.Popen(
             list(argv), stdout=self._log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
@@ -62,21 +64,67 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Stop the whole process group, also when its leader is already gone.
+
+        vLLM's engine-core and worker processes share the API server's group; when the API
+        server alone was killed (or crashed) they keep running and keep their memory, so
+        the group is signalled whatever the leader's state.
+        """
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        if not _group_gone(self.proc.pid, timeout_s=30.0):
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+            _group_gone(self.proc.pid, timeout_s=10.0)
         self._log.close()
+
+    def exited(self) -> bool:
+        """True once the server's own process (the group leader) has ended."""
+        return self.proc.poll() is not None
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the server and all its processes, alive now."""
         return tree_cpu_seconds(self.proc.pid)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of group ``pgid``, read from /proc (Linux).
+
+    Zombies are left out: an orphaned member that died waits for whoever adopted it to
+    reap it, which a container's init may never do, and it holds no memory.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            found.append(int(entry))
+    return found
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def start_all(servers: Sequence[Server]) -> None:

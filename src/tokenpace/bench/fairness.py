@@ -354,6 +354,7 @@ def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: f
     tenant_ids = ["calibration"] + [_tenant_id(w.name, load.tenant) for w in chosen for load in w.loads]
     engine_port = free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
+                                         "--allow-unauthenticated-trusted-gateway",
                                          "--max-num-seqs", str(max(max_inflight, 16))),
                     engine_port, home / "engine.log")
     gateways: dict[str, Server] = {}

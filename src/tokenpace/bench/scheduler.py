@@ -4,7 +4,11 @@ Each case keeps R requests resident and decoding (one user per request) and time
 ``schedule()`` + ``update_from_output()`` with the process CPU clock. A fraction f of
 the users is throttled: their rate is so low that after the first token they never have
 quota again, so the paced scheduler skips them every step while stock vLLM runs them.
-Stock and paced runs of a case alternate, and the median of the repeats is reported.
+
+Each repeat builds a stock and a paced scheduler side by side and runs them in
+alternating blocks of ``BLOCK`` steps, so that a change in the machine's load (other
+processes on a shared box) hits both alike; the repeat's ratio is paced CPU over stock
+CPU. The median ratio over the repeats is reported with a 95% bootstrap interval.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import Any
 
 from ._environment import environment
 from ._simulate import Sim, make_sim
+from .overhead import median_interval
 
 THROTTLED_RATE = 1e-6  # tokens per second: one token, then none for ~11 days
 FREE_RATE = 1e9
+BLOCK = 10
 
 
 def _build(model: Path, running: int, throttled_fraction: float | None, steps: int) -> Sim:
@@ -42,12 +48,17 @@ def _build(model: Path, running: int, throttled_fraction: float | None, steps: i
     return sim
 
 
-def _time_steps(sim: Sim, steps: int) -> float:
-    """Mean CPU microseconds per step inside schedule() + update_from_output()."""
-    sim.scheduler_cpu_ns = 0
-    for _ in range(steps):
-        sim.step()
-    return sim.scheduler_cpu_ns / steps / 1000.0
+def _time_pair(stock: Sim, paced: Sim, steps: int) -> tuple[float, float]:
+    """Mean CPU microseconds per step of each, run in alternating blocks."""
+    stock.scheduler_cpu_ns = paced.scheduler_cpu_ns = 0
+    done = 0
+    while done < steps:
+        block = min(BLOCK, steps - done)
+        for sim in (stock, paced) if done // BLOCK % 2 == 0 else (paced, stock):
+            for _ in range(block):
+                sim.step()
+        done += block
+    return stock.scheduler_cpu_ns / steps / 1000.0, paced.scheduler_cpu_ns / steps / 1000.0
 
 
 def run(model: Path, running_counts: list[int], fractions: list[float], steps: int,
@@ -55,24 +66,31 @@ def run(model: Path, running_counts: list[int], fractions: list[float], steps: i
     cases = []
     for running in running_counts:
         for fraction in fractions:
-            stock_us, paced_us = [], []
+            stock_us, paced_us, ratios = [], [], []
             for _ in range(repeats):
-                stock_us.append(_time_steps(_build(model, running, None, steps), steps))
-                paced_us.append(_time_steps(_build(model, running, fraction, steps), steps))
-            s, p = statistics.median(stock_us), statistics.median(paced_us)
+                s, p = _time_pair(_build(model, running, None, steps),
+                                  _build(model, running, fraction, steps), steps)
+                stock_us.append(s)
+                paced_us.append(p)
+                ratios.append(p / s)
+            s, p, r = statistics.median(stock_us), statistics.median(paced_us), statistics.median(ratios)
+            low, high = median_interval(ratios)
             cases.append({
                 "running": running,
                 "throttled_fraction": fraction,
                 "stock_us_per_step": round(s, 1),
                 "paced_us_per_step": round(p, 1),
-                "ratio": round(p / s, 3),
+                "ratio": round(r, 3),
+                "ratio_interval": [round(low, 3), round(high, 3)],
+                "ratio_samples": [round(x, 3) for x in ratios],
                 "stock_us_samples": [round(x, 1) for x in stock_us],
                 "paced_us_samples": [round(x, 1) for x in paced_us],
             })
             print(f"running={running:5d} throttled={fraction:.2f} "
-                  f"stock={s:9.1f} us/step paced={p:9.1f} us/step ratio={p / s:.3f}", flush=True)
-    return {"benchmark": "scheduler", "steps": steps, "repeats": repeats, "cases": cases,
-            **environment()}
+                  f"stock={s:9.1f} us/step paced={p:9.1f} us/step "
+                  f"ratio={r:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+    return {"benchmark": "scheduler", "steps": steps, "repeats": repeats, "block": BLOCK,
+            "cases": cases, **environment()}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

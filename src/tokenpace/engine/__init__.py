@@ -4,8 +4,8 @@ Names are loaded on first use: the configuration, the HTTP guard and the ``vllm_
 field names (``USER_EXTRA_ARG``, ``RATE_EXTRA_ARG``) import nothing from vLLM (so
 ``tokenpace serve`` validates flags in milliseconds and a gateway can share the names),
 while the schedulers and hooks import vLLM. vLLM resolves ``--scheduler-cls
-tokenpace.engine.PacedScheduler`` and ``--middleware tokenpace.engine.RequestGuard``
-through these lazy names.
+tokenpace.engine.PacedScheduler``, ``--middleware tokenpace.engine.RequestGuard`` and
+``--middleware tokenpace.engine.EngineAuth`` through these lazy names.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._auth import EngineAuth
     from ._config import PacingConfig, PacingConfigError
-    from ._guard import RequestGuard, RequestRefused, check_request_body
+    from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
     from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
 
 _WHERE = {
+    "EngineAuth": "_auth",
     "PacingConfig": "_config",
     "PacingConfigError": "_config",
     "RequestGuard": "_guard",
     "RequestRefused": "_guard",
+    "SCHEDULING_POLICY_HEADER": "_guard",
     "check_request_body": "_guard",
     "configure_pacing": "_hooks",
     "register": "_hooks",

@@ -3,11 +3,16 @@
 Rates and token spacing measured at a client are blurred by HTTP buffering; this log
 records them at the source. Writing happens on a background thread: the scheduler's
 per-step path only appends tuples to a deque.
+
+With data parallel every rank's engine appends to the same file and each line carries
+``dp_rank``. Each flush is one ``write`` to a file opened with ``O_APPEND``, so lines of
+different ranks never interleave mid-line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -16,12 +21,14 @@ FLUSH_INTERVAL_S = 0.2
 
 
 class EventLog:
-    """Buffered JSON-lines writer: ``{"t_ns", "user", "request_id", "event"}`` per line."""
+    """Buffered JSON-lines writer: ``{"t_ns", "user", "request_id", "event"}`` per line,
+    plus ``"dp_rank"`` when ``rank`` is given."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, rank: int | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8", buffering=1 << 16)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._extra = {} if rank is None else {"dp_rank": rank}
         self._pending: deque[tuple[int, str, str, str]] = deque()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -38,7 +45,7 @@ class EventLog:
 
     def flush(self) -> None:
         with self._lock:
-            if self._file.closed:
+            if self._fd is None:
                 return
             pending = self._pending
             lines = []
@@ -46,17 +53,21 @@ class EventLog:
                 t_ns, user, request_id, event = pending.popleft()
                 lines.append(
                     json.dumps(
-                        {"t_ns": t_ns, "user": user, "request_id": request_id, "event": event},
+                        {"t_ns": t_ns, "user": user, "request_id": request_id, "event": event,
+                         **self._extra},
                         separators=(",", ":"),
                     )
                 )
             if lines:
-                self._file.write("\n".join(lines) + "\n")
-            self._file.flush()
+                data = ("\n".join(lines) + "\n").encode()
+                while data:
+                    data = data[os.write(self._fd, data):]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self.flush()
         with self._lock:
-            self._file.close()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -14,6 +14,11 @@ An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.Reques
   well-formed rate passes whether or not the engine trusts it (``trusted_gateway``):
   the guard does not know the engine's configuration, and the engine decides.
 
+It also tells a gateway the engine's scheduling policy: ``/health`` answers carry
+``x-tokenpace-scheduling-policy`` (``fcfs`` or ``priority``, read from the running
+server's own configuration), because vLLM 0.32 silently ignores a request's ``priority``
+under ``fcfs`` and a gateway whose lanes rely on it would otherwise never know.
+
 It only looks inside JSON bodies of POST requests and passes everything else through
 untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
 400. The scheduler does not trust this layer: a malformed identity that still arrives
@@ -35,6 +40,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
 USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
 RATE_PARAM = f"vllm_xargs.{RATE_EXTRA_ARG}"
 
@@ -93,6 +99,9 @@ class RequestGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/health":
+            await self.app(scope, receive, _with_policy_header(scope, send))
+            return
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)
             return
@@ -123,6 +132,29 @@ class RequestGuard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def scheduling_policy(scope: Scope) -> str | None:
+    """The running vLLM server's ``--scheduling-policy`` (its app state), if it has one."""
+    state = getattr(scope.get("app"), "state", None)
+    config = getattr(getattr(state, "vllm_config", None), "scheduler_config", None)
+    policy = getattr(config, "policy", None)
+    return None if policy is None else str(getattr(policy, "value", policy))
+
+
+def _with_policy_header(scope: Scope, send: Send) -> Send:
+    policy = scheduling_policy(scope)
+    if policy is None:
+        return send
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = dict(message)
+            message["headers"] = [*message.get("headers", ()),
+                                  (SCHEDULING_POLICY_HEADER.encode(), policy.encode("latin-1"))]
+        await send(message)
+
+    return sending
 
 
 async def _send_error(send: Send, message: str, param: str | None) -> None:

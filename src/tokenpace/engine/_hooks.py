@@ -19,19 +19,31 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    shared-memory input queue for one second after each message. A paced engine steps
    with gaps (a 5 tok/s user with every stream throttled: five steps a second), so the
    worker would never stop spinning; with pacing on, it spins for ``WORKER_SPIN_S`` and
-   then naps between looks (see ``limit_worker_spin``).
+   then naps between looks (see ``limit_worker_spin``). While the engine's idle wait
+   runs, the step hint (``_step_hint``) tells the worker that no step can come before a
+   known instant, and it naps at once.
+4. ``DPLBAsyncMPClient.get_core_engine_for_request`` (API-server process, data parallel
+   with vLLM's own load balancing): every rank has its own scheduler and limiter, so a
+   user spread over the ranks would get its rate once per rank. The wrapper sets the
+   request's ``data_parallel_rank`` to ``user_rank(user, ranks)`` before vLLM picks the
+   engine, so all of a user's requests meet one limiter. It sits below every endpoint
+   (completions, chat, responses, the Python API) and overrides a client's own
+   ``X-data-parallel-rank`` header, which would otherwise let a client pick a second rank
+   and a second quota.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import sys
 import time
 from typing import Any
 
 from ._config import PacingConfig
+from ._step_hint import StepHint
 
 logger = logging.getLogger("vllm.tokenpace.engine")
 
@@ -52,8 +64,16 @@ WORKER_MAX_NAP_S = 0.02
 spin ends; each nap is a tenth of the time waited so far (0.5 to 20 ms). A step that
 follows a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a
 core instead of a whole one."""
+WORKER_HINT_NAP_S = 0.005
+"""While the engine's step hint says no step can come yet, the worker naps in slices of
+this length: a request that ends the engine's wait early (a new user) waits at most this
+long for the worker, and an idle worker looks at the hint 200 times a second (each look is
+an 8-byte read, so about 0.2% of a core)."""
+DATA_PARALLEL_ENV = "TOKENPACE_DATA_PARALLEL"
+"""Set by the API server for its engine processes: ``N`` (users pinned to one of N ranks
+by this API server) or ``N/external`` (one server per rank behind a load balancer)."""
 MAX_IDLE_S = 1.0
-"""Longest idle wait without a step (each slice is at most 50 ms)."""
+"""Longest idle wait without a step, so that a limits-file edit is seen within a second."""
 
 _MARK = "__tokenpace_hook__"
 
@@ -73,6 +93,9 @@ def register() -> None:
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:
         install_worker_spin_limit(executor.WorkerProc)
+    client = sys.modules.get("vllm.v1.engine.core_client")
+    if client is not None:
+        install_rank_pinning(client.DPLBAsyncMPClient)
 
 
 def _wrap(cls: type, name: str, make: Any) -> bool:
@@ -116,6 +139,27 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
         sched.async_scheduling = True
     if sched.scheduler_cls is None:
         sched.scheduler_cls = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1:
+        # The engine processes (started after this, with this environment) see a config
+        # reduced to one rank of size 1 for dense models; this tells them the real size.
+        os.environ[DATA_PARALLEL_ENV] = f"{parallel.data_parallel_size}" + (
+            "/external" if parallel.data_parallel_external_lb else ""
+        )
+        if parallel.data_parallel_external_lb:
+            logger.warning(
+                "tokenpace: data parallel with external load balancing: this server runs "
+                "one rank with its own limiter; the load balancer must send all of a "
+                "user's requests to one server (tokenpace gateway's sticky routing does)"
+            )
+        else:
+            import vllm.v1.engine.core_client as core_client
+
+            install_rank_pinning(core_client.DPLBAsyncMPClient)
+            logger.info("tokenpace: data parallel size %d: each user is pinned to one rank",
+                        parallel.data_parallel_size)
+    else:
+        os.environ.pop(DATA_PARALLEL_ENV, None)
     return pacing
 
 
@@ -137,12 +181,14 @@ def install_config_hook(engine_args_cls: type) -> bool:
 def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
     """Before a step: block on the engine's input queue while no request can run.
 
-    Waits in slices of ``scheduler.idle_wait_seconds()`` (at most 50 ms each) until the
-    earliest throttled user has quota again, so that steps which would run nothing never
-    reach the model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit
-    that makes someone ready sooner is seen. A request that ends the wait is handled here
-    (vLLM's loop drains the rest after the step). With async scheduling, a batch in flight
-    that ran tokens must be collected first, so there is no wait then.
+    Waits until the earliest throttled user has quota again (``idle_wait_seconds()``), in
+    one wait rather than in slices, so that steps which would run nothing never reach the
+    model workers; gives up after ``MAX_IDLE_S`` so that a limits-file edit that makes
+    someone ready sooner is seen. While it waits, the step hint tells the workers when the
+    next step can come at the earliest, so they nap instead of spinning. A request that
+    ends the wait is handled here (vLLM's loop drains the rest after the step). With
+    async scheduling, a batch in flight that ran tokens must be collected first, so there
+    is no wait then.
     """
     wait_seconds = getattr(core.scheduler, "idle_wait_seconds", None)
     if wait_seconds is None:
@@ -152,17 +198,42 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
             return
     if wait_seconds() <= 0:
         return  # the usual case, on every step: something can run
+    hint = _engine_hint()
     deadline = clock() + MAX_IDLE_S
-    while core.is_running():
-        timeout = min(wait_seconds(), deadline - clock())
-        if timeout <= 0:
+    try:
+        while core.is_running():
+            timeout = min(wait_seconds(), deadline - clock())
+            if timeout <= 0:
+                return
+            hint.set(time.monotonic_ns() + int(timeout * 1e9))
+            try:
+                request = core.input_queue.get(timeout=timeout)
+            except queue.Empty:
+                continue
+            hint.set(0)  # before handling: the step for this request comes at once
+            core._handle_client_request(*request)
             return
-        try:
-            request = core.input_queue.get(timeout=timeout)
-        except queue.Empty:
-            continue
-        core._handle_client_request(*request)
-        return
+    finally:
+        hint.set(0)
+
+
+_hint: StepHint | None = None
+
+
+def _engine_hint() -> StepHint:
+    global _hint
+    if _hint is None:
+        _hint = StepHint.create_for_this_engine()
+    return _hint
+
+
+def release_step_hint() -> None:
+    """Remove this engine's step hint (at scheduler shutdown: vLLM ends engine processes
+    without running ``atexit``)."""
+    global _hint
+    if _hint is not None:
+        _hint.remove()
+        _hint = None
 
 
 def install_idle_wait(engine_core_proc_cls: type) -> bool:
@@ -200,9 +271,20 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
         return
     spin_wait = condition.wait
     nap = WorkerNap(condition.last_read, time.monotonic())
+    hint: StepHint | None = None
+    look_for_hint_at = 0.0
 
     def wait(timeout_ms: int | None = None) -> None:
+        nonlocal hint, look_for_hint_at
         now = time.monotonic()
+        if hint is None and now >= look_for_hint_at:  # the engine creates it on its first wait
+            hint = StepHint.open_for_parent_engine()
+            look_for_hint_at = now + 1.0
+        if hint is not None:
+            ahead = hint.get() / 1e9 - now
+            if ahead > 0:  # the engine is idle until then: nap at once, in short slices
+                time.sleep(min(ahead, WORKER_HINT_NAP_S))
+                return
         pause = nap.pause_s(condition.last_read, now)
         if pause == 0.0 or now - condition.last_read > condition.busy_loop_s:
             spin_wait(timeout_ms)  # vLLM's spin, or after its busy period its socket wait
@@ -247,3 +329,56 @@ def install_worker_spin_limit(worker_proc_cls: type) -> bool:
         return _init_message_queues
 
     return _wrap(worker_proc_cls, "_init_message_queues", make)
+
+
+# -- 4. one data-parallel rank per user --------------------------------------------------
+
+
+def _pins_users(client: Any) -> bool:
+    """Whether this engine client paces (read once per client from its configuration)."""
+    pins = getattr(client, "_tokenpace_pins_users", None)
+    if pins is None:
+        try:
+            pins = PacingConfig.from_additional_config(
+                client.vllm_config.additional_config
+            ).enabled
+        except ValueError:
+            pins = False  # start-up already reported the configuration error
+        client._tokenpace_pins_users = pins
+    return bool(pins)
+
+
+def install_rank_pinning(client_cls: type) -> bool:
+    from ..pacing import user_rank
+    from ._scheduler import request_user
+
+    def make(original: Any) -> Any:
+        def get_core_engine_for_request(self: Any, request: Any) -> Any:
+            if getattr(request, "sampling_params", None) is not None and _pins_users(self):
+                # Cost: one BLAKE2b of the user id per rank, once per request.
+                request.data_parallel_rank = user_rank(request_user(request),
+                                                       len(self.core_engines))
+            return original(self, request)
+
+        return get_core_engine_for_request
+
+    return _wrap(client_cls, "get_core_engine_for_request", make)
+
+
+def data_parallel_of(parallel_config: Any) -> tuple[int, int, bool]:
+    """(this engine's rank, ranks, whether the API server pins users to ranks).
+
+    Read in an engine process: vLLM gives each rank of a dense model a configuration of
+    one rank of size 1 (keeping the rank as ``data_parallel_index``), so the size comes
+    from ``DATA_PARALLEL_ENV`` when the API server set it.
+    """
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    if rank is None:
+        rank = parallel_config.data_parallel_rank
+    size, external = parallel_config.data_parallel_size, parallel_config.data_parallel_external_lb
+    value = os.environ.get(DATA_PARALLEL_ENV, "")
+    if value:
+        count, _, kind = value.partition("/")
+        if count.isdigit() and int(count) > size:
+            size, external = int(count), kind == "external"
+    return rank, size, size > 1 and not external

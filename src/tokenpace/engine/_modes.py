@@ -1,7 +1,9 @@
 """Engine modes that pacing refuses at start-up, and why.
 
 Two kinds: modes that break the accounting (several tokens per step, several schedulers
-with one quota each) and modes whose skip/preempt/refund paths were never checked.
+that would each grant a user its quota) and modes whose skip/preempt/refund paths were
+never checked. Data parallel is supported where each user can be pinned to one rank (see
+``_hooks``, part 4).
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ def unsupported_modes(vllm_config: Any, scheduler: Any = None) -> list[str]:
     cache = vllm_config.cache_config
     if vllm_config.speculative_config is not None:
         found.append("speculative decoding (a step can emit several tokens per request)")
-    if getattr(parallel, "data_parallel_size", 1) > 1:
-        found.append("data parallel > 1 (each rank would grant its own quota)")
+    if getattr(parallel, "data_parallel_size", 1) > 1 and getattr(
+        parallel, "data_parallel_hybrid_lb", False
+    ):
+        found.append(
+            "data parallel with hybrid load balancing (--data-parallel-hybrid-lb: each "
+            "node's API server would pin users among its own ranks only, so a user could "
+            "meet one limiter per node; use one API server for all ranks, or one server "
+            "per rank behind tokenpace gateway's sticky routing)"
+        )
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         found.append("pipeline parallel > 1")
     for attr, name in (

@@ -22,11 +22,13 @@ SUPPORTED_VLLM_SERIES = "0.32."
 #   `current_step < request.next_decode_eligible_step` (our "skip this step" seam);
 # - max_num_active_reqs: waiting admission stops when len(running) reaches it (raised for
 #   one call by the number of throttled requests, capped by max_num_running_reqs);
-# - max_num_scheduled_tokens: upper bound of one request's tokens in one step.
+# - max_num_scheduled_tokens: upper bound of one request's tokens in one step;
+# - kv_holding_waiting: the second queue that waiting admission takes from (with waiting).
 SCHEDULER_ATTRIBUTES = (
     "running",
     "requests",
     "waiting",
+    "kv_holding_waiting",
     "policy",
     "current_step",
     "max_num_active_reqs",
@@ -40,6 +42,7 @@ SCHEDULER_METHODS = (
     "add_request",
     "_handle_blocked_waiting_request",  # False defers a waiting request for this step
     "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
+    # (bound on the instance for a step that starts with requests waiting, see _scheduler)
     "shutdown",
 )
 # Request fields used to decide whether a step samples and to skip it.
@@ -65,9 +68,15 @@ HOOKED_METHODS = (
     ("vllm.v1.engine.core", "EngineCoreProc", "_handle_client_request"),
     ("vllm.v1.engine.core", "EngineCoreProc", "is_running"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_init_message_queues"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request"),
 )
 # EngineCoreProc instance attributes: scheduler, input_queue (a queue.Queue of
 # (request_type, request)), batch_queue (None or deque of (future, SchedulerOutput, future)).
+# DPLBAsyncMPClient (API server, data parallel): core_engines (one per rank, in rank order),
+# vllm_config; EngineCoreRequest: sampling_params, data_parallel_rank (the rank it goes to
+# when set; the X-data-parallel-rank header sets it too).
+# ParallelConfig: data_parallel_size, data_parallel_rank, data_parallel_external_lb,
+# data_parallel_hybrid_lb.
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
 # _spin_condition whose busy_loop_s is the spin time after each message.
 SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")

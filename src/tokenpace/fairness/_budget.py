@@ -103,6 +103,16 @@ class TenantBudgets:
         When several budgets refuse, the one with the longest wait is reported: retrying
         any earlier would be refused again.
         """
+        refusal = self.would_refuse(cost, now)
+        if refusal is not None:
+            return refusal
+        for bucket in self.buckets:
+            bucket.adjust(-cost, now)
+        return None
+
+    def would_refuse(self, cost: float, now: float) -> BudgetRefusal | None:
+        """The refusal ``try_reserve(cost)`` would give now, taking nothing (a check that
+        costs nothing before an expensive step)."""
         worst: TokenBucket | None = None
         worst_wait = 0.0
         for bucket in self.buckets:
@@ -117,8 +127,6 @@ class TenantBudgets:
                 remaining=max(0.0, worst.level(now)),
                 reset_s=worst.until_full(now),
             )
-        for bucket in self.buckets:
-            bucket.adjust(-cost, now)
         return None
 
     def settle(self, reserved: float, actual: float, now: float) -> None:

@@ -22,17 +22,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import _metrics as metrics
-from ._config import ConfigError, GatewayConfig, load_config
-from ._dispatch import Dispatcher
+from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
+from ._dispatch import Dispatcher, EngineSlots
+from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
 from ._tenants import Tenants
+from ._upstream import Upstream
 
 logger = logging.getLogger("tokenpace.gateway")
 
 HEALTH_INTERVAL_S = 2.0
 LOAD_INTERVAL_S = 0.5
+LOAD_SOON_S = 0.025
 HEALTH_TIMEOUT_S = 5.0
 DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
@@ -49,6 +52,7 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.rt: Runtime | None = None
+        self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -73,16 +77,22 @@ class Gateway:
                 e.url: httpx.AsyncClient(
                     base_url=e.url,
                     timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+                    headers=e.auth_headers(),
                     limits=httpx.Limits(max_connections=e.max_inflight + 8,
                                         max_keepalive_connections=e.max_inflight + 8,
                                         keepalive_expiry=ENGINE_KEEPALIVE_S),
                 )
                 for e in self.config.engines
             }
+            upstreams = {e.url: Upstream(e.url, e.max_inflight + 8, ENGINE_KEEPALIVE_S,
+                                          headers=e.auth_headers())
+                         for e in self.config.engines}
             self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
-                              clients, ledger, self.clock)
+                              clients, ledger, clock=self.clock, upstreams=upstreams)
+            metrics.BUDGET_REMAINING.source = tenants.budget_samples
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
+            tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.config.engines), self.config.ledger)
             try:
@@ -92,6 +102,8 @@ class Gateway:
                     task.cancel()
                 for client in clients.values():
                     await client.aclose()
+                for upstream in upstreams.values():
+                    await upstream.close()
                 self._snapshot()
         finally:
             ledger.close()
@@ -113,30 +125,59 @@ class Gateway:
             self._snapshot()
 
     async def _health_loop(self) -> None:
-        """Engine health every 2 s (down after two failed checks in a row, up after one
-        good one); its saturation gauges every 0.5 s (when it has them)."""
+        """Engine health every 2 s: down after two failed checks in a row, up after one good one."""
         assert self.rt is not None
         dispatcher = self.rt.dispatcher
         failures: dict[str, int] = {}
-        ticks = 0
         while True:
             for engine in dispatcher.engines:
                 client = self.rt.clients[engine.url]
-                if ticks % round(HEALTH_INTERVAL_S / LOAD_INTERVAL_S) == 0:
-                    try:
-                        ok = (await client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
-                    # One slow answer from a busy engine is not an outage.
-                    healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
-                    if healthy != engine.healthy:
-                        logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
-                    dispatcher.set_health(engine, healthy)
-                if engine.healthy:
-                    dispatcher.set_load(engine, *await _engine_load(client))
-            ticks += 1
-            await asyncio.sleep(LOAD_INTERVAL_S)
+                try:
+                    answer = await client.get("/health", timeout=HEALTH_TIMEOUT_S)
+                    ok = answer.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    self._note_policy(engine.config, reported_policy(answer.headers))
+                failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
+                # One slow answer from a busy engine is not an outage.
+                healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
+                if healthy != engine.healthy:
+                    logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                dispatcher.set_health(engine, healthy)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _load_loop(self, engine: EngineSlots) -> None:
+        """The engine's saturation gauges every 0.5 s, and sooner while the gate holds
+        requests: 25 ms after it closes, doubling while the engine stays full."""
+        assert self.rt is not None
+        dispatcher, client = self.rt.dispatcher, self.rt.clients[engine.url]
+        soon = LOAD_SOON_S
+        while True:
+            if engine.healthy:
+                dispatcher.set_load(engine, *await _engine_load(client))
+            if engine.held.is_set():
+                engine.held.clear()
+                if len(engine.queue) and engine.saturated():
+                    await asyncio.sleep(soon)
+                    soon = min(2 * soon, LOAD_INTERVAL_S)
+                    continue
+            soon = LOAD_SOON_S
+            try:
+                await asyncio.wait_for(engine.held.wait(), LOAD_INTERVAL_S)
+            except TimeoutError:
+                pass
+            else:
+                await asyncio.sleep(LOAD_SOON_S)
+
+    def _note_policy(self, engine: EngineConfig, reported: str) -> None:
+        """Remember the engine's scheduling policy; log a mismatch when it first shows."""
+        if self.engine_policies.get(engine.url) == reported:
+            return
+        self.engine_policies[engine.url] = reported
+        problem = policy_problem(engine.url, engine.scheduling_policy, reported)
+        if problem:
+            logger.warning("%s", problem)
 
     def reload(self) -> GatewayConfig:
         """Re-read the configuration file; in-flight requests are not touched.
@@ -147,7 +188,7 @@ class Gateway:
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
-        new = load_config(self.config.source)
+        new = keep_engine_keys(load_config(self.config.source), self.config)
         if new.engines != self.config.engines:
             raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
@@ -190,10 +231,20 @@ class Gateway:
         rt = self.rt
         assert rt is not None
         engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
-                    "queued": len(e.queue)} for e in rt.dispatcher.engines]
+                    "queued": len(e.queue),
+                    **self._policy_fields(e.config)} for e in rt.dispatcher.engines]
         ok = any(e["healthy"] for e in engines)
         return JSONResponse({"status": "ok" if ok else "no healthy engine", "engines": engines},
                             status_code=200 if ok else 503)
+
+    def _policy_fields(self, engine: EngineConfig) -> dict[str, object]:
+        reported = self.engine_policies.get(engine.url, UNKNOWN)
+        fields: dict[str, object] = {"scheduling_policy": {
+            "configured": engine.scheduling_policy, "engine": reported}}
+        problem = policy_problem(engine.url, engine.scheduling_policy, reported)
+        if problem:
+            fields["warning"] = problem
+        return fields
 
     async def _metrics(self, request: Request) -> Response:
         if self.rt is not None:
@@ -220,21 +271,24 @@ class Gateway:
                               code="method_not_allowed")
 
 
-async def _engine_load(client: httpx.AsyncClient) -> tuple[float | None, float | None]:
-    """vLLM's waiting-request count and KV-cache use from its /metrics (None: not there)."""
+async def _engine_load(client: httpx.AsyncClient) -> tuple[float | None, float | None, float | None]:
+    """vLLM's waiting-request count, KV-cache use and running-request count from its
+    /metrics (None: not there)."""
     try:
         resp = await client.get("/metrics", timeout=2.0)
     except httpx.HTTPError:
-        return None, None
+        return None, None, None
     if resp.status_code != 200:
-        return None, None
-    waiting = kv = None
+        return None, None, None
+    waiting = kv = running = None
     for line in resp.text.splitlines():
-        if line.startswith("vllm:num_requests_waiting"):
+        if line.startswith("vllm:num_requests_waiting{") or line.startswith("vllm:num_requests_waiting "):
             waiting = (waiting or 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_running{") or line.startswith("vllm:num_requests_running "):
+            running = (running or 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:kv_cache_usage_perc"):
             kv = max(kv or 0.0, float(line.rsplit(" ", 1)[1]))
-    return waiting, kv
+    return waiting, kv, running
 
 
 def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:

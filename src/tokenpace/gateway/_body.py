@@ -8,7 +8,10 @@ making.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,16 +39,91 @@ class ParsedRequest:
     max_tokens_field: str
 
 
+# A lone surrogate can only enter a parsed body through a ``\uD800``-``\uDFFF`` escape or
+# through the UTF-8-style bytes of one (``json.loads`` decodes bytes with "surrogatepass").
+# Valid pairs (emoji) match too; they only cost the walk that tells them apart. Bodies in
+# UTF-16 or UTF-32 (which ``json.loads`` also takes) have a NUL byte in their first four
+# bytes and are always walked.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 naming what the engine could not take.
+
+    Python's JSON parser (and vLLM's, which is the same) accepts ``NaN``, ``Infinity``,
+    numbers that overflow to infinity and lone UTF-16 surrogates. None of these is JSON
+    text an OpenAI client can mean. vLLM 0.32 refuses a surrogate (its tokenizer raises)
+    and a non-finite sampling parameter, but renders ``NaN`` in ``chat_template_kwargs``
+    into the prompt; the gateway's own upstream encoder cannot send either. They are
+    refused here with the field's path, before any work. Cost: one regular-expression scan of the raw bytes, plus a walk of the
+    parsed body only when the scan or the parser saw a suspect value.
+    """
+    suspect = False
+
+    def constant(name: str) -> float:
+        nonlocal suspect
+        suspect = True
+        return float(name)
+
+    def number(text: str) -> float:
+        nonlocal suspect
+        value = float(text)
+        if not math.isfinite(value):
+            suspect = True
+        return value
+
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=constant, parse_float=number)
     except (ValueError, RecursionError) as exc:
         raise GatewayError(400, f"the request body is not valid JSON: {exc}", reason="bad_request",
                            code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object", reason="bad_request",
                            code="invalid_json")
+    if suspect or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
+        _refuse_unencodable(body)
     return body
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _refuse_unencodable(body: dict[str, Any]) -> None:
+    """Raise a 400 naming the first lone surrogate or non-finite number in ``body``.
+
+    Iterative, so a body nested as deep as the parser allows cannot exhaust the stack.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                raise GatewayError(
+                    400, f"'{path}' holds a lone UTF-16 surrogate, which is not Unicode text; "
+                    "send valid UTF-8 (a surrogate pair written as two escapes is fine)",
+                    reason="bad_request", code="invalid_unicode", param=path)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise GatewayError(
+                    400, f"'{path}' is {value!r}: JSON has no NaN or Infinity, and the engine "
+                    "cannot take a non-finite number", reason="bad_request",
+                    code="invalid_number", param=path)
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                child = f"{path}.{key}" if path else str(key)
+                if _has_lone_surrogate(key):
+                    raise GatewayError(
+                        400, f"a key in '{path or 'the body'}' holds a lone UTF-16 surrogate, "
+                        "which is not Unicode text", reason="bad_request",
+                        code="invalid_unicode", param=path or None)
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
 
 
 def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
@@ -127,13 +205,21 @@ def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
 
 
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
-                max_tokens: int) -> bytes:
+                max_tokens: int, cache_salt: str | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
-    field is replaced, so no client can borrow another tenant's quota or lane.
+    field is replaced, so no client can borrow another tenant's quota or lane. With a
+    tenant's ``cache_salt`` the prompt's cached blocks are the tenant's alone: a client's
+    own salt (a string) is mixed into it, so it can split its tenant's cache further but
+    never reach another tenant's.
     """
     body = dict(req.body)
+    if cache_salt is not None:
+        own = body.get("cache_salt")
+        if isinstance(own, str) and own:
+            cache_salt = hashlib.sha256(f"{cache_salt}\0{own}".encode("utf-8")).hexdigest()
+        body["cache_salt"] = cache_salt
     xargs = body.get("vllm_xargs")
     xargs = dict(xargs) if isinstance(xargs, dict) else {}
     xargs[USER_EXTRA_ARG] = user

@@ -8,9 +8,12 @@ check a new file completely before anything changes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import hmac
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +43,17 @@ class EngineConfig:
     # fairness decides) while the engine already queues this many or its KV cache is this full.
     max_engine_waiting: int | None = 4
     max_kv_cache_usage: float | None = 0.95
+    # The engine's API key (``tokenpace serve --trusted-gateway`` requires one on every
+    # route). Not compared: ``tokenpace up`` fills in keys it generates, and a reload of
+    # the file (which lacks them) must still see the same engines; see keep_engine_keys.
+    api_key: str | None = field(default=None, repr=False, compare=False)
+    # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
+    # its /metrics (the running count while requests keep waiting in it).
+    max_num_seqs: int | None = None
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers for every call to this engine."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,24 @@ class TenantConfig:
     max_output_tokens: int | None = None
     queue_timeout_s: float = 60.0
     budgets: tuple[BudgetSpec, ...] = ()
+    share_prefix_cache: bool = False
+
+    @functools.cached_property
+    def cache_salt(self) -> str | None:
+        """vLLM's ``cache_salt`` for this tenant's requests; None when it shares the cache.
+
+        Without a salt, tenants share vLLM's prefix cache and one can time another's
+        prompts (a cached prefix answers faster). The salt is an HMAC of the tenant id
+        keyed with the digests of the tenant's own API keys: the same on every gateway
+        replica with this configuration, and unknowable to anyone who does not hold one
+        of those keys. Changing the tenant's keys changes it (its cache is then cold).
+        Computed once per configuration (one HMAC), then read per request.
+        """
+        if self.share_prefix_cache:
+            return None
+        secret = b"".join(sorted(self.key_hashes))
+        return hmac.new(secret, b"tokenpace-prefix-cache:" + self.id.encode(),
+                        hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -196,7 +228,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage"))
+                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -220,7 +252,45 @@ def _engine(value: Any, where: str) -> EngineConfig:
         max_engine_waiting=_int(m, "max_engine_waiting", where, 4, minimum=0)
         if m.get("max_engine_waiting", 4) is not None else None,
         max_kv_cache_usage=None if kv is None else float(kv),
+        api_key=_engine_key(m, where),
+        max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
     )
+
+
+def _engine_key(m: Mapping[str, Any], where: str) -> str | None:
+    """``api_key`` as given, or read from the environment variable named by ``api_key_env``."""
+    if "api_key" in m and "api_key_env" in m:
+        raise ConfigError(f"{where}: give api_key or api_key_env, not both")
+    if "api_key_env" in m:
+        name = m["api_key_env"]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.api_key_env: expected the name of an environment variable")
+        key = os.environ.get(name)
+        if not key:
+            raise ConfigError(f"{where}.api_key_env: the environment variable {name} is not set "
+                              "or empty")
+        return key
+    key = m.get("api_key")
+    if key is not None and (not isinstance(key, str) or not key or key != key.strip()):
+        raise ConfigError(f"{where}.api_key: expected a non-empty string without surrounding "
+                          "spaces (the engine's --api-key / VLLM_API_KEY)")
+    return key
+
+
+def keep_engine_keys(new: GatewayConfig, old: GatewayConfig) -> GatewayConfig:
+    """``new`` with the running engines' keys where its file gives none.
+
+    Keys that ``tokenpace up`` generated live only in the running configuration; a key
+    that the new file changes is refused (the engine would have to restart with it too).
+    """
+    engines = []
+    for i, (engine, running) in enumerate(zip(new.engines, old.engines)):
+        if engine.api_key is None:
+            engine = dataclasses.replace(engine, api_key=running.api_key)
+        elif engine.api_key != running.api_key:
+            raise ConfigError(f"engines[{i}].api_key: changing an engine's key needs a restart")
+        engines.append(engine)
+    return dataclasses.replace(new, engines=tuple(engines) + new.engines[len(engines):])
 
 
 def _lane(value: Any, where: str) -> LaneConfig:
@@ -253,7 +323,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConf
     m = _mapping(value, where)
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
-                      "queue_timeout", "budgets"))
+                      "queue_timeout", "budgets", "share_prefix_cache"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
@@ -293,6 +363,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConf
         max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
         queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
         budgets=tuple(budgets),
+        share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
     )
 
 
@@ -361,6 +432,13 @@ def _number(m: Mapping[str, Any], key: str, where: str, required: bool = False) 
             or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{_path(where, key)}: expected a number greater than 0, got {value!r}")
     return float(value)
+
+
+def _bool(m: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = m.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_path(where, key)}: expected true or false, got {value!r}")
+    return value
 
 
 def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> int | None:

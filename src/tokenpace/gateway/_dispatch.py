@@ -36,7 +36,26 @@ class QueueFull(Exception):
 
 
 class EngineSlots:
-    """One engine's capacity as the gateway sees it, and its queue of waiting requests."""
+    """One engine's capacity as the gateway sees it, and its queue of waiting requests.
+
+    The saturation gate holds requests here while more would only queue inside the engine.
+    Two signals, because each alone fails:
+
+    - The gateway's own count. With the engine's capacity known (``max_num_seqs``
+      configured, or learned from two readings in a row that show requests waiting beside
+      the same running count), at most capacity + ``max_engine_waiting`` of the gateway's
+      requests are in the engine at once: a burst larger than the engine can run waits here,
+      where the fair queue orders it, and a burst that fits goes at once.
+    - The engine's own waiting count, polled from its ``/metrics``, for load the gateway does
+      not see (other clients, other gateway replicas). A reading is stale: it counts the
+      gateway's fresh dispatches as "waiting" until the engine's next step admits them (a
+      burst would hold itself back until a later poll), so the requests the gateway
+      dispatched between the two last readings are not counted against it. vLLM's running
+      gauge is not used for load: it keeps its last value while the engine is idle.
+
+    While the gate holds requests it sets ``held``, and the poller reads the gauges again
+    within tens of milliseconds (backing off while the engine stays full).
+    """
 
     def __init__(self, config: EngineConfig, queue: FairQueue[Waiter]) -> None:
         self.config = config
@@ -44,21 +63,57 @@ class EngineSlots:
         self.healthy = True
         self.down_since: float | None = None
         self.engine_waiting: float | None = None  # from the engine's /metrics
+        self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
+        self.learned_capacity: int | None = None
         self.queue = queue
+        self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
+        self._dispatched_since_reading = 0
+        self._fresh_at_reading = 0  # dispatched between the previous reading and the last
 
     @property
     def url(self) -> str:
         return self.config.url
 
+    @property
+    def capacity(self) -> int | None:
+        """Requests the engine runs at once (configured, else learned; None: unknown)."""
+        return self.config.max_num_seqs or self.learned_capacity
+
+    def record_reading(self, running: float | None, waiting: float | None,
+                       kv_usage: float | None) -> None:
+        """A fresh reading of the engine's gauges (None: not reported)."""
+        if running is not None and waiting and self.engine_waiting and running == self.engine_running \
+                and not self._kv_full(kv_usage):
+            # Requests waited across two polls beside the same running count: that is the
+            # engine's limit, not a burst between two scheduler steps.
+            self.learned_capacity = max(self.learned_capacity or 0, int(running))
+        if running is not None and self.learned_capacity is not None:
+            self.learned_capacity = max(self.learned_capacity, int(running))
+        self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
+        self._fresh_at_reading = self._dispatched_since_reading
+        self._dispatched_since_reading = 0
+
+    def dispatched(self) -> None:
+        self.inflight += 1
+        self._dispatched_since_reading += 1
+
+    def _kv_full(self, kv_usage: float | None) -> bool:
+        limit = self.config.max_kv_cache_usage
+        return limit is not None and kv_usage is not None and kv_usage >= limit
+
     def saturated(self) -> bool:
-        """The engine's own gauges say more work would only queue inside it."""
-        cfg = self.config
-        if cfg.max_engine_waiting is not None and self.engine_waiting is not None \
-                and self.engine_waiting > cfg.max_engine_waiting:
+        """More work now would only queue inside the engine (or its KV cache is full)."""
+        if self._kv_full(self.kv_cache_usage):
             return True
-        return cfg.max_kv_cache_usage is not None and self.kv_cache_usage is not None \
-            and self.kv_cache_usage >= cfg.max_kv_cache_usage
+        limit = self.config.max_engine_waiting
+        if limit is None:
+            return False
+        capacity = self.capacity
+        if capacity is not None and self.inflight + 1 > capacity + limit:
+            return True
+        waiting = self.engine_waiting
+        return waiting is not None and waiting - self._fresh_at_reading > limit
 
     def has_room(self) -> bool:
         return self.inflight < self.config.max_inflight and not self.saturated()
@@ -117,9 +172,10 @@ class Dispatcher:
         if healthy:
             self._pump(engine)
 
-    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None) -> None:
+    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
+                 running: float | None = None) -> None:
         """Saturation gauges read from the engine's /metrics (None: not reported)."""
-        engine.engine_waiting, engine.kv_cache_usage = waiting, kv_usage
+        engine.record_reading(running, waiting, kv_usage)
         self._pump(engine)
 
     # -- waiting and dispatch ----------------------------------------------------------
@@ -186,11 +242,13 @@ class Dispatcher:
             waiter.granted = True
             tenant.queued -= 1
             tenant.inflight += 1
-            engine.inflight += 1
+            engine.dispatched()
             metrics.QUEUED.labels(tenant.id).set(tenant.queued)
             metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
             if not waiter.future.done():
                 waiter.future.set_result(None)
+        if len(engine.queue) and engine.inflight < engine.config.max_inflight and engine.saturated():
+            engine.held.set()  # ask for a fresh reading: the one that closed the gate may be stale
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
 
     def _may_dispatch(self, tenant_id: str) -> bool:

@@ -27,6 +27,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import _metrics as metrics
+
 __all__ = [
     "DEFAULT_MAX_QUEUE",
     "BudgetState",
@@ -77,6 +79,10 @@ class UsageRecord:
     finish_reason: str
     started_at: float
     ended_at: float
+    # Whether the request reached the engine and is charged: the same rule as the
+    # gateway's token metrics. A refused request, or one cancelled while queued, keeps
+    # its counted prompt size in ``prompt_tokens`` but is not served.
+    served: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,10 @@ class BudgetState:
 @dataclass(frozen=True)
 class UsageTotal:
     """Totals for one tenant, model or lane. ``requests`` counts every row, rejected ones
-    included; ``rejected`` counts the rows whose finish reason starts with ``rejected:``."""
+    included; ``rejected`` counts the rows whose finish reason starts with ``rejected:``.
+    ``prompt_tokens`` are those of served requests only (what the gateway's
+    ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens`` those
+    counted for requests that never ran (refused, cancelled while queued, engine error)."""
 
     key: str
     requests: int
@@ -100,6 +109,7 @@ class UsageTotal:
     completion_tokens: int
     cost: float
     rejected: int
+    unserved_prompt_tokens: int = 0
 
 
 _RECORD_COLUMNS = (
@@ -116,6 +126,7 @@ _RECORD_COLUMNS = (
     "finish_reason",
     "started_at",
     "ended_at",
+    "served",
 )
 _GROUP_COLUMNS = ("tenant", "model", "lane")
 
@@ -136,7 +147,8 @@ def _schema(text: str, integer: str, real: str) -> list[str]:
             e2e_ms {real} NOT NULL,
             finish_reason {text} NOT NULL,
             started_at {real} NOT NULL,
-            ended_at {real} NOT NULL
+            ended_at {real} NOT NULL,
+            served {integer} NOT NULL DEFAULT 1
         )""",
         "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
         "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
@@ -148,6 +160,26 @@ def _schema(text: str, integer: str, real: str) -> list[str]:
             PRIMARY KEY (tenant, budget)
         )""",
     ]
+
+
+_UNIQUE_ID_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS requests_request_id ON requests (request_id)"
+# Rows of ledgers written before ``served`` existed: a refusal, or a row that was charged
+# nothing at all, was not served (the best the old columns can tell).
+_BACKFILL_SERVED = (
+    "UPDATE requests SET served = 0 WHERE substr(finish_reason, 1, 9) = 'rejected:' "
+    "OR (cost = 0 AND completion_tokens = 0)"
+)
+
+
+def _migrations(has_served: bool, dedupe: str, add_served: str) -> list[str]:
+    """Statements that bring a ledger of an older version up to this schema.
+
+    ``requests.request_id`` became unique, so that a batch written again after its commit
+    was lost in transit (the connection dropped before the acknowledgement) adds nothing;
+    older ledgers may already hold such duplicates, which are removed first.
+    """
+    out = [] if has_served else [add_served, _BACKFILL_SERVED]
+    return out + [dedupe, _UNIQUE_ID_INDEX]
 
 
 def _redact(url: str) -> str:
@@ -196,8 +228,10 @@ class _Backend(Protocol):
 
 
 def _insert_sql(placeholder: str) -> str:
+    """Idempotent on the request id: writing a row again is a no-op."""
     marks = ", ".join([placeholder] * len(_RECORD_COLUMNS))
-    return f"INSERT INTO requests ({', '.join(_RECORD_COLUMNS)}) VALUES ({marks})"
+    return (f"INSERT INTO requests ({', '.join(_RECORD_COLUMNS)}) VALUES ({marks}) "
+            "ON CONFLICT (request_id) DO NOTHING")
 
 
 def _upsert_sql(placeholder: str) -> str:
@@ -236,6 +270,14 @@ class _SqliteBackend:
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("BEGIN IMMEDIATE")
             for statement in _schema("TEXT", "INTEGER", "REAL"):
+                self._conn.execute(statement)
+            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(requests)")}
+            for statement in _migrations(
+                "served" in columns,
+                dedupe="DELETE FROM requests WHERE rowid NOT IN "
+                       "(SELECT MIN(rowid) FROM requests GROUP BY request_id)",
+                add_served="ALTER TABLE requests ADD COLUMN served INTEGER NOT NULL DEFAULT 1",
+            ):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -281,7 +323,20 @@ class _PostgresBackend:
         try:
             conn = self._connection()
             with conn.transaction():
+                # Two gateways starting at once must not migrate the same table together.
+                conn.execute("SELECT pg_advisory_xact_lock(7270130512)")
                 for statement in _schema("TEXT", "BIGINT", "DOUBLE PRECISION"):
+                    conn.execute(statement)
+                has_served = conn.execute(
+                    "SELECT 1 FROM information_schema.columns WHERE table_schema = "
+                    "current_schema() AND table_name = 'requests' AND column_name = 'served'"
+                ).fetchone() is not None
+                for statement in _migrations(
+                    has_served,
+                    dedupe="DELETE FROM requests a USING requests b "
+                           "WHERE a.request_id = b.request_id AND a.ctid > b.ctid",
+                    add_served="ALTER TABLE requests ADD COLUMN served BIGINT NOT NULL DEFAULT 1",
+                ):
                     conn.execute(statement)
         except psycopg.Error as exc:
             self.close()
@@ -414,10 +469,12 @@ class Ledger:
             rec.finish_reason,
             float(rec.started_at),
             float(rec.ended_at),
+            int(bool(rec.served)),
         )
         with self._queue_lock:
             if self._closed or len(self._queue) >= self._max_queue:
                 self._dropped += 1
+                metrics.LEDGER_DROPPED_ROWS.inc()
                 dropped = self._dropped
                 full = False
             else:
@@ -470,6 +527,7 @@ class Ledger:
                 self._queue.clear()
                 self._budgets.clear()
                 self._dropped += lost
+            metrics.LEDGER_DROPPED_ROWS.inc(lost)
             _log.error("usage ledger closed with %d rows unwritten: %s", lost, exc)
         with self._db_lock:
             self._backend.close()
@@ -491,6 +549,7 @@ class Ledger:
                 self._write_pending()
             except Exception as exc:
                 # The thread must survive any error: the next flush retries.
+                metrics.LEDGER_WRITE_FAILURES.inc()
                 if self._failing:
                     _log.debug("usage ledger write still failing: %s", exc)
                 else:
@@ -574,6 +633,7 @@ class Ledger:
                 finish_reason=r[10],
                 started_at=float(r[11]),
                 ended_at=float(r[12]),
+                served=bool(r[13]),
             )
             for r in rows
         ]
@@ -586,15 +646,18 @@ class Ledger:
         where, params = self._since(since)
         # substr rather than LIKE 'rejected:%': a literal % would need escaping for psycopg.
         rows = self._query(
-            f"SELECT {by}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cost), "
-            "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END) "
+            f"SELECT {by}, COUNT(*), SUM(CASE WHEN served = 1 THEN prompt_tokens ELSE 0 END), "
+            "SUM(completion_tokens), SUM(cost), "
+            "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN served = 1 THEN 0 ELSE prompt_tokens END) "
             f"FROM requests{where} GROUP BY {by} ORDER BY {by}",
             params,
         )
         # Postgres returns SUM over BIGINT as numeric (Decimal): normalise the types.
         return [
-            UsageTotal(str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0))
-            for k, n, p, c, cost, rej in rows
+            UsageTotal(str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0),
+                       int(unserved or 0))
+            for k, n, p, c, cost, rej, unserved in rows
         ]
 
     def _since(self, since: float | None) -> tuple[str, tuple[Any, ...]]:

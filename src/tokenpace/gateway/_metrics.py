@@ -3,13 +3,31 @@
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
 without a valid key), ``lane`` a configured lane, ``reason`` and ``outcome`` come from
 small fixed sets in the code. A reload that removes a tenant removes its series.
+Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
+deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# `_created` series double every counter and histogram and nothing here reads them.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# process_cpu_seconds_total, process_resident_memory_bytes, ...: the gateway's own cost.
+ProcessCollector(registry=REGISTRY)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -54,10 +72,37 @@ QUEUED = Gauge(
     "tokenpace_gateway_queued_requests", "Admitted requests waiting in the gateway for dispatch.",
     ["tenant"], registry=REGISTRY,
 )
-BUDGET_REMAINING = Gauge(
+
+
+class LiveGauge(Collector):
+    """A gauge whose samples are read from live state when Prometheus scrapes.
+
+    A gauge set on change shows the value of the last change: a token budget refills
+    continuously, so a pushed level was stale between requests, and series of a tenant a
+    reload removed came back with the next push. Read at scrape time, the value is the
+    bucket's level now and only configured tenants appear.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.source: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+        if self.source is not None:
+            for values, value in self.source():
+                family.add_metric(list(values), value)
+        yield family
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labels)]
+
+
+BUDGET_REMAINING = LiveGauge(
     "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget.",
-    ["tenant", "budget"], registry=REGISTRY,
+    ["tenant", "budget"],
 )
+REGISTRY.register(BUDGET_REMAINING)
 FAIRNESS_DEBT = Gauge(
     "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
     "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
@@ -70,6 +115,19 @@ QUEUED_COST = Gauge(
 LANE_SHARE = Gauge(
     "tokenpace_gateway_lane_dispatch_share", "A lane's share of the cost dispatched over the "
     "sliding window (lane_share_window).", ["lane"], registry=REGISTRY,
+)
+OUTPUT_RATE = Gauge(
+    "tokenpace_gateway_tenant_output_rate_tokens_per_second", "A tenant's configured "
+    "output_tokens_per_second (paced in the engine); no series when it has none.",
+    ["tenant"], registry=REGISTRY,
+)
+LEDGER_WRITE_FAILURES = Counter(
+    "tokenpace_gateway_ledger_write_failures", "Usage-ledger flushes that failed (the rows "
+    "stay queued and are retried).", registry=REGISTRY,
+)
+LEDGER_DROPPED_ROWS = Counter(
+    "tokenpace_gateway_ledger_dropped_rows", "Usage-ledger rows thrown away (queue full, or "
+    "unwritten at shutdown).", registry=REGISTRY,
 )
 ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
@@ -89,7 +147,7 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     QUEUED: ("tenant",),
     FAIRNESS_DEBT: ("tenant",),
     QUEUED_COST: ("tenant",),
-    BUDGET_REMAINING: ("tenant", "budget"),
+    OUTPUT_RATE: ("tenant",),
 }
 
 
@@ -108,8 +166,12 @@ def forget_tenant(tenant: str) -> None:
                 pass
 
 
-def forget_budget(tenant: str, budget: str) -> None:
-    try:
-        BUDGET_REMAINING.remove(tenant, budget)
-    except KeyError:
-        pass
+def publish_output_rate(tenant: str, rate: float | None) -> None:
+    """Set (or, without a rate, remove) a tenant's configured-rate series."""
+    if rate is None:
+        try:
+            OUTPUT_RATE.remove(tenant)
+        except KeyError:
+            pass
+    else:
+        OUTPUT_RATE.labels(tenant).set(rate)

@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -38,10 +39,11 @@ from ._body import (
 )
 from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
-from ._errors import GatewayError, error_body
+from ._errors import GatewayError, error_body, error_response
 from ._ledger import Ledger, UsageRecord
-from ._stream import ChunkRewriter
+from ._stream import ChunkRewriter, EventSplitter
 from ._tenants import TenantState, Tenants
+from ._upstream import Upstream, UpstreamError
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -55,8 +57,9 @@ class Runtime:
     config: GatewayConfig
     tenants: Tenants
     dispatcher: Dispatcher
-    clients: dict[str, httpx.AsyncClient]
+    clients: dict[str, httpx.AsyncClient]  # background calls: /tokenize, /health, gauges
     ledger: Ledger
+    upstreams: dict[str, Upstream] = field(default_factory=dict)  # the hot path: completions
     clock: Callable[[], float] = time.monotonic
 
 
@@ -109,6 +112,7 @@ class Exchange:
     max_completion_tokens: int = 0
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
+    prompt_counted: bool = False  # the prompt's cost is in the fair queue's counter
     queue_s: float | None = None
     ttft_s: float | None = None
     waiter: Waiter | None = None
@@ -119,11 +123,20 @@ class Exchange:
         return self.tenant.config.lane
 
     def charge_progress(self) -> None:
-        """Grow the tenant's fair-queue counter by the tokens generated since last time."""
+        """Grow the tenant's fair-queue counter by the tokens generated since last time
+        (and by the prompt, once the engine's usage gave its size if it was not counted)."""
+        if self.waiter is None or not self.charge_usage:
+            return
+        cost = 0.0
+        if not self.prompt_counted and self.prompt_tokens:
+            cost += self.prompt_tokens * self.rt.config.cost.prompt
+            self.prompt_counted = True
         delta = self.completion_tokens - self.charged_tokens
-        if delta > 0 and self.waiter is not None and self.charge_usage:
-            self.rt.dispatcher.charge(self.waiter, delta * self.rt.config.cost.completion)
+        if delta > 0:
+            cost += delta * self.rt.config.cost.completion
             self.charged_tokens = self.completion_tokens
+        if cost:
+            self.rt.dispatcher.charge(self.waiter, cost)
 
     def finish(self, outcome: str) -> None:
         if self.finished:
@@ -138,6 +151,8 @@ class Exchange:
         if self.reserved:
             self.tenant.settle(self.reserved, actual, rt.clock())
         e2e = rt.clock() - self.arrived
+        if self.waiter is not None and self.waiter.granted:
+            self.tenant.record_service(e2e - (self.queue_s or 0.0))
         tenant, lane = self.tenant.id, self.lane
         metrics.REQUESTS.labels(tenant, lane, outcome.split(":", 1)[0]).inc()
         if outcome.startswith("rejected:"):
@@ -158,6 +173,7 @@ class Exchange:
             ttft_ms=None if self.ttft_s is None else self.ttft_s * 1000.0,
             e2e_ms=e2e * 1000.0, finish_reason=outcome,
             started_at=self.started_at, ended_at=time.time(),
+            served=self.charge_usage and self.waiter is not None,
         ))
 
 
@@ -188,7 +204,7 @@ async def read_body(request: Request, limit: int) -> bytes:
                            code="body_too_large")
     chunks = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():  # raises ClientDisconnect if the client leaves
         size += len(chunk)
         if size > limit:
             raise GatewayError(413, f"request body larger than {limit} bytes",
@@ -215,8 +231,18 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         if not engine.healthy:
             raise GatewayError(503, f"the engine serving tenant {tenant.id!r} is unavailable",
                                reason="engine_unavailable", code="engine_unavailable")
-        client = rt.clients[engine.url]
-        prompt_tokens, max_model_len = await _count_prompt(client, req)
+        client, upstream = rt.clients[engine.url], rt.upstreams[engine.url]
+        _cheap_refusals(rt, tenant, req)
+        if _needs_count(tenant, req):
+            async with tenant.tokenize_slots:
+                prompt_tokens, max_model_len = await _count_prompt(client, req)
+            ex.prompt_counted = True
+        else:
+            # No decision depends on the prompt's size: it is counted by the engine, and
+            # the engine's first usage chunk (or its answer) brings the exact number.
+            ids = prompt_token_ids(req)
+            prompt_tokens, max_model_len = (0 if ids is None else len(ids)), None
+            ex.prompt_counted = ids is not None
         ex.prompt_tokens = prompt_tokens
         max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
         reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
@@ -225,55 +251,148 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             raise _budget_error(refusal)
         ex.reserved = reserved
         ex.max_completion_tokens = max_tokens * req.n
+        admitted = rt.clock()
         with watch.guard(anyio.CancelScope()):
             try:
                 ex.waiter = await rt.dispatcher.acquire(
                     tenant, engine, tenant.config.queue_timeout_s,
                     prompt_cost=rt.config.cost.prompt * prompt_tokens, estimate=reserved)
             except QueueFull:
-                cfg = tenant.config
-                raise GatewayError(
-                    429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
-                    f"(max_concurrency {cfg.max_concurrency}) and {cfg.max_queued} waiting "
-                    f"(max_queued {cfg.max_queued})", reason="queue_full",
-                    code="rate_limit_exceeded") from None
+                raise _queue_full(tenant) from None
             except TimeoutError:
                 if not engine.healthy:
                     raise GatewayError(
                         503, f"the engine serving tenant {tenant.id!r} went down while the "
                         "request waited", reason="engine_unavailable",
                         code="engine_unavailable") from None
+                wait = tenant.slot_wait_s()
                 raise GatewayError(
                     429, f"waited {tenant.config.queue_timeout_s:g} s in the queue without an "
-                    "engine slot (queue_timeout)", reason="queue_timeout",
-                    code="rate_limit_exceeded") from None
+                    f"engine slot (queue_timeout); a slot frees in about {wait:.1f} s",
+                    reason="queue_timeout", code="queue_timeout",
+                    headers=_retry_headers(wait)) from None
         if ex.waiter is None:
             ex.charge_usage = False
             ex.finish("cancelled")
             watch.stop()
             return Response(status_code=499)
-        ex.queue_s = rt.clock() - arrived
+        ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
         metrics.QUEUE_SECONDS.labels(tenant.id).observe(ex.queue_s)
         lane = rt.config.lane(tenant.config.lane)
         body = engine_body(
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-            max_tokens=max_tokens)
+            max_tokens=max_tokens, cache_salt=tenant.config.cache_salt)
         deadline = anyio.current_time() + rt.config.request_timeout_s
         if req.stream:
-            return await _open_stream(ex, client, req, body, watch, deadline)
-        return await _call(ex, client, body, watch, deadline)
+            return await _open_stream(ex, upstream, req, body, watch, deadline)
+        return await _call(ex, upstream, body, watch, deadline)
     except GatewayError as exc:
         ex.charge_usage = False
         ex.finish(f"rejected:{exc.reason}")
         if watch is not None:
             watch.stop()
         return exc.response(request_id)
+    except ClientDisconnect:
+        # The client left while sending its body: nothing was asked of the engine.
+        ex.charge_usage = False
+        ex.finish("client_disconnected")
+        return Response(status_code=499)
+    except Exception:
+        # A bug, not a refusal: logged here once with the request id the client receives.
+        logger.exception("request %s failed", request_id)
+        ex.charge_usage = ex.waiter is not None
+        ex.finish("error")
+        if watch is not None:
+            watch.stop()
+        return error_response(500, f"internal error in the gateway (request id {request_id})",
+                              code="internal_error", headers={"x-request-id": request_id})
     except BaseException:
         ex.finish("error")
         if watch is not None:
             watch.stop()
         raise
+
+
+def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
+    """Whether a decision before dispatch depends on the prompt's size: a prompt cap, a
+    budget reservation, or the ``max_tokens`` the gateway must fill in (it fits the
+    context only with the prompt's size known)."""
+    cfg = tenant.config
+    return cfg.max_input_tokens is not None or bool(cfg.budgets) or req.max_tokens is None
+
+
+MAX_BYTES_PER_TOKEN = 64
+"""No tokenizer in use packs more text into one token on average (byte-level BPE vocabularies
+have ~3-5 bytes per token on text; their longest tokens, runs of spaces or dashes, are
+well below this): a prompt of more than 64 bytes per allowed token is certainly over the
+limit, whatever the model, and is refused without asking the engine to count it."""
+
+
+def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> None:
+    """Refusals that need no prompt count, checked before one is asked for.
+
+    A tenant at its concurrency limit with a full queue; a prompt whose size in bytes
+    proves it over ``max_input_tokens``; a budget that cannot take the request's lower-bound
+    cost (the output part, ``max_tokens`` x n, plus the fewest tokens the prompt's bytes can
+    make). A multi-megabyte prompt its limits refuse never reaches the engine's tokenizer,
+    where it would delay every other tenant's requests.
+    """
+    cfg = tenant.config
+    if tenant.at_concurrency_limit() and tenant.queue_full():
+        raise _queue_full(tenant)
+    if cfg.max_output_tokens is not None and req.max_tokens is not None \
+            and req.max_tokens > cfg.max_output_tokens:
+        return  # refused with its own message by the size checks
+    size = prompt_bytes(req)
+    least_tokens = -(-size // MAX_BYTES_PER_TOKEN)
+    if cfg.max_input_tokens is not None and least_tokens > cfg.max_input_tokens:
+        raise GatewayError(
+            400, f"the prompt has {size} bytes, at least {least_tokens} tokens; tenant "
+            f"{tenant.id!r} may send at most {cfg.max_input_tokens} (max_input_tokens)",
+            reason="max_input_tokens", code="max_input_tokens_exceeded",
+            param="messages" if req.kind == "chat" else "prompt")
+    output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
+    if cfg.budgets:
+        least = rt.config.cost.of(least_tokens, (output or 0) * req.n)
+        refusal = tenant.budgets.would_refuse(least, rt.clock())
+        if refusal is not None:
+            raise _budget_error(refusal)
+
+
+def prompt_bytes(req: ParsedRequest) -> int:
+    """A lower bound of the prompt text's UTF-8 size: the characters of the completion
+    prompt, or of the messages' text content (images and other parts are not text and
+    are left out). One pass over the messages, nothing encoded."""
+    if req.kind != "chat":
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    size = 0
+    for message in req.body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part["text"]) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
+
+
+def _queue_full(tenant: TenantState) -> GatewayError:
+    cfg = tenant.config
+    wait = tenant.slot_wait_s()
+    return GatewayError(
+        429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
+        f"(max_concurrency {cfg.max_concurrency}) and {tenant.queued} waiting "
+        f"(max_queued {cfg.max_queued}); a slot frees in about {wait:.1f} s",
+        reason="queue_full", code="queue_full", headers=_retry_headers(wait))
+
+
+def _retry_headers(wait_s: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(wait_s))),
+            "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
 
 
 async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[int, int | None]:
@@ -370,15 +489,17 @@ def _upstream_headers(ex: Exchange) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": ex.id}
 
 
-async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: ClientWatch,
+async def _call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
                 deadline: float) -> Response:
     """A non-streaming request: the engine's answer is passed on as it is."""
     outcome = "cancelled"
+    resp = None
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
-                resp = await client.post(PATHS[ex.kind], content=body, headers=_upstream_headers(ex))
-            except httpx.HTTPError as exc:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                content = await resp.read()
+            except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 raise GatewayError(502, f"engine failed: {type(exc).__name__}",
@@ -391,14 +512,15 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
                 return Response(status_code=499)
             outcome = "timeout"
             return _timeout_response(ex)
-        if resp.status_code != 200:
+        assert resp is not None
+        if resp.status != 200:
             ex.charge_usage = False
             outcome = "upstream_error"
-            return Response(resp.content, status_code=resp.status_code,
+            return Response(content, status_code=resp.status,
                             media_type=resp.headers.get("content-type"),
                             headers={"x-request-id": ex.id})
         try:
-            data = resp.json()
+            data = json.loads(content)
             usage = data.get("usage") or {}
             ex.completion_tokens = int(usage.get("completion_tokens") or 0)
             ex.prompt_tokens = int(usage.get("prompt_tokens") or ex.prompt_tokens)
@@ -406,9 +528,14 @@ async def _call(ex: Exchange, client: httpx.AsyncClient, body: bytes, watch: Cli
             outcome = next((r for r in reasons if r), "stop")
         except (ValueError, AttributeError, TypeError):
             outcome = "upstream_error"
-        return Response(resp.content, status_code=200, media_type="application/json",
+        return Response(content, status_code=200, media_type="application/json",
                         headers={"x-request-id": ex.id})
     finally:
+        if resp is not None:
+            if outcome in ("cancelled", "timeout"):
+                resp.close()  # the engine sees the connection go and aborts the request
+            else:
+                resp.release()
         ex.finish(outcome)
         watch.stop()
 
@@ -420,36 +547,36 @@ def _timeout_response(ex: Exchange) -> Response:
         status_code=504, media_type="application/json", headers={"x-request-id": ex.id})
 
 
-async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedRequest, body: bytes,
+async def _open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
                        watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
     """Start the engine stream; its status decides between a pass-through error and SSE."""
     outcome = "cancelled"
-    resp: httpx.Response | None = None
+    resp: aiohttp.ClientResponse | None = None
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
-                request = client.build_request("POST", PATHS[ex.kind], content=body,
-                                               headers=_upstream_headers(ex))
-                resp = await client.send(request, stream=True)
-            except httpx.HTTPError as exc:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+            except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 raise GatewayError(502, f"engine failed: {type(exc).__name__}",
                                    reason="engine_error", code="engine_error") from None
-            if resp.status_code != 200:
-                content = await resp.aread()
-                await resp.aclose()
+            if resp.status != 200:
+                try:
+                    content = await resp.read()
+                except UpstreamError:
+                    content = b""
+                resp.release()
                 ex.charge_usage = False
                 outcome = "upstream_error"
                 ex.finish(outcome)
                 watch.stop()
-                return Response(content, status_code=resp.status_code,
+                return Response(content, status_code=resp.status,
                                 media_type=resp.headers.get("content-type"),
                                 headers={"x-request-id": ex.id})
         if scope.cancelled_caught:
             if resp is not None:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
+                resp.close()  # closing the connection makes the engine abort the request
             ex.charge_usage = False
             outcome = "cancelled" if watch.gone else "timeout"
             ex.finish(outcome)
@@ -459,8 +586,7 @@ async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedReque
         return StreamResponse(ex, resp, req, watch, deadline)
     except BaseException:
         if resp is not None:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            resp.close()
         ex.finish(outcome)
         watch.stop()
         raise
@@ -469,7 +595,7 @@ async def _open_stream(ex: Exchange, client: httpx.AsyncClient, req: ParsedReque
 class StreamResponse:
     """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
 
-    def __init__(self, ex: Exchange, upstream: httpx.Response, req: ParsedRequest,
+    def __init__(self, ex: Exchange, upstream: aiohttp.ClientResponse, req: ParsedRequest,
                  watch: ClientWatch, deadline: float) -> None:
         self.ex = ex
         self.upstream = upstream
@@ -505,8 +631,10 @@ class StreamResponse:
         except OSError:
             outcome = "cancelled"  # the client socket broke while we wrote to it
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+            if progress.done:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # the engine sees the connection go and aborts
             ex.completion_tokens = progress.completion_tokens
             if progress.prompt_tokens is not None:
                 ex.prompt_tokens = progress.prompt_tokens
@@ -514,23 +642,39 @@ class StreamResponse:
             self.watch.stop()
 
     async def _relay(self, send: Send) -> str | None:
-        """Copy events until the engine ends the stream; return a failure description."""
-        ex, progress = self.ex, self.rewriter.progress
+        """Copy events until the engine ends the stream; return a failure description.
+
+        The events of one network read go out in one ``send``: one write per read, not
+        per event.
+        """
+        ex, rewriter = self.ex, self.rewriter
+        progress = rewriter.progress
+        splitter = EventSplitter()
         try:
-            async for line in self.upstream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                out = self.rewriter.event(line[5:].strip())
+            async for data in self.upstream.content.iter_any():
+                out = []
+                for payload in splitter.feed(data):
+                    event = rewriter.event(payload)
+                    if event is not None:
+                        out.append(b"data: " + event + b"\n\n")
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
-                if progress.completion_tokens > ex.completion_tokens:
+                if progress.prompt_tokens is not None and not ex.prompt_counted:
+                    ex.prompt_tokens = progress.prompt_tokens
+                if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()
-                if out is not None:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
                 if progress.done:
                     return None
-        except httpx.HTTPError as exc:
+            for payload in splitter.flush():
+                event = rewriter.event(payload)
+                if event is not None:
+                    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
+                                "more_body": True})
+        except UpstreamError as exc:
             return f"the engine stream failed: {type(exc).__name__}"
         return None
 

@@ -7,11 +7,15 @@ change keep their level.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
 
 from ..fairness import BudgetRefusal, TenantBudgets
 from . import _metrics as metrics
 from ._config import GatewayConfig, TenantConfig
+
+
+TOKENIZE_SLOTS_PER_TENANT = 2
 
 
 class TenantState:
@@ -26,6 +30,10 @@ class TenantState:
         self.budgets = TenantBudgets(list(config.budgets), now, levels)
         self.inflight = 0
         self.queued = 0
+        self.service_s: float | None = None  # moving average of time on the engine
+        # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
+        # for each other here instead of taking every tokenizer slot of the engine.
+        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
 
     @property
     def id(self) -> str:
@@ -35,22 +43,27 @@ class TenantState:
         limit = self.config.max_concurrency
         return limit is not None and self.inflight >= limit
 
+    def record_service(self, seconds: float) -> None:
+        """A dispatched request ended after ``seconds`` on the engine (moving average)."""
+        self.service_s = seconds if self.service_s is None else 0.8 * self.service_s + 0.2 * seconds
+
+    def slot_wait_s(self) -> float:
+        """Expected seconds until one of the tenant's running requests ends and a slot
+        frees (its recent service time spread over what runs; 1 s before any is known):
+        the ``retry-after`` of a full queue or a queue timeout."""
+        if self.service_s is None:
+            return 1.0
+        return max(0.001, self.service_s / max(1, self.inflight))
+
     def queue_full(self) -> bool:
         limit = self.config.max_queued
         return limit is not None and self.queued >= limit
 
     def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
-        refusal = self.budgets.try_reserve(cost, now)
-        self.publish_budgets(now)
-        return refusal
+        return self.budgets.try_reserve(cost, now)
 
     def settle(self, reserved: float, actual: float, now: float) -> None:
         self.budgets.settle(reserved, actual, now)
-        self.publish_budgets(now)
-
-    def publish_budgets(self, now: float) -> None:
-        for key, level in self.budgets.levels(now).items():
-            metrics.BUDGET_REMAINING.labels(self.id, key).set(level)
 
 
 class Tenants:
@@ -64,7 +77,7 @@ class Tenants:
         saved_levels = saved_levels or {}
         self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
         for state in self._states.values():
-            state.publish_budgets(now)
+            metrics.publish_output_rate(state.id, state.config.output_tokens_per_second)
             metrics.INFLIGHT.labels(state.id).set(0)
             metrics.QUEUED.labels(state.id).set(0)
 
@@ -90,17 +103,21 @@ class Tenants:
                 metrics.QUEUED.labels(state.id).set(0)
             else:
                 old_budgets = state.budgets
-                old_keys = {b.key for b in state.config.budgets}
                 state.config = tenant
                 state.budgets = TenantBudgets(list(tenant.budgets), now)
                 state.budgets.carry_over(old_budgets, now)
-                for key in old_keys - {b.key for b in tenant.budgets}:
-                    metrics.forget_budget(tenant.id, key)
-            state.publish_budgets(now)
+            metrics.publish_output_rate(tenant.id, tenant.output_tokens_per_second)
             new_states[tenant.id] = state
         for tenant_id in set(self._states) - set(new_states):
             metrics.forget_tenant(tenant_id)
         self._states = new_states
+
+    def budget_samples(self) -> Iterator[tuple[tuple[str, str], float]]:
+        """``((tenant, budget), level)`` now, for the budget gauge at scrape time."""
+        now = self._clock()
+        for state in self._states.values():
+            for key, level in state.budgets.levels(now).items():
+                yield (state.id, key), level
 
     def budget_levels(self) -> dict[str, dict[str, float]]:
         now = self._clock()

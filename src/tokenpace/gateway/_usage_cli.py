@@ -1,5 +1,9 @@
 """``tokenpace usage``: totals from the gateway's usage ledger.
 
+``prompt_tokens`` counts served requests only, as the gateway's metrics do;
+``unserved_prompt_tokens`` is the counted prompt size of requests that never ran (refused,
+cancelled while queued, engine error), kept apart so neither total hides in the other.
+
 Reads the same ledger the gateway writes (SQLite in WAL mode can be read while the gateway
 runs). Given the gateway's config file it uses that file's ``ledger:`` key and nothing
 else, so it works even where the rest of the config refers to keys or engines this machine
@@ -129,7 +133,8 @@ def _number(value: float) -> str:
 
 
 def _table(totals: list[UsageTotal], by: str) -> str:
-    header = [by, "requests", "rejected", "prompt_tokens", "completion_tokens", "cost"]
+    header = [by, "requests", "rejected", "prompt_tokens", "completion_tokens", "cost",
+              "unserved_prompt_tokens"]
     lines: list[list[str]] = []
     for t in totals:
         lines.append(
@@ -140,6 +145,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
                 str(t.prompt_tokens),
                 str(t.completion_tokens),
                 _number(t.cost),
+                str(t.unserved_prompt_tokens),
             ]
         )
     total = [
@@ -149,6 +155,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
         str(sum(t.prompt_tokens for t in totals)),
         str(sum(t.completion_tokens for t in totals)),
         _number(sum(t.cost for t in totals)),
+        str(sum(t.unserved_prompt_tokens for t in totals)),
     ]
     widths = [max(len(row[i]) for row in [header, *lines, total]) for i in range(len(header))]
 
@@ -195,6 +202,7 @@ def main(argv: list[str]) -> int:
                 "prompt_tokens": t.prompt_tokens,
                 "completion_tokens": t.completion_tokens,
                 "cost": t.cost,
+                "unserved_prompt_tokens": t.unserved_prompt_tokens,
             }
             for t in totals
         ]

@@ -5,7 +5,17 @@ simulations can drive time exactly.
 """
 
 from ._limiter import BURST_NS, OutputRateLimiter
-from ._planner import MAX_IDLE_WAIT_S, Candidate, RunningPlan, Settlement, StepPlanner
+from ._planner import (
+    MAY_SAMPLE,
+    MAX_IDLE_WAIT_S,
+    NO_SAMPLE,
+    SAMPLES,
+    RunningPlan,
+    Settlement,
+    StepPlanner,
+    Stream,
+)
+from ._ranks import user_rank
 from ._reload import RELOAD_CHECK_NS, LimitsFileWatcher, ReloadResult
 from ._limits import (
     MAX_USER_ID_LENGTH,
@@ -23,13 +33,16 @@ from ._limits import (
 __all__ = [
     "BURST_NS",
     "MAX_IDLE_WAIT_S",
-    "Candidate",
+    "MAY_SAMPLE",
+    "NO_SAMPLE",
+    "SAMPLES",
     "LimitsFileWatcher",
     "RELOAD_CHECK_NS",
     "ReloadResult",
     "RunningPlan",
     "Settlement",
     "StepPlanner",
+    "Stream",
     "MAX_USER_ID_LENGTH",
     "LimitsError",
     "OutputRateLimiter",
@@ -41,4 +54,5 @@ __all__ = [
     "validate_overrides",
     "validate_rate",
     "validate_user_id",
+    "user_rank",
 ]

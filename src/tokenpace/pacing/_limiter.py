@@ -20,8 +20,9 @@ Guarantee: in any window of W seconds a user is granted (net of refunds) at most
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
+from typing import Protocol, TypeVar
 
 from ._limits import UserRateLimits
 
@@ -58,6 +59,24 @@ class _Bucket:
         self.interval = _NS_PER_S * frac.denominator
         self.burst = BURST_NS * frac.numerator
         self.tat = -((-self.tat * self.scale) // old_scale)
+
+
+class Claim(Protocol):
+    """What ``take_claims`` reads (``user``, ``need``) and writes (``granted``)."""
+
+    user: str
+    need: int
+    granted: int | None
+
+
+C = TypeVar("C", bound=Claim)
+
+
+class _Claim:
+    __slots__ = ("user", "need", "granted")
+
+    def __init__(self, user: str, need: int) -> None:
+        self.user, self.need, self.granted = user, need, None
 
 
 class OutputRateLimiter:
@@ -116,6 +135,62 @@ class OutputRateLimiter:
         bucket.tat = tat + bucket.interval
         bucket.refundable += 1
         return True
+
+    def take(self, user: str, n: int, now_ns: int) -> int | None:
+        """Grant up to ``n`` tokens to ``user`` at ``now_ns``; how many were granted.
+
+        Exactly what ``n`` calls of ``try_take`` at the same instant would grant (GCRA
+        admits the i-th of them while ``tat + i * interval - now <= burst``). None for a
+        user without a rate (not paced: nothing is counted, every token is free).
+        """
+        claim = _Claim(user, n)
+        self.take_claims((claim,), now_ns)
+        return claim.granted
+
+    def take_claims(self, claims: Iterable[C], now_ns: int) -> list[C]:
+        """``take`` for many users at one instant: sets each claim's ``granted`` and
+        returns the claims granted less than they asked.
+
+        The scheduler calls this once per step with one claim per user that has work,
+        so a step costs one dictionary lookup and a few integer operations per user, in
+        one loop, instead of a method call per request. A claim of 0 tokens is granted
+        None (nothing counted).
+        """
+        buckets = self._buckets
+        short: list[C] = []
+        for claim in claims:
+            n = claim.need
+            if n <= 0:
+                claim.granted = None
+                continue
+            bucket = buckets.get(claim.user)
+            if bucket is None:
+                rate = self._limits.rate(claim.user)
+                if rate is None:
+                    claim.granted = None
+                    continue
+                bucket = buckets[claim.user] = _Bucket(rate, now_ns)
+            now_scaled = now_ns * bucket.scale
+            tat = bucket.tat if bucket.tat > now_scaled else now_scaled
+            room = bucket.burst - (tat - now_scaled)
+            if room < 0:
+                claim.granted = 0
+                short.append(claim)
+                continue
+            if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
+                bucket.tat = tat + bucket.interval
+                bucket.refundable += 1
+                claim.granted = 1
+                continue
+            granted = room // bucket.interval + 1
+            if granted >= n:
+                granted = n
+            else:
+                short.append(claim)
+            bucket.tat = tat + granted * bucket.interval
+            bucket.refundable += granted
+            claim.granted = granted
+        return short
 
     def refund(self, user: str) -> None:
         """Return one token granted to ``user`` by an earlier ``try_take``.

@@ -1,11 +1,13 @@
 """Per-step pacing decisions: who may sample a token this step, and who gives way.
 
-The scheduler adapter describes its running requests as ``Candidate`` values and asks the
-planner which of them run, which are throttled (their user has no quota) and which are
-deferred (no active batch slot is left). The planner owns the limiter calls, so the
-charge/refund bookkeeping has one home:
+The scheduler adapter opens one ``Stream`` per request (``open_stream``) and, each step,
+hands the planner the streams of its running requests with ``samples`` set. The planner
+decides which of them run, which are throttled (their user has no quota) and which are
+deferred (no active batch slot is left). It owns the limiter calls, so the charge/refund
+bookkeeping has one home:
 
-* one charge per request per step, only for steps that sample;
+* one charge per request per step, only for steps that sample; a user's charges of one
+  step are taken in one limiter call (``take(user, n)``, exact);
 * once a user is refused in a step, its other requests are not asked again that step;
 * a user's streams take turns (least recently served stream first), so four streams of
   one paced user each get about a quarter of its tokens;
@@ -14,37 +16,73 @@ charge/refund bookkeeping has one home:
   the present users when it (re)appears, so that no credit is banked while idle);
 * one refund point, ``settle``, for every charge whose step was not dispatched.
 
+Cost on the uncontended path (no slot contention, the usual case), per step: one pass
+over the streams (a few attribute reads and writes each, no allocation but a list
+append), one limiter call for all present users (a few integer operations each), and
+one pass over the charged streams in ``settle``. Sorting and heaps only happen for a user that is short of quota or when
+slots bind.
+
 Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._limiter import OutputRateLimiter
 
-MAX_IDLE_WAIT_S = 0.05
-"""Longest idle wait: short enough to notice work that became ready by other means (a
-grammar finished compiling), long enough that an all-throttled engine stays cool."""
+MAX_IDLE_WAIT_S = 1.0
+"""Longest idle wait. The engine waits on its input queue, so new requests and aborts end
+the wait at once; the wait ends exactly when the earliest user has quota again, and this
+bound only makes a limits-file edit visible within a second. (Waiting in 50 ms slices
+woke an all-throttled engine 20 times a second for nothing.)"""
+
+NO_SAMPLE = 0
+"""``Stream.samples``: this step samples nothing (an intermediate prefill chunk)."""
+SAMPLES = 1
+"""``Stream.samples``: this step samples if it is scheduled at all (a decode step)."""
+MAY_SAMPLE = 2
+"""``Stream.samples``: this step may be the last prefill chunk; it samples only if the
+scheduler gives it the whole remainder (``settle`` asks ``still_prefilling``)."""
 
 
-class Candidate(NamedTuple):
-    """A running request as the planner sees it."""
+class _Account:
+    """One user's planner state: service counter and this step's tally."""
 
-    key: Hashable
-    user: str
-    samples: bool
-    """True if this step may sample a token for it (a decode step or a last prefill chunk)."""
-    priority: int = 0
-    """Lower runs first, as in vLLM's priority policy; 0 for everyone under FCFS."""
+    __slots__ = ("user", "service", "stamp", "fresh", "need", "granted")
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        self.service = 0
+        self.stamp = -1  # last step in which the user had a running request
+        self.fresh = False
+        self.need = 0  # running streams that sample this step
+        self.granted: int | None = 0  # tokens granted this step (None: not paced)
+
+
+class Stream:
+    """A request as the planner sees it; opened once, reused every step (no allocation)."""
+
+    __slots__ = ("key", "user", "account", "priority", "samples", "last_served")
+
+    def __init__(self, key: Hashable, account: _Account, priority: int) -> None:
+        self.key = key
+        self.user = account.user
+        self.account = account
+        self.priority = priority
+        """Lower runs first, as in vLLM's priority policy; 0 for everyone under FCFS."""
+        self.samples = NO_SAMPLE
+        """Set by the adapter before each step: NO_SAMPLE, SAMPLES or MAY_SAMPLE."""
+        self.last_served = -1
 
 
 @dataclass(slots=True)
 class RunningPlan:
-    run: list[Hashable] = field(default_factory=list)
+    """The running requests that sit out this step; every other one runs."""
+
     throttled: list[Hashable] = field(default_factory=list)
     """Refused for lack of quota: skipped, keep their KV, do not count as active."""
     deferred: list[Hashable] = field(default_factory=list)
@@ -63,19 +101,34 @@ class StepPlanner:
     def __init__(self, limiter: OutputRateLimiter) -> None:
         self.limiter = limiter
         self._step = 0
-        self._service: dict[str, int] = {}
-        self._last_served: dict[Hashable, int] = {}
-        self._charged: dict[Hashable, str] = {}
+        self._accounts: dict[str, _Account] = {}
+        self._streams: dict[Hashable, Stream] = {}
+        self._charged_streams: list[Stream] = []  # running streams charged this step
+        self._charged: dict[Hashable, str] = {}  # other charges: waiting requests
         self._refused: dict[str, int] = {}  # user -> first instant it has quota again
         # user -> a waiting request refused admission for lack of quota. It gets the user's
         # next token before the user's running streams, or those would take every token
         # and the waiting request would never start.
         self._starved: dict[str, Hashable] = {}
 
+    # -- streams --------------------------------------------------------------------
+
+    def open_stream(self, key: Hashable, user: str, priority: int = 0) -> Stream:
+        """The planner's record of one request, kept until ``forget`` sees it gone."""
+        stream = self._streams.get(key)
+        if stream is not None and stream.user == user:
+            return stream
+        account = self._accounts.get(user)
+        if account is None:
+            account = self._accounts[user] = _Account(user)
+        stream = self._streams[key] = Stream(key, account, priority)
+        return stream
+
     # -- one step -------------------------------------------------------------------
 
     def begin_step(self) -> None:
         self._step += 1
+        self._charged_streams = []
         self._charged.clear()
         self._refused.clear()
 
@@ -83,6 +136,7 @@ class StepPlanner:
         return self.limiter.limits.rate(user) is not None
 
     def _charge(self, key: Hashable, user: str) -> bool:
+        """One token for a waiting request (admission) or a stream on the contended path."""
         if user in self._refused:
             return False
         if self.limiter.try_take(user):
@@ -123,99 +177,195 @@ class StepPlanner:
 
     def plan_running(
         self,
-        candidates: Sequence[Candidate],
+        streams: Sequence[Stream],
         slots: int,
         waiting: Callable[[Hashable], bool] = lambda key: False,
         can_admit: bool = True,
     ) -> RunningPlan:
         """Decide run / throttled / deferred for every running request.
 
-        ``slots`` is the number of running requests allowed in this step's batch;
-        ``waiting(key)`` tells whether a request still waits for admission, and
-        ``can_admit`` whether admission can take a request this step at all.
+        ``streams`` are the running requests in the scheduler's order, each with
+        ``samples`` set for this step; ``slots`` is the number of running requests allowed
+        in this step's batch; ``waiting(key)`` tells whether a request still waits for
+        admission, and ``can_admit`` whether admission can take a request this step.
         """
         if self._starved:
             self._charge_starved(waiting, can_admit)
-        by_user: dict[str, list[Candidate]] = {}
-        for cand in candidates:
-            by_user.setdefault(cand.user, []).append(cand)
-        last = self._last_served
-        for user, cands in by_user.items():
-            if len(cands) > 1:
-                cands.sort(key=lambda c: (c.priority, last.get(c.key, -1)))
-        self._lift_service(by_user)
+        if len(streams) <= slots:
+            return self._plan_uncontended(streams)
+        return self._plan_contended(streams, slots)
 
+    def _tally(self, streams: Sequence[Stream]) -> list[_Account]:
+        """Count each present user's sampling streams; lift newcomers.
+
+        Every stream is counted as served (``service += 1``), the outcome of nearly every
+        step; the rare streams that sit out are taken back by the caller.
+        """
+        step = self._step
+        prev = step - 1
+        present = []
+        fresh = []
+        for s in streams:
+            a = s.account
+            if a.stamp == step:
+                if s.samples:
+                    a.need += 1
+            else:
+                if a.stamp != prev:
+                    fresh.append(a)
+                a.stamp = step
+                a.need = 1 if s.samples else 0
+                present.append(a)
+            a.service += 1
+        if fresh:
+            self._lift(streams, present, fresh)
+        return present
+
+    def _lift(self, streams: Sequence[Stream], present: list[_Account],
+              fresh: list[_Account]) -> None:
+        """Newcomers start at the smallest counter of the users that were already there,
+        so that no one banks credit while it has nothing running."""
+        counted = _stream_counts(streams)
+        for a in fresh:
+            a.fresh = True
+        old = [a.service - counted[a.user] for a in present if not a.fresh]
+        floor = min(old) if old else 0
+        for a in fresh:
+            a.fresh = False
+            a.service = floor + counted[a.user]
+
+    def _plan_uncontended(self, streams: Sequence[Stream]) -> RunningPlan:
+        """Every stream has a slot: it runs unless it samples and its user is out of quota."""
+        present = self._tally(streams)
+        refused = self._refused
+        limiter = self.limiter
+        if refused:  # refused earlier this step (a starved request's turn): not asked again
+            blocked = [a for a in present if a.need and a.user in refused]
+            claims: Sequence[_Account] = [a for a in present if a not in blocked]
+            for a in blocked:
+                a.granted = 0
+        else:
+            blocked, claims = [], present
+        short = limiter.take_claims(claims, limiter.now_ns())
+        for a in short:
+            refused[a.user] = limiter.ready_at_ns(a.user)
+        short += blocked
         plan = RunningPlan()
-        if len(candidates) <= slots:
-            # Fast path (no slot contention), written out: it runs for every request on
-            # every step.
-            run, throttled, service = plan.run, plan.throttled, self._service
-            rate, charge = self.limiter.limits.rate, self._charge
-            for user, cands in by_user.items():
-                paced = rate(user) is not None
-                served = 0
-                for cand in cands:
-                    if paced and cand.samples and not charge(cand.key, user):
-                        throttled.append(cand.key)
-                    else:
-                        run.append(cand.key)
-                        served += 1
-                service[user] += served
+        if not short:
+            self._charged_streams = [
+                s for s in streams if s.samples and s.account.granted is not None
+            ]
             return plan
+        # Some user got fewer tokens than it has sampling streams: its streams take turns.
+        short_users = {a.user for a in short}
+        throttled, charged = plan.throttled, self._charged_streams
+        by_user: dict[str, list[Stream]] = {u: [] for u in short_users}
+        for s in streams:
+            if s.user in short_users:
+                by_user[s.user].append(s)
+            elif s.samples and s.account.granted is not None:
+                charged.append(s)
+        for mine in by_user.values():
+            mine.sort(key=_turn)
+            account = mine[0].account
+            left = account.granted or 0
+            for s in mine:
+                if not s.samples:
+                    continue
+                if left > 0:
+                    left -= 1
+                    charged.append(s)
+                else:
+                    throttled.append(s.key)
+                    account.service -= 1  # counted as served by _tally
+        return plan
 
+    def _plan_contended(self, streams: Sequence[Stream], slots: int) -> RunningPlan:
+        """More running requests than slots: the least served user gets the next slot."""
+        counted = _stream_counts(streams)
+        for a in self._tally(streams):
+            a.service -= counted[a.user]  # counted per placed stream below
+        by_user: dict[str, list[Stream]] = {}
+        for s in streams:
+            by_user.setdefault(s.user, []).append(s)
+        for mine in by_user.values():
+            if len(mine) > 1:
+                mine.sort(key=_turn)
+        plan = RunningPlan()
         heap = [
-            (cands[0].priority, self._service[user], order, user, 0)
-            for order, (user, cands) in enumerate(by_user.items())
+            (mine[0].priority, mine[0].account.service, order, user, 0)
+            for order, (user, mine) in enumerate(by_user.items())
         ]
         heapq.heapify(heap)
         while heap and slots > 0:
             _, _, order, user, pos = heapq.heappop(heap)
-            cands = by_user[user]
-            if self._place(cands[pos], plan):
+            mine = by_user[user]
+            if self._place(mine[pos], plan):
                 slots -= 1
-            if pos + 1 < len(cands):
-                nxt = cands[pos + 1]
-                heapq.heappush(heap, (nxt.priority, self._service[user], order, user, pos + 1))
+            if pos + 1 < len(mine):
+                nxt = mine[pos + 1]
+                heapq.heappush(heap, (nxt.priority, nxt.account.service, order, user, pos + 1))
         now = self.limiter.now_ns()
         for _, _, _, user, pos in heap:
             out_of_quota = self.is_paced(user) and (
                 user in self._refused or self.limiter.ready_at_ns(user) > now
             )
-            for cand in by_user[user][pos:]:
-                if cand.samples and out_of_quota:
-                    plan.throttled.append(cand.key)
+            for s in by_user[user][pos:]:
+                if s.samples and out_of_quota:
+                    plan.throttled.append(s.key)
                 else:
-                    plan.deferred.append(cand.key)
+                    plan.deferred.append(s.key)
         return plan
 
-    def _place(self, cand: Candidate, plan: RunningPlan) -> bool:
-        """Run ``cand`` if its user has quota for it (or it does not sample)."""
-        if cand.samples and self.is_paced(cand.user) and not self._charge(cand.key, cand.user):
-            plan.throttled.append(cand.key)
-            return False
-        plan.run.append(cand.key)
-        self._service[cand.user] += 1
+    def _place(self, s: Stream, plan: RunningPlan) -> bool:
+        """Run ``s`` if its user has quota for it (or it does not sample)."""
+        if s.samples and self.is_paced(s.user):
+            if not self._charge(s.key, s.user):
+                plan.throttled.append(s.key)
+                return False
+            del self._charged[s.key]
+            self._charged_streams.append(s)
+        s.account.service += 1
         return True
 
-    def _lift_service(self, by_user: dict[str, list[Candidate]]) -> None:
-        """Keep counters of present users only; newcomers start at the smallest one."""
-        service = self._service
-        present = [service[u] for u in by_user if u in service]
-        floor = min(present) if present else 0
-        self._service = {u: service.get(u, floor) for u in by_user}
+    def settle(
+        self,
+        scheduled: Container[Hashable],
+        still_prefilling: Callable[[Hashable], bool],
+        report: bool = False,
+    ) -> list[Settlement]:
+        """The one refund point: return the token of every charge not dispatched to sample.
 
-    def settle(self, dispatched: Callable[[Hashable], bool]) -> list[Settlement]:
-        """The one refund point: return the token of every charge not dispatched to sample."""
+        A charge was dispatched if its request is in ``scheduled`` and, for a step that
+        may end a prompt, ``still_prefilling(key)`` is False. With ``report``, returns one
+        ``Settlement`` per charge (for the event log); else an empty list. Cost: one
+        membership test per charged request.
+        """
+        step = self._step
+        refund = self.limiter.refund
         result: list[Settlement] = []
+        refunded: set[Hashable] = set()
+        for s in self._charged_streams:
+            if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
+                s.last_served = step
+            else:
+                refund(s.user)
+                refunded.add(s.key)
+        if report:
+            result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
+        self._charged_streams = []
         for key, user in self._charged.items():
             if self._starved.get(user) == key:
                 del self._starved[user]  # had its turn; if not admitted, it asks again
-            ok = dispatched(key)
+            ok = key in scheduled and not still_prefilling(key)
             if ok:
-                self._last_served[key] = self._step
+                stream = self._streams.get(key)
+                if stream is not None:
+                    stream.last_served = step
             else:
-                self.limiter.refund(user)
-            result.append(Settlement(key, user, ok))
+                refund(user)
+            if report:
+                result.append(Settlement(key, user, ok))
         self._charged.clear()
         return result
 
@@ -252,5 +402,19 @@ class StepPlanner:
     # -- housekeeping ---------------------------------------------------------------
 
     def forget(self, alive: Callable[[Hashable], bool]) -> None:
-        """Drop rotation state of requests that are gone."""
-        self._last_served = {k: v for k, v in self._last_served.items() if alive(k)}
+        """Drop the streams of requests that are gone, and users left with none."""
+        self._streams = {k: s for k, s in self._streams.items() if alive(k)}
+        users = {s.user for s in self._streams.values()}
+        self._accounts = {u: a for u, a in self._accounts.items() if u in users}
+
+
+def _stream_counts(streams: Sequence[Stream]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in streams:
+        counts[s.user] = counts.get(s.user, 0) + 1
+    return counts
+
+
+def _turn(s: Stream) -> tuple[int, int]:
+    """Sort key of a user's streams: priority first, then least recently served."""
+    return (s.priority, s.last_served)

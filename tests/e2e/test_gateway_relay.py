@@ -1,0 +1,236 @@
+"""The gateway's relay and dispatch gate in front of a real vLLM engine on the tiny model.
+
+- Streamed events reach the client byte for byte as the engine wrote them, also when the
+  text carries U+0085, U+2028 or U+2029 (which a text line splitter cuts).
+- A burst the engine can run is dispatched at once: its time to first token stays close to
+  calling the engine directly. A burst larger than the engine's ``max_num_seqs`` waits in
+  the gateway instead of inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests.gateway.conftest import GatewayProcess
+from tokenpace.bench._load import stream_completion
+
+pytestmark = pytest.mark.vllm
+
+KEY = "sk-relay"
+KEY_HUGE = "sk-huge"
+MAX_NUM_SEQS = 32
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    home = tmp_path_factory.mktemp("relay-engine")
+    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                      "--max-num-seqs", str(MAX_NUM_SEQS)), port, home / "vllm.log")
+    start_all([srv])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    home = tmp_path_factory.mktemp("relay-gateway")
+    config: dict[str, Any] = {
+        "engines": [{"url": engine.base_url, "max_inflight": 128, "max_num_seqs": MAX_NUM_SEQS,
+                     "max_engine_waiting": 4}],
+        "ledger": f"sqlite:///{home / 'usage.db'}",
+        "tenants": [{"id": "relay", "api_keys": [KEY]},
+                    {"id": "huge", "api_keys": [KEY_HUGE], "max_input_tokens": 2048}],
+    }
+    gw = GatewayProcess(home, config).start()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def separator_token_ids(model: Path) -> list[int]:
+    """The tiny model's tokens for the UTF-8 bytes of U+0085, U+2028 and U+2029."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    ids: set[int] = set()
+    for ch in "\u0085\u2028\u2029":
+        ids.update(tok.encode(ch, add_special_tokens=False))
+    return sorted(ids)
+
+
+def payloads(url: str, path: str, body: dict[str, Any]) -> list[bytes]:
+    resp = httpx.post(url + path, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return [line[6:] for line in resp.content.split(b"\n") if line.startswith(b"data: ")]
+
+
+def text_of(events: list[bytes]) -> str:
+    """The generated text; every event must parse (a split event would not)."""
+    out = []
+    for raw in events[:-1]:
+        choice = json.loads(raw)["choices"][0]
+        out.append((choice["delta"].get("content") or "") if "delta" in choice else choice["text"])
+    return "".join(out)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_events_with_unicode_line_separators_pass_through_intact(
+        kind: str, engine: Server, gateway: GatewayProcess, tiny_model: Path) -> None:
+    """Sampling among the separators' byte tokens only, seeded: the same tokens both ways.
+
+    How many tokens one event carries depends on timing inside vLLM, so the events are not
+    compared one by one (tests/gateway/test_relay_http.py does that against a fake engine
+    that writes the same bytes every time); here every event arrives whole, the text is the
+    same, and each event is vLLM's own serialisation (non-ASCII raw), not a re-encoding.
+    """
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 160, "stream": True, "seed": 7,
+                            "allowed_token_ids": separator_token_ids(tiny_model),
+                            "ignore_eos": True}
+    if kind == "chat":
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    else:
+        path = "/v1/completions"
+        body["prompt"] = "Hello"
+    direct = payloads(engine.base_url, path, body)
+    through = payloads(gateway.url, path, body)
+    text = text_of(direct)
+    seps = [sep for sep in "\u0085\u2028\u2029" if sep in text]
+    assert seps, "no separator generated"
+    assert through[-1] == b"[DONE]" and text_of(through) == text
+    for raw in through[:-1]:
+        assert json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":")).encode() == raw
+
+
+async def burst_ttfts(url: str, n: int, tokens: int) -> list[float]:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=300, limits=limits,
+                                 headers={"authorization": f"Bearer {KEY}"}) as client:
+        records = await asyncio.gather(*[stream_completion(client, url, None, tokens)
+                                         for _ in range(n)])
+    return [r.ttft for r in records]
+
+
+def test_a_burst_that_fits_the_engine_is_dispatched_at_once(engine: Server, gateway: GatewayProcess) -> None:
+    """32 simultaneous streams on an engine that runs 32: none waits in the gateway.
+
+    Measured at the source: each request's queue time in the ledger (admission to
+    dispatch). A burst held by a stale saturation reading waited for a later poll (25 ms
+    at the soonest, 0.5 s before); dispatched at once it waits for nothing but the event
+    loop, so the 100 ms bound leaves a wide margin for a loaded machine. Time to first
+    token against direct calls (the issue's 1.2x) is printed, and measured by
+    ``tokenpace bench gateway``: on a shared 2-core machine it is too noisy to assert.
+    """
+    asyncio.run(burst_ttfts(gateway.url, 8, 4))  # warm-up: connections on both hops
+    asyncio.run(burst_ttfts(engine.base_url, 8, 4))
+    medians: dict[str, list[float]] = {"direct": [], "gateway": []}
+    t0 = time.time()
+    for i in range(2):
+        order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
+        for name in order:
+            url = engine.base_url if name == "direct" else gateway.url
+            medians[name].append(statistics.median(asyncio.run(burst_ttfts(url, 32, 64))))
+            time.sleep(0.6)  # let the engine's gauges settle between bursts
+    queue_ms = [r.queue_ms or 0.0 for r in gateway.rows_since(t0, 2 * 32)]
+    direct, through = statistics.median(medians["direct"]), statistics.median(medians["gateway"])
+    print(f"32-stream burst TTFT median: direct {direct * 1000:.1f} ms, gateway {through * 1000:.1f} "
+          f"ms; gateway queue median {statistics.median(queue_ms):.1f} ms, max {max(queue_ms):.1f} ms")
+    assert len(queue_ms) == 64
+    assert max(queue_ms) < 100.0
+
+
+def test_a_burst_larger_than_the_engine_waits_in_the_gateway(engine: Server, gateway: GatewayProcess) -> None:
+    """96 streams on an engine that runs 32: at most 32 + max_engine_waiting (4) are in the
+    engine at once; the rest wait in the gateway (queue time recorded in the ledger)."""
+    t0 = time.time()
+    highest = 0.0
+
+    async def watch(stop: asyncio.Event) -> None:
+        nonlocal highest
+        async with httpx.AsyncClient(timeout=10) as client:
+            while not stop.is_set():
+                text = (await client.get(f"{engine.base_url}/metrics")).text
+                running = waiting = 0.0
+                for line in text.splitlines():
+                    if line.startswith("vllm:num_requests_running{"):
+                        running += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:num_requests_waiting{"):
+                        waiting += float(line.rsplit(" ", 1)[1])
+                highest = max(highest, running + waiting)
+                await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        await burst_ttfts(gateway.url, 96, 64)
+        stop.set()
+        await watcher
+
+    asyncio.run(main())
+    rows = gateway.rows_since(t0, 96)
+    assert len(rows) == 96
+    held = [r for r in rows if r.queue_ms is not None and r.queue_ms > 50]  # ~ a stream's length
+    print(f"engine held at most {highest:.0f} requests; {len(held)} of 96 waited > 50 ms in the gateway")
+    assert highest <= MAX_NUM_SEQS + 4
+    assert len(held) >= 96 - MAX_NUM_SEQS - 4 - 8  # margin: requests arriving after a slot freed
+
+
+def test_huge_prompts_a_tenant_may_not_send_do_not_stall_others(engine: Server, gateway: GatewayProcess) -> None:
+    """One tenant sends 4 MB prompts over its max_input_tokens, four at a time, while
+    another tenant's small requests keep their latency: the gateway refuses the big ones
+    from their size, without asking the engine's tokenizer (which took seconds per prompt
+    and delayed everyone's requests behind them)."""
+    import threading
+
+    def small_latencies(count: int) -> list[float]:
+        out = []
+        with httpx.Client(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
+            for _ in range(count):
+                t = time.monotonic()
+                resp = client.post(gateway.url + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "Hi", "max_tokens": 5})
+                assert resp.status_code == 200
+                out.append(time.monotonic() - t)
+        return out
+
+    small_latencies(3)  # warm-up
+    alone = statistics.median(small_latencies(15))
+    stop = threading.Event()
+    refused: list[int] = []
+
+    def flood() -> None:
+        body = json.dumps({"model": "tiny", "prompt": "lorem ipsum " * 350_000, "max_tokens": 5})
+        with httpx.Client(timeout=120, headers={"authorization": f"Bearer {KEY_HUGE}"}) as client:
+            while not stop.is_set():
+                refused.append(client.post(gateway.url + "/v1/completions", content=body).status_code)
+
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        during = statistics.median(small_latencies(15))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    print(f"small request median latency alone {alone * 1000:.1f} ms, beside the 4 MB prompts "
+          f"{during * 1000:.1f} ms; {len(refused)} big prompts refused")
+    assert refused and set(refused) == {400}
+    # Margin: reading and parsing a 4 MB body takes the gateway's event loop tens of ms
+    # per big request; a stall behind the engine's tokenizer took seconds.
+    assert during <= 3 * alone + 0.25

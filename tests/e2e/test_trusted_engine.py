@@ -1,0 +1,148 @@
+"""A real ``tokenpace serve --trusted-gateway`` with an API key, alone and behind the gateway.
+
+What only a real vLLM server can show: every route that does work refuses a caller without
+the engine's key (vLLM's own ``--api-key`` would leave ``/tokenize``, ``/metrics`` and the
+rest open), the gateway gets through with the key from its configuration, two tenants
+sending the same prompt do not share cached prefix blocks unless configured to (vLLM's
+``prompt_tokens_details.cached_tokens``), and a gateway whose lanes need
+``--scheduling-policy priority`` sees that this engine runs ``fcfs``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests.gateway.conftest import GatewayProcess
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_KEY = "sk-engine-" + uuid.uuid4().hex
+KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "d": "sk-d"}
+
+# Routes of vLLM 0.32's OpenAI server that do work or reveal something, and made-up ones
+# (the middleware refuses by default, not by list).
+ROUTES = [
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                 "vllm_xargs": {"output_rate_user": "team-a",
+                                                "output_rate_tokens_per_second": 1000}}),
+    ("POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/tokenize", {"model": "tiny", "prompt": "hi"}),
+    ("POST", "/detokenize", {"model": "tiny", "tokens": [1, 2]}),
+    ("POST", "/pooling", {"model": "tiny", "input": "hi"}),
+    ("POST", "/classify", {"model": "tiny", "input": "hi"}),
+    ("POST", "/score", {"model": "tiny", "text_1": "a", "text_2": "b"}),
+    ("POST", "/rerank", {"model": "tiny", "query": "a", "documents": ["b"]}),
+    ("POST", "/v1/embeddings", {"model": "tiny", "input": "hi"}),
+    ("POST", "/invocations", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    ("GET", "/metrics", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/version", None),
+    ("GET", "/load", None),
+    ("GET", "/ping", None),
+    ("GET", "/server_info", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/no-such-route", None),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    home = tmp_path_factory.mktemp("trusted")
+    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                      "--enable-prompt-tokens-details"),
+                 port, home / "vllm.log", env={"VLLM_API_KEY": ENGINE_KEY})
+    start_all([srv])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("method, path, body", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_direct_calls_without_the_engine_key_get_401(engine: Server, method: str, path: str,
+                                                     body: Any) -> None:
+    for headers in ({}, {"authorization": "Bearer wrong"},
+                    {"authorization": f"Basic {ENGINE_KEY}"}):
+        resp = httpx.request(method, engine.base_url + path, json=body, headers=headers,
+                             timeout=60)
+        assert resp.status_code == 401, (path, headers, resp.status_code, resp.text[:200])
+
+
+def test_the_key_opens_the_engine_and_health_stays_open(engine: Server) -> None:
+    auth = {"authorization": f"Bearer {ENGINE_KEY}"}
+    assert httpx.get(f"{engine.base_url}/health", timeout=10).status_code == 200
+    for method, path, body in ROUTES[:3] + [("GET", "/metrics", None)]:
+        resp = httpx.request(method, engine.base_url + path, json=body, headers=auth, timeout=60)
+        assert resp.status_code == 200, (path, resp.text[:300])
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    home = tmp_path_factory.mktemp("trusted-gateway")
+    config: dict[str, Any] = {
+        # The engine runs fcfs: this gateway must notice that its lanes lose priority there.
+        "engines": [{"url": engine.base_url, "api_key_env": "TOKENPACE_TEST_ENGINE_KEY",
+                     "scheduling_policy": "priority"}],
+        "ledger": f"sqlite:///{home / 'usage.db'}",
+        "tenants": [{"id": f"team-{t}", "api_keys": [key], "share_prefix_cache": t in "cd"}
+                    for t, key in KEYS.items()],
+    }
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TOKENPACE_TEST_ENGINE_KEY", ENGINE_KEY)  # the gateway process inherits it
+    gw = GatewayProcess(home, config)
+    try:
+        gw.start()
+        yield gw
+    finally:
+        gw.stop()
+        mp.undo()
+
+
+def _cached_tokens(gw: GatewayProcess, tenant: str, prompt: str) -> int:
+    resp = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                      headers={"authorization": f"Bearer {KEYS[tenant]}"},
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _prompt() -> str:
+    # About 300 tokens, fresh per test so that no earlier request cached it.
+    return f"{uuid.uuid4().hex} " + " ".join(f"word{i}" for i in range(120))
+
+
+def test_tenants_do_not_share_cached_prompt_blocks(gateway: GatewayProcess) -> None:
+    prompt = _prompt()
+    assert _cached_tokens(gateway, "a", prompt) == 0
+    assert _cached_tokens(gateway, "a", prompt) > 0, "the engine caches a tenant's own prefix"
+    assert _cached_tokens(gateway, "b", prompt) == 0, "another tenant must not hit a's blocks"
+
+
+def test_tenants_that_opt_out_share_the_cache(gateway: GatewayProcess) -> None:
+    prompt = _prompt()
+    assert _cached_tokens(gateway, "c", prompt) == 0
+    assert _cached_tokens(gateway, "d", prompt) > 0
+    assert _cached_tokens(gateway, "a", prompt) == 0, "a salted tenant still does not"
+
+
+def test_the_gateway_sees_the_engine_runs_fcfs_under_priority_lanes(gateway: GatewayProcess) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        health = httpx.get(f"{gateway.url}/health", timeout=10).json()["engines"][0]
+        if health["scheduling_policy"]["engine"] != "unknown" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert health["scheduling_policy"] == {"configured": "priority", "engine": "fcfs"}
+    assert "lanes lose their priority" in health["warning"]
+    assert "lanes lose their priority" in gateway.log()

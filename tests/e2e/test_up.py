@@ -1,0 +1,62 @@
+"""``tokenpace up`` on the tiny model: the engine it starts is locked with a generated key,
+and an engine whose API server is killed does not leave its engine core running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from tests._servers import Server, free_port
+from tokenpace.bench._server import KV_CACHE_BYTES, group_members
+
+pytestmark = pytest.mark.vllm
+
+
+def test_up_locks_its_engine_and_reaps_a_dead_engines_processes(tiny_model: Path,
+                                                                tmp_path: Path) -> None:
+    engine_port, port = free_port(), free_port()
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({
+        "engines": [f"http://127.0.0.1:{engine_port}"],
+        "ledger": f"sqlite:///{tmp_path / 'usage.db'}",
+        "tenants": [{"id": "team-a", "api_keys": ["sk-a"]}],
+    }))
+    up = Server([sys.executable, "-m", "tokenpace.cli", "up", str(tiny_model), "--config",
+                 str(config), "--port", str(port), "--served-model-name", "tiny", "--",
+                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager"],
+                port, tmp_path / "up.log")
+    try:
+        up.wait_ready()
+        engine = f"http://127.0.0.1:{engine_port}"
+        # Nobody but the gateway holds the key: direct calls are refused, the gateway's pass.
+        assert httpx.post(f"{engine}/tokenize", json={"model": "tiny", "prompt": "hi"},
+                          timeout=30).status_code == 401
+        assert httpx.get(f"{engine}/metrics", timeout=30).status_code == 401
+        resp = httpx.post(f"{up.base_url}/v1/completions", timeout=120,
+                          headers={"authorization": "Bearer sk-a"},
+                          json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        # The key is not on any command line (ps shows those to every local user).
+        api_server = next(p for p in psutil.Process(up.proc.pid).children()
+                          if f"{engine_port}" in " ".join(p.cmdline()))
+        assert not any("api-key" in arg for arg in api_server.cmdline())
+
+        group = os.getpgid(api_server.pid)
+        assert len(group_members(group)) >= 2, "the API server and its engine core"
+        os.kill(api_server.pid, signal.SIGKILL)  # the API server alone dies
+        deadline = time.monotonic() + 40
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_members(group) == [], "engine-core processes outlived their API server"
+        assert up.proc.poll() is None, "the gateway keeps running (it reports the engine down)"
+        assert "stopping its remaining processes" in up.log_tail(200)
+    finally:
+        up.stop()

@@ -1,0 +1,63 @@
+"""Every answer of the gateway is JSON in OpenAI's error format, whatever went wrong."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests._servers import free_port
+from tests.gateway._engine import EngineServer
+from tests.gateway.conftest import KEY_A, GatewayProcess, base_config
+
+
+def test_405_is_a_request_error(gateway: GatewayProcess) -> None:
+    resp = httpx.get(gateway.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"})
+    assert resp.status_code == 405
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_that_drops_while_sending_its_body_is_client_disconnected(gateway: GatewayProcess) -> None:
+    url = urlsplit(gateway.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"authorization: Bearer " + KEY_A.encode() + b"\r\ncontent-length: 100000\r\n\r\n"
+                     b'{"model": "fake", "prompt": "')
+        time.sleep(0.3)
+    rows = gateway.rows(1)
+    assert [r.finish_reason for r in rows] == ["client_disconnected"]
+    time.sleep(0.2)
+    log = gateway.log()
+    assert "Traceback" not in log, log
+
+
+def test_a_failed_connect_to_the_engine_is_retried_once(make_gateway: Any, tmp_path: Path) -> None:
+    """With no engine listening the client gets a JSON 502 after one retry (the retry
+    that succeeds is tests/unit/test_relay_send.py)."""
+    port = free_port()
+    gw = make_gateway(base_config(f"http://127.0.0.1:{port}", tmp_path / "u.db"))
+    resp = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"},
+                      json={"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "engine_error"
+    assert gw.log().count("retrying once") == 1
+
+
+def test_unexpected_errors_are_json_500_with_the_request_id(engine: EngineServer, make_gateway: Any,
+                                                            tmp_path: Path) -> None:
+    """A body the gateway's own code trips on (a number too large for a float, sent where
+    the gateway multiplies with it) is a bug to log, never a plain-text 500."""
+    gw = make_gateway(base_config(engine.url, tmp_path / "u.db"))
+    resp = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"},
+                      json={"model": "fake", "prompt": "hi", "max_tokens": 2, "n": 10 ** 400}, timeout=30)
+    if resp.status_code < 500:  # the body validation refused it first: also fine
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+        return
+    assert resp.status_code == 500
+    body = resp.json()["error"]
+    assert body["code"] == "internal_error" and resp.headers["x-request-id"] in body["message"]
+    assert gw.log().count(resp.headers["x-request-id"]) == 1

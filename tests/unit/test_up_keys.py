@@ -1,0 +1,28 @@
+"""`tokenpace up` gives each engine it starts an API key, and the gateway the same key."""
+
+from __future__ import annotations
+
+from tokenpace.gateway import parse_config
+from tokenpace.up import engine_key, with_engine_keys
+
+
+def _config(**first: object):  # noqa: ANN202
+    return parse_config({
+        "engines": [{"url": "http://127.0.0.1:8001", **first}, "http://127.0.0.1:8002",
+                    "http://10.1.2.3:8001"],
+        "tenants": [{"id": "a", "api_keys": ["sk-a"]}],
+    })
+
+
+def test_local_engines_get_distinct_random_keys_and_remote_ones_none() -> None:
+    config = with_engine_keys(_config())
+    local = [e.api_key for e in config.engines[:2]]
+    assert all(k and len(k) >= 40 for k in local) and local[0] != local[1]
+    assert config.engines[2].api_key is None
+    assert engine_key(config, 8002) == local[1]
+    assert with_engine_keys(_config()).engines[0].api_key != local[0], "new per run"
+
+
+def test_a_key_from_the_configuration_is_kept() -> None:
+    config = with_engine_keys(_config(api_key="sk-mine"))
+    assert engine_key(config, 8001) == "sk-mine"
