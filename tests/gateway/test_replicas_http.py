@@ -1,4 +1,5 @@
-"""Two gateway processes sharing their tenants' budgets in a real ``redis-server``.
+"""Gateway replicas sharing their tenants' budgets in a real ``redis-server``: separate
+processes, and ``--workers`` on one port.
 
 What issue 14 wires so far: budgets (``state: redis://...``). Slots and fair-queue counters
 are still per process (docs/gateway.md, "Several replicas").
@@ -6,15 +7,19 @@ are still per process (docs/gateway.md, "Several replicas").
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
+import yaml
 
 from tests._redis import RedisServer, require_redis_client
+from tests._servers import Server, free_port
 from tests.gateway._engine import EngineServer
 from tests.gateway.conftest import KEY_A, GatewayProcess, base_config
 
@@ -108,3 +113,32 @@ def test_closed_answers_503_while_redis_is_down_and_recovers(
         assert level == 1.0
     finally:
         gw.stop()
+
+
+def test_workers_share_one_port_and_one_budget(engine: EngineServer, tmp_path: Path,
+                                               redis_server: RedisServer) -> None:
+    """``--workers 2``: two processes answer on one port and together admit what one would."""
+    config = base_config(engine.url, tmp_path / "usage.db",
+                         budgets=[{"tokens": BUDGET, "per": "1h"}])
+    config["state"] = {"url": redis_server.url, "timeout": "1s"}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    server = Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(path),
+                     "--port", str(port), "--workers", "2", "--log-level", "warning"],
+                    port, tmp_path / "gateway.log")
+    try:
+        server.wait_ready(timeout_s=30)
+        deadline = time.monotonic() + 20
+        while len(psutil.Process(server.proc.pid).children()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.post(
+                url, json=BODY, timeout=30, headers={"authorization": f"Bearer {KEY_A}"}
+            ).status_code, range(16)))
+        assert codes.count(200) == BUDGET // COST, codes
+        assert set(codes) == {200, 429}, codes
+    finally:
+        server.stop()

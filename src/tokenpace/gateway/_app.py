@@ -53,6 +53,8 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.rt: Runtime | None = None
+        # Processes serving this port (--workers): open-mode fallback limits divide by it.
+        self.workers = 1
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self.app = Starlette(
             routes=[
@@ -89,7 +91,8 @@ class Gateway:
                                           headers=e.auth_headers())
                          for e in self.config.engines}
             # Shared budgets (state: redis://...); None keeps them in this process.
-            store = open_store(self.config.state) if self.config.state.shared else None
+            store = (open_store(self.config.state, workers=self.workers)
+                     if self.config.state.shared else None)
             if store is not None:
                 await store.start()
                 _register_state_collector(store)
