@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tokenpace.gateway._workers import reuse_port_socket, worker_argv
 
@@ -64,3 +65,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_workers_without_state_are_refused_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text('engines: [{url: "http://127.0.0.1:1"}]\n'
+                      'tenants: [{id: t, api_keys: ["k"]}]\n'
+                      f'ledger: "sqlite:///{tmp_path}/u.db"\n')
+    done = subprocess.run([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
+                           str(config), "--workers", "2"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "--workers 2 needs shared state" in done.stderr and "'state'" in done.stderr
