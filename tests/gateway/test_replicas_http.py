@@ -142,3 +142,29 @@ def test_workers_share_one_port_and_one_budget(engine: EngineServer, tmp_path: P
         assert set(codes) == {200, 429}, codes
     finally:
         server.stop()
+
+
+def test_open_admits_under_fallback_budgets_while_redis_is_down(
+        engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    (gw,) = replicas(engine, tmp_path, redis_server.url, 1, on_state_failure="open")
+    gw.write({**gw.config, "state": {**gw.config["state"], "replicas": 2}})
+    gw.stop()
+    gw.start()
+    try:
+        redis_server.kill()
+        codes = [post(gw).status_code for _ in range(6)]
+        # Fallback budget: 1000 / 2 replicas = 500, room for 4 requests of 116.
+        assert codes == [200] * 4 + [429] * 2, codes
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") == 6
+        assert gw.metric("tokenpace_gateway_state_up") == 0.0
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while gw.metric("tokenpace_gateway_state_up") != 1.0:
+            post(gw)  # the next call after the probe interval finds Redis again
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        # Shared again: Redis's budget saw none of the fallback's requests.
+        assert post(gw).status_code == 200
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") <= 7
+    finally:
+        gw.stop()
