@@ -7,6 +7,7 @@ are still per process (docs/gateway.md, "Several replicas").
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +40,13 @@ def redis_server(tmp_path: Path) -> Any:
 
 
 def replicas(engine: EngineServer, tmp_path: Path, redis_url: str, n: int,
-             **state: Any) -> list[GatewayProcess]:
+             budget: int = BUDGET, **state: Any) -> list[GatewayProcess]:
     out = []
     for i in range(n):
         home = tmp_path / f"replica-{i}"
         home.mkdir()
         config = base_config(engine.url, home / "usage.db",
-                             budgets=[{"tokens": BUDGET, "per": "1h"}])
+                             budgets=[{"tokens": budget, "per": "1h"}])
         # A generous timeout: on a loaded CI box 100 ms Redis calls would time out and
         # answer 503; the timeout itself is tested in tests/state.
         config["state"] = {"url": redis_url, "timeout": "1s"}
@@ -168,3 +169,38 @@ def test_open_admits_under_fallback_budgets_while_redis_is_down(
         assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") <= 7
     finally:
         gw.stop()
+
+
+def test_a_sigkilled_replica_leaves_the_survivor_serving_with_every_ledger_row(
+        engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    started = time.monotonic()
+    gws = replicas(engine, tmp_path, redis_server.url, 2, budget=100_000)
+    try:
+        assert [post(gw).status_code for gw in gws * 3] == [200] * 6
+        assert gws[0].server is not None
+        gws[0].server.proc.kill()  # SIGKILL: no shutdown, no settlement, no ledger flush
+        gws[0].server.proc.wait(10)
+        survivor = gws[1]
+        assert [post(survivor).status_code for _ in range(4)] == [200] * 4
+        rows = survivor.rows(7)
+        assert len(rows) == 7 and all(r.finish_reason == "length" for r in rows), rows
+        # The shared budget holds every request of both replicas: 10 x 116 taken.
+        level = asyncio.run(_level(redis_server.url, 100_000))
+        refill = 100_000 / 3600 * (time.monotonic() - started + 1)
+        assert 100_000 - 10 * COST - 1 <= level <= 100_000 - 10 * COST + refill
+    finally:
+        for gw in gws:
+            gw.stop()
+
+
+async def _level(url: str, tokens: int) -> float:
+    """team-a's budget level, read from Redis."""
+    from tokenpace.fairness import BudgetSpec
+    from tokenpace.gateway._state._redis import RedisStore
+
+    store = RedisStore(url, timeout_s=2.0)
+    try:
+        spec = BudgetSpec(tokens, 3600)
+        return (await store.budget_levels("team-a", [spec]))[spec.key]
+    finally:
+        await store.close()
