@@ -99,7 +99,9 @@ class Gateway:
             self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
                               store=store)
-            metrics.BUDGET_REMAINING.source = tenants.budget_samples
+            # With shared state the process's own buckets are unused: publish nothing rather
+            # than full buckets (reading Redis at scrape time is not wired yet).
+            metrics.BUDGET_REMAINING.source = tenants.budget_samples if store is None else None
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
