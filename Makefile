@@ -17,7 +17,7 @@ CONFIG ?= examples/gateway.yaml
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install model serve test prometheus monitor
+.PHONY: install model serve test prometheus monitor redis
 
 install: $(STAMP)
 
@@ -51,6 +51,18 @@ prometheus:
 	else \
 		echo "prometheus is not installed: run 'sudo apt-get install prometheus'," \
 		     "or put prometheus and promtool on PATH" >&2; exit 1; \
+	fi
+
+# Debian's redis-server, installed when missing and we are root: tests/state (the gateway's
+# shared state) start their own on a free port (.ci/run calls this).
+redis:
+	@if command -v redis-server >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+	else \
+		echo "redis-server is not installed: run 'sudo apt-get install redis-server'," \
+		     "or put redis-server on PATH" >&2; exit 1; \
 	fi
 
 monitor: prometheus

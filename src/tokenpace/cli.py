@@ -124,6 +124,15 @@ def _cmd_bench_fairness(args: argparse.Namespace) -> int:
     return _bench_outputs(args, fairness, result)
 
 
+def _cmd_bench_state(args: argparse.Namespace) -> int:
+    from .bench import state
+
+    if args.quick:
+        args.requests, args.repeats = 200, 2
+    result = state.run(args.requests, args.concurrency, args.repeats, args.redis)
+    return _bench_outputs(args, state, result)
+
+
 def _modes(value: str) -> list[str]:
     modes = value.split(",")
     if not modes or any(m not in ("sync", "async") for m in modes):
@@ -272,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds of the capacity measurement (default 15)")
     fair.add_argument("--seed", type=int, default=1, help="seed of the arrival times")
     fair.set_defaults(func=_cmd_bench_fairness)
+
+    stb = bench_sub.add_parser(
+        "state", help="state work per request: Redis (several replicas) against in process",
+    )
+    _bench_common(stb)
+    stb.add_argument("--requests", type=_positive_int, default=2000,
+                     help="requests per measurement (default 2000)")
+    stb.add_argument("--concurrency", type=_positive_int, default=32,
+                     help="requests at once in the throughput measurement (default 32)")
+    stb.add_argument("--repeats", type=_positive_int, default=5,
+                     help="alternating repeats per store (default 5)")
+    stb.add_argument("--redis", metavar="URL", default=None,
+                     help="an existing Redis (default: start a redis-server for the run)")
+    stb.set_defaults(func=_cmd_bench_state)
     return parser
 
 

@@ -25,7 +25,7 @@ is first in, first out.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Generic, TypeVar
@@ -153,6 +153,18 @@ class FairQueue(Generic[T]):
         state = self._tenants.get(tenant)
         if state is not None:
             state.counter += cost / state.weight
+
+    def set_counters(self, counters: Mapping[str, float]) -> None:
+        """Adopt counters kept elsewhere (several gateway replicas share them in a store).
+
+        A replica dispatches among its own waiting requests by the shared counters, so a
+        tenant's service on every replica counts; the store also does the lift (construct
+        the queue with ``lift=False`` then). Unknown tenants are ignored. O(len(counters)).
+        """
+        for tenant, value in counters.items():
+            state = self._tenants.get(tenant)
+            if state is not None:
+                state.counter = value
 
     # -- observation -----------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import Runtime, authenticate, bearer_key, handle
+from ._state import StateStore, open_store
 from ._tenants import Tenants
 from ._upstream import Upstream
 
@@ -52,6 +53,8 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.rt: Runtime | None = None
+        # Processes serving this port (--workers): open-mode fallback limits divide by it.
+        self.workers = 1
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self.app = Starlette(
             routes=[
@@ -87,9 +90,18 @@ class Gateway:
             upstreams = {e.url: Upstream(e.url, e.max_inflight + 8, ENGINE_KEEPALIVE_S,
                                           headers=e.auth_headers())
                          for e in self.config.engines}
+            # Shared budgets (state: redis://...); None keeps them in this process.
+            store = (open_store(self.config.state, workers=self.workers)
+                     if self.config.state.shared else None)
+            if store is not None:
+                await store.start()
+                _register_state_collector(store)
             self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
-                              clients, ledger, clock=self.clock, upstreams=upstreams)
-            metrics.BUDGET_REMAINING.source = tenants.budget_samples
+                              clients, ledger, clock=self.clock, upstreams=upstreams,
+                              store=store)
+            # With shared state the process's own buckets are unused: publish nothing rather
+            # than full buckets (reading Redis at scrape time is not wired yet).
+            metrics.BUDGET_REMAINING.source = tenants.budget_samples if store is None else None
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
@@ -104,6 +116,8 @@ class Gateway:
                     await client.aclose()
                 for upstream in upstreams.values():
                     await upstream.close()
+                if store is not None:
+                    await store.close()
                 self._snapshot()
         finally:
             ledger.close()
@@ -193,6 +207,8 @@ class Gateway:
             raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
             raise ConfigError("ledger: changing the ledger needs a restart")
+        if new.state != self.config.state:
+            raise ConfigError("state: changing the state store needs a restart")
         assert self.rt is not None
         self.rt.tenants.apply(new)
         self.rt.dispatcher.configure(new)
@@ -234,8 +250,11 @@ class Gateway:
                     "queued": len(e.queue),
                     **self._policy_fields(e.config)} for e in rt.dispatcher.engines]
         ok = any(e["healthy"] for e in engines)
-        return JSONResponse({"status": "ok" if ok else "no healthy engine", "engines": engines},
-                            status_code=200 if ok else 503)
+        body: dict[str, object] = {"status": "ok" if ok else "no healthy engine",
+                                   "engines": engines}
+        body["state"] = rt.store.describe() if rt.store is not None else {"backend": "memory",
+                                                                            "healthy": True}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def _policy_fields(self, engine: EngineConfig) -> dict[str, object]:
         reported = self.engine_policies.get(engine.url, UNKNOWN)
@@ -302,3 +321,18 @@ def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[floa
 
 def create_app(config_path: str | Path) -> Gateway:
     return Gateway(load_config(config_path))
+
+
+_state_collector: list[object] = []
+
+
+def _register_state_collector(store: StateStore) -> None:
+    """``tokenpace_gateway_state_*`` on /metrics, read at scrape time (one per process)."""
+    from ._state._metrics import StateCollector
+
+    if _state_collector:
+        _state_collector[0].store = store  # type: ignore[attr-defined]
+        return
+    collector = StateCollector(store)
+    metrics.REGISTRY.register(collector)
+    _state_collector.append(collector)

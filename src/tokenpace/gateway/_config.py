@@ -24,6 +24,7 @@ import yaml
 
 from ..fairness import BudgetSpec, CostModel, parse_duration
 from ..pacing import LimitsError, validate_user_id
+from ._state import StateConfig, StateConfigError, parse_state
 
 DEFAULT_LEDGER = "sqlite:///tokenpace-usage.db"
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -110,6 +111,8 @@ class GatewayConfig:
     repin_after_s: float | None = None
     # "fcfs" keeps lanes but serves tenants in arrival order: the baseline for comparisons.
     dispatch_order: str = "vtc"
+    # Where budgets live: in process (one replica) or shared in Redis (several).
+    state: StateConfig = field(default_factory=StateConfig)
     source: Path | None = None
 
     def lane(self, name: str) -> LaneConfig:
@@ -160,7 +163,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
-                      "dispatch_order"))
+                      "dispatch_order", "state", "on_state_failure"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -210,11 +213,19 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         lane_share_window_s=_duration(root, "lane_share_window", "", 30.0),
         repin_after_s=_duration(root, "repin_after", "", 0.0) or None,
         dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
+        state=_state(root.get("state"), root.get("on_state_failure")),
         source=source,
     )
 
 
 # -- sections ----------------------------------------------------------------------
+
+
+def _state(state: Any, on_failure: Any) -> StateConfig:
+    try:
+        return parse_state(state, on_failure)
+    except StateConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _dispatch_order(value: Any) -> str:

@@ -15,6 +15,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ._config import ConfigError, GatewayConfig, load_config
+from ._state import check_workers
+from ._workers import WORKER_FLAG, reuse_port_socket, supervise, worker_argv
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -31,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="gateway processes serving the port (default 1); more than one "
+                             "needs the configuration key 'state' (shared budgets in Redis)")
+    parser.add_argument(WORKER_FLAG, type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -51,7 +57,13 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = load_or_exit(parser, args.config, args.log_level)
-    return run_loop(serve(config, args.host, args.port, args.log_level))
+    problem = check_workers(args.workers, config.state)
+    if problem is not None:
+        parser.error(problem)
+    if args.workers > 1:
+        return supervise(worker_argv(argv), args.workers)
+    return run_loop(serve(config, args.host, args.port, args.log_level,
+                          workers=args.worker_of or 1))
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
@@ -81,13 +93,16 @@ def _http_impl() -> str:
     return "httptools"
 
 
-async def serve(config: GatewayConfig, host: str, port: int, log_level: str) -> int:
-    """Serve until SIGINT/SIGTERM; SIGHUP reloads the configuration file."""
+async def serve(config: GatewayConfig, host: str, port: int, log_level: str,
+                workers: int = 1) -> int:
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the configuration file. ``workers > 1``:
+    one of that many processes sharing the port (SO_REUSEPORT) and the state store."""
     import uvicorn
 
     from ._app import Gateway
 
     gateway = Gateway(config)
+    gateway.workers = workers
     server = uvicorn.Server(uvicorn.Config(
         gateway.app, host=host, port=port, log_level=log_level, lifespan="on",
         timeout_graceful_shutdown=30, timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
@@ -105,7 +120,7 @@ async def serve(config: GatewayConfig, host: str, port: int, log_level: str) -> 
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
     except (NotImplementedError, AttributeError):  # not on this platform
         pass
-    await server.serve()
+    await server.serve(sockets=[reuse_port_socket(host, port)] if workers > 1 else None)
     return 0 if server.started else 1
 
 

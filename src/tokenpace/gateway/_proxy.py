@@ -41,6 +41,7 @@ from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
 from ._errors import GatewayError, error_body, error_response
 from ._ledger import Ledger, UsageRecord
+from ._state import Reservation, StateStore, StateUnavailable
 from ._stream import ChunkRewriter, EventSplitter
 from ._tenants import TenantState, Tenants
 from ._upstream import Upstream, UpstreamError
@@ -61,6 +62,10 @@ class Runtime:
     ledger: Ledger
     upstreams: dict[str, Upstream] = field(default_factory=dict)  # the hot path: completions
     clock: Callable[[], float] = time.monotonic
+    # Budgets shared with other replicas (state: redis://...); None: in this process.
+    store: StateStore | None = None
+    # Settlements sent to the store in the background (finish is synchronous).
+    settling: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class ClientWatch:
@@ -109,6 +114,7 @@ class Exchange:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reserved: float = 0.0
+    reservation: Reservation | None = None  # taken in the shared store (state: redis://)
     max_completion_tokens: int = 0
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
@@ -148,7 +154,13 @@ class Exchange:
             rt.dispatcher.release(self.waiter)
         actual = (rt.config.cost.of(self.prompt_tokens, self.completion_tokens)
                   if self.charge_usage else 0.0)
-        if self.reserved:
+        if self.reservation is not None:
+            # One script, off the request's path; a failure leaves the reservation charged.
+            task = asyncio.get_running_loop().create_task(
+                rt.store.settle(self.reservation, actual))  # type: ignore[union-attr]
+            rt.settling.add(task)
+            task.add_done_callback(rt.settling.discard)
+        elif self.reserved:
             self.tenant.settle(self.reserved, actual, rt.clock())
         e2e = rt.clock() - self.arrived
         if self.waiter is not None and self.waiter.granted:
@@ -246,9 +258,12 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         ex.prompt_tokens = prompt_tokens
         max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
         reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
-        refusal = tenant.try_reserve(reserved, rt.clock())
-        if refusal is not None:
-            raise _budget_error(refusal)
+        if rt.store is not None and tenant.config.budgets:
+            ex.reservation = await _reserve_shared(rt.store, tenant, reserved)
+        else:
+            refusal = tenant.try_reserve(reserved, rt.clock())
+            if refusal is not None:
+                raise _budget_error(refusal)
         ex.reserved = reserved
         ex.max_completion_tokens = max_tokens * req.n
         admitted = rt.clock()
@@ -451,6 +466,20 @@ def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,
     raise GatewayError(400, f"{req.max_tokens_field} is required for prompts given as token ids "
                        "when the tenant has no max_output_tokens", reason="bad_request",
                        code="invalid_value", param=req.max_tokens_field)
+
+
+async def _reserve_shared(store: StateStore, tenant: TenantState, cost: float) -> Reservation:
+    """Reserve in the shared store (one script, at most its timeout, ~100 ms)."""
+    try:
+        result = await store.reserve(tenant.id, tenant.config.budgets, cost)
+    except StateUnavailable:
+        # on_state_failure: closed: nothing is admitted that could overspend.
+        raise GatewayError(503, "the gateway's state store does not answer; retry shortly",
+                           reason="state_unavailable", code="state_unavailable",
+                           headers={"retry-after": "1"}) from None
+    if isinstance(result, BudgetRefusal):
+        raise _budget_error(result)
+    return result
 
 
 def _budget_error(refusal: BudgetRefusal) -> GatewayError:

@@ -1,0 +1,198 @@
+"""`tokenpace bench state`: what shared state costs a request, Redis against in process.
+
+One request's state work as the gateway does it, one call per stage: admission (reserve
+the budget, take a queued place, lift the tenant's fair-queue counter), dispatch (trade
+the queued place for the running slots: tenant concurrency and engine ``max_inflight``;
+count the lane's dispatched cost), the output's charges (collected in process, not a
+round trip), settlement (release, settle). Three round trips with Redis. Measured on the same machine as a ``redis-server`` started for the run (or
+``--redis URL``), alternating the in-process store and the Redis store over repeats:
+
+- latency: one request at a time, the wall time of its state work (median and p99);
+- throughput: ``concurrency`` requests at once, requests per second through one process
+  and that process's CPU time per request (the gateway's own cost; Redis's is separate).
+
+Ratios are against the in-process store measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..fairness import BudgetSpec
+from ..gateway._state import (
+    Admission,
+    Lease,
+    LocalStore,
+    StateStore,
+    engine_slot,
+    queued_slot,
+    running_slot,
+)
+from ._environment import environment
+from ._load import percentile
+from .overhead import median_interval
+
+BUDGET = BudgetSpec(1e15, 86400)
+TENANTS = [f"tenant-{i}" for i in range(8)]
+ROUND_TRIPS = 3
+
+
+async def _one(store: StateStore, tenant: str) -> None:
+    admitted = await store.admit(tenant, [BUDGET], 300.0, queued_slot(tenant, 10_000),
+                                 "default", TENANTS)
+    assert isinstance(admitted, Admission)
+    running = await store.dispatch(
+        [running_slot(tenant, 10_000), engine_slot("http://e1", 10_000)], admitted.queued,
+        "default", 300.0)
+    assert isinstance(running, Lease)
+    store.charge("default", tenant, 200.0)
+    await store.finish(running, admitted.reservation, 250.0)
+
+
+async def _latency(store: StateStore, requests: int) -> list[float]:
+    out = []
+    for i in range(requests):
+        t0 = time.perf_counter()
+        await _one(store, TENANTS[i % len(TENANTS)])
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _throughput(store: StateStore, requests: int, concurrency: int) -> tuple[float, float]:
+    """(requests per second, CPU seconds of this process per request)."""
+    queue = list(range(requests))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop()
+            await _one(store, TENANTS[i % len(TENANTS)])
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return requests / elapsed, cpu / requests
+
+
+def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("tokenpace bench state: error: redis-server is not installed "
+                         "(apt-get install redis-server), or pass --redis URL")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # The set-up docs/gateway.md recommends: an append-only file, fsync every second.
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home),
+                             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                             "--daemonize", "no"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("tokenpace bench state: error: redis-server did not start")
+
+
+async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
+    from ..gateway._state._redis import RedisStore
+
+    # A generous timeout: this measures cost, and a stalled shared machine must not abort it.
+    redis = RedisStore(url, timeout_s=5.0, prefix="tokenpace-bench:")
+    memory = LocalStore()
+    stores: dict[str, StateStore] = {"memory": memory, "redis": redis}
+    runs: dict[str, dict[str, list[float]]] = {
+        name: {"median_s": [], "p99_s": [], "rps": [], "cpu_s": []} for name in stores}
+    try:
+        await redis.start()
+        for store in stores.values():
+            await _latency(store, 50)  # warm-up: connections, script loading
+        for i in range(repeats):
+            names = list(stores) if i % 2 == 0 else list(stores)[::-1]
+            for name in names:
+                lat = await _latency(stores[name], requests)
+                rps, cpu = await _throughput(stores[name], requests, concurrency)
+                runs[name]["median_s"].append(statistics.median(lat))
+                runs[name]["p99_s"].append(percentile(lat, 99))
+                runs[name]["rps"].append(rps)
+                runs[name]["cpu_s"].append(cpu)
+    finally:
+        await redis.close()
+    summary: dict[str, Any] = {}
+    for name, r in runs.items():
+        summary[name] = {
+            "latency_median_us": statistics.median(r["median_s"]) * 1e6,
+            "latency_median_us_interval": [x * 1e6 for x in median_interval(r["median_s"])],
+            "latency_p99_us": statistics.median(r["p99_s"]) * 1e6,
+            "requests_per_s": statistics.median(r["rps"]),
+            "cpu_us_per_request": statistics.median(r["cpu_s"]) * 1e6,
+            "runs": r,
+        }
+    ratios = [b / a for a, b in zip(runs["memory"]["cpu_s"], runs["redis"]["cpu_s"])]
+    summary["redis_over_memory_cpu"] = {"median": statistics.median(ratios),
+                                        "interval": list(median_interval(ratios))}
+    return summary
+
+
+def run(requests: int, concurrency: int, repeats: int, redis_url: str | None = None) -> dict[str, Any]:
+    home = Path(tempfile.mkdtemp(prefix="tokenpace-bench-state-"))
+    proc = None
+    if redis_url is None:
+        proc, redis_url = _start_redis(home)
+    try:
+        result = asyncio.run(_measure(redis_url, requests, concurrency, repeats))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    result.update({
+        "benchmark": "state", "requests": requests, "concurrency": concurrency,
+        "repeats": repeats, "round_trips_per_request": ROUND_TRIPS,
+        "redis_server": "started by the bench (appendonly, fsync everysec)" if proc else "given",
+        "environment": environment(),
+    })
+    _print(result)
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"state work of one request ({result['round_trips_per_request']} round trips with "
+          f"Redis), {result['repeats']} repeats of {result['requests']} requests:")
+    for name in ("memory", "redis"):
+        r = result[name]
+        lo, hi = r["latency_median_us_interval"]
+        print(f"  {name:6s} latency median {r['latency_median_us']:8.0f} us "
+              f"(95% {lo:.0f}-{hi:.0f}), p99 {r['latency_p99_us']:8.0f} us; "
+              f"{r['requests_per_s']:8.0f} req/s at concurrency {result['concurrency']}, "
+              f"CPU {r['cpu_us_per_request']:6.0f} us/request")
+    ratio = result["redis_over_memory_cpu"]
+    print(f"  gateway CPU per request, redis / memory: {ratio['median']:.1f}x "
+          f"(95% {ratio['interval'][0]:.1f}-{ratio['interval'][1]:.1f})")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from ._plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = ["memory", "redis"]
+    ax.bar(names, [result[n]["latency_median_us"] for n in names], label="median")
+    ax.bar(names, [result[n]["latency_p99_us"] - result[n]["latency_median_us"] for n in names],
+           bottom=[result[n]["latency_median_us"] for n in names], alpha=0.4, label="to p99")
+    ax.set_yscale("log")  # in process and Redis differ by more than 10x
+    ax.set_ylabel("state work per request (us, log scale)")
+    ax.set_title("Gateway state: in process vs Redis")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

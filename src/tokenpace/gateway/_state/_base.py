@@ -1,0 +1,211 @@
+"""What the gateway asks of its state store, whichever store it is.
+
+Every operation is one call (one Redis round trip in the shared store), async so that a
+shared store can wait on the network, and says what was decided rather than handing out
+raw counters: "reserve 300 if all budgets allow it" instead of "read, compare, write",
+which several replicas would interleave into overspending.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ...fairness import BudgetRefusal, BudgetSpec
+
+
+class StateUnavailable(Exception):
+    """The state store did not answer in time; nothing was decided."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Cost taken from a tenant's budgets; settled once against the store that took it."""
+
+    tenant: str
+    budgets: tuple[BudgetSpec, ...]
+    cost: float
+    store: StateStore = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SlotClaim:
+    """One counted slot: ``key`` names the limit (``engine:<url>``, ``running:<tenant>``,
+    ``queued:<tenant>``), ``limit`` how many may be held at once (None: not limited)."""
+
+    key: str
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class SlotRefusal:
+    """The first claim whose limit was reached; nothing was taken."""
+
+    claim: SlotClaim
+    held: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request: its budget reservation, its place in the (global) queue of its
+    tenant, and the tenant's virtual counter after the lift."""
+
+    reservation: Reservation
+    queued: Lease
+    counter: float
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Lease:
+    """Slots held together until :meth:`StateStore.release`; the store renews them while
+    held so that only a crashed holder's slots expire."""
+
+    keys: tuple[str, ...]
+    store: StateStore = field(repr=False)
+    id: str = field(default_factory=lambda: f"{os.getpid()}-{os.urandom(4).hex()}-{next(_ids)}")
+    released: bool = False
+
+
+class StateStore(ABC):
+    """Budgets, slot leases and fair-queue counters, in process or shared."""
+
+    #: True while the store answers; a shared store reports False between a failed call and
+    #: the next successful one.
+    healthy: bool = True
+
+    # -- budgets ---------------------------------------------------------------------
+
+    @abstractmethod
+    async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
+                      cost: float) -> Reservation | BudgetRefusal:
+        """Take ``cost`` from every budget at once, or nothing and say which one refused
+        (the one with the longest wait, with exact remaining and reset figures)."""
+
+    @abstractmethod
+    async def settle(self, reservation: Reservation, actual: float) -> None:
+        """Replace a reservation by the actual cost (give back or take the difference)."""
+
+    @abstractmethod
+    async def budget_levels(self, tenant: str, budgets: Sequence[BudgetSpec]) -> dict[str, float]:
+        """Budget key -> cost units available now (for metrics)."""
+
+    # -- slots -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def acquire(self, claims: Sequence[SlotClaim],
+                      releasing: Lease | None = None) -> Lease | SlotRefusal:
+        """Take one slot of every claim, all or none; on success also give ``releasing``
+        back in the same step (a queued place traded for running slots)."""
+
+    @abstractmethod
+    async def release(self, lease: Lease) -> None:
+        """Give a lease's slots back at once (idempotent)."""
+
+    @abstractmethod
+    async def held(self, keys: Sequence[str]) -> dict[str, int]:
+        """Slots currently held under each key, by every replica."""
+
+    # -- fair queue ------------------------------------------------------------------
+
+    @abstractmethod
+    def charge(self, lane: str, tenant: str, amount: float) -> None:
+        """Add ``amount`` (service / weight) to a tenant's virtual counter. Not awaited:
+        a shared store batches charges and sends them with its next flush."""
+
+    @abstractmethod
+    async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
+        """The virtual counters of ``tenants`` (missing ones are 0)."""
+
+    @abstractmethod
+    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
+        """A tenant becomes backlogged: raise its counter to the smallest counter among the
+        backlogged ``others`` of its lane, or when none is backlogged to the largest counter
+        among them, so idle time banks no credit. Returns its counter.
+
+        (The VTC paper lifts to the counter of the tenant that left the backlog last;
+        replicas do not see who left last, and the largest counter of an idle lane is that
+        counter or above it, which forfeits the same banked credit.)"""
+
+    @abstractmethod
+    async def record_dispatch(self, lane: str, cost: float) -> None:
+        """Count ``cost`` dispatched in ``lane`` for the lane shares."""
+
+    @abstractmethod
+    async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
+        """Each lane's cost dispatched in the last ``window_s`` seconds, by every replica."""
+
+    # -- one call per gateway stage ------------------------------------------------------
+    # Each is one round trip in the shared store; these defaults compose the primitives.
+
+    async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
+                    queued: SlotClaim, lane: str,
+                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+        """Admission: a full queue refuses first, then the budgets; otherwise reserve
+        ``cost``, take a queued place, and lift the tenant's counter if it was not
+        backlogged (``others``: the other tenants of its lane)."""
+        waiting = (await self.held([queued.key]))[queued.key]
+        if queued.limit is not None and waiting >= queued.limit:
+            return SlotRefusal(queued, waiting)
+        reservation = await self.reserve(tenant, budgets, cost)
+        if isinstance(reservation, BudgetRefusal):
+            return reservation
+        if waiting == 0:
+            counter = await self.lift(lane, tenant, others)
+        else:
+            counter = (await self.counters(lane, [tenant]))[tenant]
+        place = await self.acquire([queued])
+        if isinstance(place, SlotRefusal):  # raced by another task of this process
+            await self.settle(reservation, 0.0)
+            return place
+        return Admission(reservation, place, counter)
+
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
+                       cost: float) -> Lease | SlotRefusal:
+        """Dispatch: trade the queued place for running slots (all ``claims`` or none) and
+        count ``cost`` in the lane's dispatched share."""
+        lease = await self.acquire(claims, releasing=queued)
+        if isinstance(lease, Lease):
+            await self.record_dispatch(lane, cost)
+        return lease
+
+    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+                     actual: float) -> None:
+        """Settlement: give the slots back and settle the reservation to ``actual``."""
+        if lease is not None:
+            await lease.store.release(lease)
+        if reservation is not None:
+            await reservation.store.settle(reservation, actual)
+
+    # -- life cycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start background work (lease renewal, charge flushing)."""
+
+    async def close(self) -> None:
+        """Stop background work and close connections."""
+
+    def describe(self) -> dict[str, object]:
+        """What /health shows about the store."""
+        return {"backend": "memory", "healthy": self.healthy}
+
+
+def engine_slot(url: str, max_inflight: int) -> SlotClaim:
+    """A request running on engine ``url`` (its ``max_inflight`` is global)."""
+    return SlotClaim(f"engine:{url}", max_inflight)
+
+
+def running_slot(tenant: str, max_concurrency: int | None) -> SlotClaim:
+    """A request of ``tenant`` running on any engine (``max_concurrency``)."""
+    return SlotClaim(f"running:{tenant}", max_concurrency)
+
+
+def queued_slot(tenant: str, max_queued: int | None) -> SlotClaim:
+    """A request of ``tenant`` waiting in any replica's queue (``max_queued``); a tenant
+    holding one is backlogged, which is what :meth:`StateStore.lift` looks at."""
+    return SlotClaim(f"queued:{tenant}", max_queued)

@@ -1,0 +1,138 @@
+"""State in this process: what one gateway replica needs, and the open-mode fallback.
+
+As the fallback of a shared store (``on_state_failure: open``) it divides every limit by
+the number of replicas, so that N replicas cut off from Redis together admit about what
+one would with it. Every operation is a few dictionary operations: O(number of budgets)
+for budgets, O(claims) for slots, O(tenants in the lane) for a lift.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from ...fairness import BudgetRefusal, BudgetSpec, TenantBudgets, TokenBucket
+from ._base import Lease, Reservation, SlotClaim, SlotRefusal, StateStore
+
+
+class LocalStore(StateStore):
+    """In-process budgets, slots and counters. ``divisor`` scales every limit down."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, divisor: int = 1) -> None:
+        if divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {divisor}")
+        self._clock = clock
+        self.divisor = divisor
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._slots: dict[str, set[str]] = {}
+        self._counters: dict[str, dict[str, float]] = {}
+        self._dispatched: dict[str, deque[tuple[float, float]]] = {}
+
+    def scaled(self, spec: BudgetSpec) -> BudgetSpec:
+        return spec if self.divisor == 1 else BudgetSpec(spec.tokens / self.divisor, spec.period_s)
+
+    def scaled_limit(self, limit: int | None) -> int | None:
+        """``limit / divisor``, at least 1 so that a small limit still lets work through."""
+        return None if limit is None or self.divisor == 1 else max(1, limit // self.divisor)
+
+    # -- budgets ---------------------------------------------------------------------
+
+    def _tenant_budgets(self, tenant: str, budgets: Sequence[BudgetSpec]) -> TenantBudgets:
+        now = self._clock()
+        group = TenantBudgets([], now)
+        for spec in budgets:
+            key = (tenant, spec.key)
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                bucket = self._buckets[key] = TokenBucket(self.scaled(spec), now)
+            group.buckets.append(bucket)
+        return group
+
+    def restore_levels(self, tenant: str, budgets: Sequence[BudgetSpec],
+                       levels: dict[str, float]) -> None:
+        """Start ``tenant``'s buckets at saved levels (budget key -> level), e.g. the levels
+        the ledger kept across a restart of a single replica."""
+        now = self._clock()
+        for spec in budgets:
+            if spec.key in levels:
+                self._buckets[(tenant, spec.key)] = TokenBucket(self.scaled(spec), now,
+                                                                levels[spec.key])
+
+    async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
+                      cost: float) -> Reservation | BudgetRefusal:
+        refusal = self._tenant_budgets(tenant, budgets).try_reserve(cost, self._clock())
+        return refusal if refusal is not None else Reservation(tenant, tuple(budgets), cost, self)
+
+    async def settle(self, reservation: Reservation, actual: float) -> None:
+        self._tenant_budgets(reservation.tenant, reservation.budgets).settle(
+            reservation.cost, actual, self._clock())
+
+    async def budget_levels(self, tenant: str, budgets: Sequence[BudgetSpec]) -> dict[str, float]:
+        now = self._clock()
+        group = self._tenant_budgets(tenant, budgets)
+        return {spec.key: b.level(now) for spec, b in zip(budgets, group.buckets)}
+
+    # -- slots -----------------------------------------------------------------------
+
+    async def acquire(self, claims: Sequence[SlotClaim],
+                      releasing: Lease | None = None) -> Lease | SlotRefusal:
+        for claim in claims:
+            limit = self.scaled_limit(claim.limit) if self.divisor > 1 else claim.limit
+            held = len(self._slots.get(claim.key, ()))
+            if limit is not None and held >= limit:
+                return SlotRefusal(claim, held)
+        lease = Lease(tuple(c.key for c in claims), self)
+        for key in lease.keys:
+            self._slots.setdefault(key, set()).add(lease.id)
+        if releasing is not None:
+            await releasing.store.release(releasing)
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        for key in lease.keys:
+            holders = self._slots.get(key)
+            if holders is not None:
+                holders.discard(lease.id)
+                if not holders:
+                    del self._slots[key]
+
+    async def held(self, keys: Sequence[str]) -> dict[str, int]:
+        return {key: len(self._slots.get(key, ())) for key in keys}
+
+    # -- fair queue ------------------------------------------------------------------
+
+    def charge(self, lane: str, tenant: str, amount: float) -> None:
+        lane_counters = self._counters.setdefault(lane, {})
+        lane_counters[tenant] = lane_counters.get(tenant, 0.0) + amount
+
+    async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
+        lane_counters = self._counters.get(lane, {})
+        return {t: lane_counters.get(t, 0.0) for t in tenants}
+
+    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
+        lane_counters = self._counters.setdefault(lane, {})
+        backlogged = [lane_counters.get(o, 0.0) for o in others if self._slots.get(f"queued:{o}")]
+        known = [lane_counters[o] for o in others if o in lane_counters]
+        floor = min(backlogged) if backlogged else max(known, default=None)
+        current = lane_counters.get(tenant, 0.0)
+        if floor is not None and floor > current:
+            lane_counters[tenant] = current = floor
+        return current
+
+    async def record_dispatch(self, lane: str, cost: float) -> None:
+        self._dispatched.setdefault(lane, deque()).append((self._clock(), cost))
+
+    async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
+        horizon = self._clock() - window_s
+        out = {}
+        for lane in lanes:
+            events = self._dispatched.get(lane, deque())
+            while events and events[0][0] < horizon:
+                events.popleft()
+            out[lane] = math.fsum(cost for _, cost in events)
+        return out

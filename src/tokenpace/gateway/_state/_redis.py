@@ -1,0 +1,364 @@
+"""State shared by every gateway replica, in one Redis server.
+
+Round trips per request: one to reserve the budgets, one to take a queued place, one to
+trade it for the running slots (tenant concurrency and engine ``max_inflight`` together),
+one to release, one to settle. Fair-queue charges are not sent per token: they collect in
+process and go out in one pipeline per flush interval (default 50 ms), together with the
+renewal of every lease this replica holds (one script for all of them, every third of the
+lease time).
+
+Failure handling, in one place (:meth:`RedisStore._run`): every call is bounded by
+``timeout_s`` (socket timeouts and an outer deadline, no client retries), so no request
+waits longer than that on Redis. After a failure the store is unhealthy and answers
+:class:`StateUnavailable` at once, without touching the network, until ``probe_s`` has
+passed; then the next call tries again, and success makes it healthy. Reconnection is the
+client pool's: a broken connection is dropped and the next call dials a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError, ResponseError
+
+from ...fairness import BudgetRefusal, BudgetSpec
+from . import _scripts
+from ._base import (
+    Admission,
+    Lease,
+    Reservation,
+    SlotClaim,
+    SlotRefusal,
+    StateStore,
+    StateUnavailable,
+)
+
+logger = logging.getLogger("tokenpace.gateway.state")
+
+T = TypeVar("T")
+
+
+class RedisStore(StateStore):
+    """Budgets, leases and counters in Redis (redis-py's asyncio client)."""
+
+    def __init__(self, url: str, *, lease_s: float = 10.0, timeout_s: float = 0.1,
+                 probe_s: float = 0.5, flush_s: float = 0.05, prefix: str = "tokenpace:",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.url = url
+        self.lease_ms = int(lease_s * 1000)
+        self.timeout_s = timeout_s
+        self.probe_s = probe_s
+        self.flush_s = flush_s
+        self.prefix = prefix
+        self._clock = clock
+        # No retries: a retry would double the longest wait; the caller decides what a
+        # failure means (closed: 503, open: the fallback store).
+        self._redis = Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, max_connections=64,
+            decode_responses=True)
+        self._scripts = {name: self._redis.register_script(getattr(_scripts, name))
+                         for name in ("RESERVE", "SETTLE", "LEVELS", "ACQUIRE", "RENEW",
+                                      "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH",
+                                      "FINISH")}
+        self.healthy = True
+        self._retry_at = 0.0
+        self._probing = False
+        self.failures = 0
+        self.lost_leases = 0
+        self._leases: dict[str, Lease] = {}
+        self._charges: dict[tuple[str, str], float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._last_renew = 0.0
+
+    # -- the one place that talks to Redis ----------------------------------------------
+
+    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        probe = False
+        if not self.healthy:
+            # While down, one call at a time probes (after probe_s); the others fail at once.
+            if self._probing or self._clock() < self._retry_at:
+                raise StateUnavailable("state store unreachable (waiting before the next try)")
+            self._probing = probe = True
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await call()
+        except (RedisError, OSError, TimeoutError) as exc:  # all mean "no answer"
+            if isinstance(exc, ResponseError) and not str(exc).startswith(("NOSCRIPT", "BUSY")):
+                raise  # a bug in a script, not an outage
+            self.failures += 1
+            self._retry_at = self._clock() + self.probe_s
+            if self.healthy:
+                logger.warning("state store %s unreachable: %s: %s", self.url_redacted,
+                               type(exc).__name__, exc)
+            self.healthy = False
+            raise StateUnavailable(f"state store unreachable: {type(exc).__name__}") from None
+        finally:
+            if probe:
+                self._probing = False
+        if not self.healthy:
+            logger.warning("state store %s reachable again", self.url_redacted)
+            self.healthy = True
+        return result
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+        return await self._run(lambda: script(keys=list(keys), args=list(args)))
+
+    @property
+    def url_redacted(self) -> str:
+        from ._config import StateConfig
+        return StateConfig(url=self.url).redacted_url() or ""
+
+    def _k(self, kind: str, name: str) -> str:
+        return f"{self.prefix}{kind}:{name}"
+
+    # -- budgets ---------------------------------------------------------------------
+
+    def _budget_args(self, tenant: str, budgets: Sequence[BudgetSpec]) -> tuple[list[str], list[str]]:
+        keys = [self._k("b", f"{tenant}:{b.key}") for b in budgets]
+        args = [arg for b in budgets for arg in (repr(float(b.tokens)), repr(b.refill_per_s))]
+        return keys, args
+
+    async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
+                      cost: float) -> Reservation | BudgetRefusal:
+        if not budgets:
+            return Reservation(tenant, (), cost, self)
+        keys, args = self._budget_args(tenant, budgets)
+        out = await self._script("RESERVE", keys, [repr(float(cost)), *args])
+        if out[0] == "ok":
+            return Reservation(tenant, tuple(budgets), cost, self)
+        return _refusal(out, budgets, cost)
+
+    async def settle(self, reservation: Reservation, actual: float) -> None:
+        if not reservation.budgets or reservation.cost == actual:
+            return
+        keys, args = self._budget_args(reservation.tenant, reservation.budgets)
+        await self._script("SETTLE", keys, [repr(float(reservation.cost - actual)), *args])
+
+    async def budget_levels(self, tenant: str, budgets: Sequence[BudgetSpec]) -> dict[str, float]:
+        if not budgets:
+            return {}
+        keys, args = self._budget_args(tenant, budgets)
+        out = await self._script("LEVELS", keys, args)
+        return {b.key: float(v) for b, v in zip(budgets, out)}
+
+    # -- slots -----------------------------------------------------------------------
+
+    async def acquire(self, claims: Sequence[SlotClaim],
+                      releasing: Lease | None = None) -> Lease | SlotRefusal:
+        lease = Lease(tuple(c.key for c in claims), self)
+        keys = [self._k("s", c.key) for c in claims]
+        args: list[Any] = [lease.id, self.lease_ms, len(claims),
+                           *(-1 if c.limit is None else c.limit for c in claims)]
+        # A lease of this store is given back inside the same script; one of another store
+        # (the fallback's) separately, after.
+        same = releasing is not None and releasing.store is self and not releasing.released
+        if same:
+            assert releasing is not None
+            keys += [self._k("s", key) for key in releasing.keys]
+            keys.append(self._k("r", releasing.id))
+        args.append(releasing.id if same and releasing is not None else "")
+        out = await self._script("ACQUIRE", keys, args)
+        if int(out[0]) != 0:
+            return SlotRefusal(claims[int(out[0]) - 1], int(out[1]))
+        self._leases[lease.id] = lease
+        if releasing is not None:
+            if same:
+                releasing.released = True
+                self._leases.pop(releasing.id, None)
+            else:
+                await releasing.store.release(releasing)
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        self._leases.pop(lease.id, None)
+        # If Redis does not answer, the lease expires by itself within the lease time.
+        await self._script("RELEASE", [*(self._k("s", key) for key in lease.keys),
+                                       self._k("r", lease.id)], [lease.id, self.lease_ms])
+
+    async def held(self, keys: Sequence[str]) -> dict[str, int]:
+        out = await self._script("HELD", [self._k("s", key) for key in keys], [])
+        return {key: int(n) for key, n in zip(keys, out)}
+
+    async def renew(self) -> None:
+        """Push every held lease's expiry a lease time ahead (one script for all)."""
+        leases = [lease for lease in self._leases.values() if not lease.released]
+        if not leases:
+            return
+        keys = [k for lease in leases
+                for k in (self._k("r", lease.id), *(self._k("s", key) for key in lease.keys))]
+        args = [a for lease in leases for a in (lease.id, len(lease.keys))]
+        lost = int(await self._script("RENEW", keys, [self.lease_ms, *args]))
+        if lost:
+            self.lost_leases += lost
+            logger.warning("%d slot leases had vanished from the state store (restarted "
+                           "without its data, or this replica stalled) and were taken again", lost)
+
+    # -- fair queue ------------------------------------------------------------------
+
+    def charge(self, lane: str, tenant: str, amount: float) -> None:
+        key = (lane, tenant)
+        self._charges[key] = self._charges.get(key, 0.0) + amount
+
+    async def flush(self) -> None:
+        """Send the charges collected since the last flush (one pipeline)."""
+        if not self._charges:
+            return
+        charges, self._charges = self._charges, {}
+
+        async def send() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            for (lane, tenant), amount in charges.items():
+                pipe.hincrbyfloat(self._k("v", lane), tenant, amount)
+            await pipe.execute()
+
+        try:
+            await self._run(send)
+        except StateUnavailable:
+            for key, amount in charges.items():  # keep them for the next try
+                self._charges[key] = self._charges.get(key, 0.0) + amount
+            raise
+
+    async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
+        if not tenants:
+            return {}
+        values = await self._run(lambda: self._redis.hmget(self._k("v", lane), list(tenants)))
+        pending = self._charges
+        return {t: float(v or 0.0) + pending.get((lane, t), 0.0) for t, v in zip(tenants, values)}
+
+    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
+        others = [o for o in others if o != tenant]
+        keys = [self._k("v", lane), *(self._k("s", f"queued:{o}") for o in others)]
+        return float(await self._script("LIFT", keys, [tenant, *others]))
+
+    async def record_dispatch(self, lane: str, cost: float) -> None:
+        await self._script("LANES", [self._k("d", lane)], [1e9, repr(float(cost))])
+
+    async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
+        out = await self._script("LANES", [self._k("d", lane) for lane in lanes], [repr(window_s)])
+        return {lane: float(v) for lane, v in zip(lanes, out)}
+
+    # -- one script per gateway stage ------------------------------------------------------
+
+    async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
+                    queued: SlotClaim, lane: str,
+                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+        others = [o for o in others if o != tenant]
+        bkeys, bargs = self._budget_args(tenant, budgets)
+        place = Lease((queued.key,), self)
+        keys = [*bkeys, self._k("s", queued.key), self._k("v", lane),
+                *(self._k("s", f"queued:{o}") for o in others)]
+        args = [len(budgets), repr(float(cost)), *bargs, place.id, self.lease_ms,
+                -1 if queued.limit is None else queued.limit, tenant, *others]
+        out = await self._script("ADMIT", keys, args)
+        if out[0] == "queue":
+            return SlotRefusal(queued, int(out[1]))
+        if out[0] == "budget":
+            return _refusal(out, budgets, cost)
+        self._leases[place.id] = place
+        return Admission(Reservation(tenant, tuple(budgets), cost, self), place, float(out[1]))
+
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
+                       cost: float, window_s: float = 3600.0) -> Lease | SlotRefusal:
+        if queued.store is not self:
+            return await super().dispatch(claims, queued, lane, cost)
+        lease = Lease(tuple(c.key for c in claims), self)
+        keys = [*(self._k("s", c.key) for c in claims), self._k("s", queued.keys[0]),
+                self._k("d", lane), self._k("r", queued.id)]
+        args = [lease.id, self.lease_ms, len(claims),
+                *(-1 if c.limit is None else c.limit for c in claims),
+                queued.id, repr(float(cost)), repr(window_s)]
+        out = await self._script("DISPATCH", keys, args)
+        if int(out[0]) != 0:
+            return SlotRefusal(claims[int(out[0]) - 1], int(out[1]))
+        queued.released = True
+        self._leases.pop(queued.id, None)
+        self._leases[lease.id] = lease
+        return lease
+
+    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+                     actual: float) -> None:
+        if (lease is not None and lease.store is not self) or \
+                (reservation is not None and reservation.store is not self):
+            await super().finish(lease, reservation, actual)  # mixed stores: one by one
+            return
+        mine_lease = lease is not None and not lease.released
+        mine_res = reservation is not None and bool(reservation.budgets) \
+            and reservation.cost != actual
+        if not mine_lease and not mine_res:
+            return
+        keys: list[str] = []
+        args: list[Any] = [0, "", 0, self.lease_ms]
+        if mine_lease:
+            assert lease is not None
+            lease.released = True
+            self._leases.pop(lease.id, None)
+            keys += [*(self._k("s", key) for key in lease.keys), self._k("r", lease.id)]
+            args[:2] = [len(lease.keys), lease.id]
+        if mine_res:
+            assert reservation is not None
+            bkeys, bargs = self._budget_args(reservation.tenant, reservation.budgets)
+            keys += bkeys
+            args[2] = repr(float(reservation.cost - actual))
+            args += bargs
+        await self._script("FINISH", keys, args)
+
+    # -- life cycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        """Flush charges every ``flush_s``; renew leases every third of the lease time."""
+        while True:
+            await asyncio.sleep(self.flush_s)
+            try:
+                await self.flush()
+                if self._clock() - self._last_renew >= self.lease_ms / 3000:
+                    await self.renew()
+                    self._last_renew = self._clock()
+                elif not self.healthy:
+                    await self._run(self._redis.ping)
+            except StateUnavailable:
+                pass
+            except Exception:  # keep renewing whatever one round did
+                logger.exception("state store background work failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            await self.flush()
+        except StateUnavailable:
+            pass
+        await self._redis.aclose()
+
+    def describe(self) -> dict[str, object]:
+        return {"backend": "redis", "url": self.url_redacted, "healthy": self.healthy,
+                "leases": len(self._leases)}
+
+
+def _refusal(out: Sequence[Any], budgets: Sequence[BudgetSpec], cost: float) -> BudgetRefusal:
+    """``{'budget', index, wait, remaining, reset}`` from a script -> the refusal."""
+    return BudgetRefusal(budget=budgets[int(out[1]) - 1], cost=cost,
+                         retry_after_s=float(out[2]), remaining=float(out[3]),
+                         reset_s=float(out[4]))
