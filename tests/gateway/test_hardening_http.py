@@ -17,7 +17,8 @@ from tests.gateway.conftest import KEY_A, KEY_B, base_config
 
 def test_every_engine_call_carries_the_configured_key(engine: EngineServer, make_gateway: Any,
                                                       tmp_path: Path) -> None:
-    config = base_config(engine.url, tmp_path / "usage.db")
+    # A prompt cap makes the gateway count prompts with the engine's /tokenize first.
+    config = base_config(engine.url, tmp_path / "usage.db", max_input_tokens=1000)
     config["engines"][0]["api_key"] = "sk-engine-secret"
     gw = make_gateway(config)
     for stream in (False, True):
@@ -84,25 +85,27 @@ def test_priority_lanes_in_front_of_an_engine_without_priority_are_reported(
         engine.stop()
 
 
-def test_usage_and_metrics_agree_on_served_prompt_tokens(gateway: Any, capsys: Any) -> None:
+def test_usage_and_metrics_agree_on_served_prompt_tokens(engine: EngineServer, make_gateway: Any,
+                                                        tmp_path: Path, capsys: Any) -> None:
     import json
 
     from tokenpace.gateway._usage_cli import main as usage_main
 
-    def complete(max_tokens: int) -> int:
+    gateway = make_gateway(base_config(engine.url, tmp_path / "usage.db", max_input_tokens=20))
+
+    def complete(prompt: str) -> int:
         return httpx.post(f"{gateway.url}/v1/completions", timeout=30,
                           headers={"authorization": f"Bearer {KEY_A}"},
-                          json={"model": "fake", "prompt": "twelve bytes", "max_tokens": max_tokens}
-                          ).status_code
+                          json={"model": "fake", "prompt": prompt, "max_tokens": 2}).status_code
 
-    assert [complete(2), complete(2)] == [200, 200]
-    # Counted (13 tokens each), then refused by max_output_tokens (64): never served.
-    assert [complete(100), complete(100), complete(100)] == [400, 400, 400]
+    assert [complete("twelve bytes"), complete("twelve bytes")] == [200, 200]
+    # Counted (31 tokens each), then refused by max_input_tokens (20): never served.
+    assert [complete("y" * 30) for _ in range(3)] == [400, 400, 400]
     rows = gateway.rows(5)
     assert len(rows) == 5
     assert usage_main(["--config", str(gateway.config_path), "--json"]) == 0
     (team_a,) = json.loads(capsys.readouterr().out)
     metric = gateway.metric("tokenpace_gateway_prompt_tokens_total", tenant="team-a")
     assert team_a["prompt_tokens"] == metric == 2 * 13
-    assert team_a["unserved_prompt_tokens"] == 3 * 13
+    assert team_a["unserved_prompt_tokens"] == 3 * 31
     assert team_a["requests"] == 5 and team_a["rejected"] == 3
