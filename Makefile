@@ -17,7 +17,7 @@ CONFIG ?= examples/gateway.yaml
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install model serve test prometheus monitor redis
+.PHONY: install model serve test prometheus redis postgres monitor
 
 install: $(STAMP)
 
@@ -63,6 +63,17 @@ redis:
 	else \
 		echo "redis-server is not installed: run 'sudo apt-get install redis-server'," \
 		     "or put redis-server on PATH" >&2; exit 1; \
+	fi
+
+# Debian's PostgreSQL server, installed when missing and we are root: the ledger's Postgres
+# tests start their own throwaway server (.ci/run calls this).
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql; \
+	else \
+		echo "PostgreSQL is not installed: run 'sudo apt-get install postgresql'" >&2; exit 1; \
 	fi
 
 monitor: prometheus
