@@ -17,7 +17,7 @@ CONFIG ?= examples/gateway.yaml
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install model serve test prometheus redis postgres monitor
+.PHONY: install model serve test services monitor
 
 install: $(STAMP)
 
@@ -38,45 +38,30 @@ serve: model
 		--host $(HOST) --port $(PORT) \
 		-- --kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager
 
-test: $(STAMP)
+test: $(STAMP) services
 	$(PY) -m pytest
 
-# Debian's prometheus package (server + promtool), installed when missing and we are root;
-# quick when already there. The monitoring tests need it (.ci/run calls this).
-prometheus:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+# The real servers the tests start on free ports (prometheus + promtool, redis-server, a
+# throwaway PostgreSQL): Debian's packages, installed in one apt call when missing and we are
+# root; quick when all are there. Without root a missing one is named and its tests skip
+# (in CI, CI=true, they fail instead).
+SERVICE_BINARIES := prometheus:prometheus promtool:prometheus redis-server:redis-server initdb:postgresql
+services:
+	@missing=""; \
+	for pair in $(SERVICE_BINARIES); do bin=$${pair%%:*}; pkg=$${pair##*:}; \
+		command -v $$bin >/dev/null || ls /usr/lib/postgresql/*/bin/$$bin >/dev/null 2>&1 \
+			|| missing="$$missing $$pkg"; \
+	done; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
+	if [ -z "$$(echo $$missing)" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	else \
-		echo "prometheus is not installed: run 'sudo apt-get install prometheus'," \
-		     "or put prometheus and promtool on PATH" >&2; exit 1; \
+		echo "not installed: $$missing(sudo apt-get install $$missing); their tests are skipped" >&2; \
 	fi
 
-# Debian's redis-server, installed when missing and we are root: tests/state (the gateway's
-# shared state) start their own on a free port (.ci/run calls this).
-redis:
-	@if command -v redis-server >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
-	else \
-		echo "redis-server is not installed: run 'sudo apt-get install redis-server'," \
-		     "or put redis-server on PATH" >&2; exit 1; \
-	fi
-
-# Debian's PostgreSQL server, installed when missing and we are root: the ledger's Postgres
-# tests start their own throwaway server (.ci/run calls this).
-postgres:
-	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql; \
-	else \
-		echo "PostgreSQL is not installed: run 'sudo apt-get install postgresql'" >&2; exit 1; \
-	fi
-
-monitor: prometheus
+monitor: services
 	@echo "Prometheus on http://$(HOST):$(PROM_PORT), scraping the gateway (127.0.0.1:8000) and engine (127.0.0.1:8001); data in $(PROM_DATA)"
 	exec prometheus --config.file=deploy/prometheus/prometheus.yml --storage.tsdb.path=$(PROM_DATA) \
 		--web.listen-address=$(HOST):$(PROM_PORT)

@@ -4,7 +4,7 @@ The server is created with ``initdb`` in a temporary directory and listens on a 
 loopback port with trust authentication. Postgres refuses to run as root, so when the
 tests run as root the server runs as ``nobody`` (through ``setpriv`` or ``runuser``).
 A developer's machine without the Postgres binaries or psycopg skips the module with the
-reason; in CI (``CI=true``, where ``make postgres`` installs Debian's server) a missing
+reason; in CI (``CI=true``, where ``make test`` installs Debian's server) a missing
 server fails it instead of skipping silently.
 """
 
@@ -89,7 +89,7 @@ def postgres_server() -> Iterator[str]:
     initdb, postgres = _binary("initdb"), _binary("postgres")
     if initdb is None or postgres is None:
         _unavailable("Postgres server binaries (initdb, postgres) are not installed "
-                     "(make postgres, or apt-get install postgresql)")
+                     "(apt-get install postgresql; make test does it as root)")
     drop = _as_unprivileged()
     if isinstance(drop, str):
         _unavailable(drop)
