@@ -13,11 +13,23 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 PREFIX = "tokenpace_gateway_"
 
 
+def _state_families() -> list:
+    """The state store's families as a gateway with ``state: redis://...`` and
+    ``on_state_failure: open`` exports them (its collector is registered at start-up)."""
+    from tokenpace.gateway._state import LocalStore
+    from tokenpace.gateway._state._failover import FailoverStore
+    from tokenpace.gateway._state._metrics import StateCollector
+    from tokenpace.gateway._state._redis import RedisStore
+
+    store = FailoverStore(RedisStore("redis://127.0.0.1:1/0"), "open", LocalStore())
+    return list(StateCollector(store).collect())
+
+
 def exported_names() -> set[str]:
     """Series names the gateway's registry can export (counters as _total, histograms as
     _bucket/_count/_sum), whether or not a sample exists yet."""
     names = set()
-    for family in _metrics.REGISTRY.collect():
+    for family in [*_metrics.REGISTRY.collect(), *_state_families()]:
         if family.type == "counter":
             names.add(family.name + "_total")
         elif family.type == "histogram":
