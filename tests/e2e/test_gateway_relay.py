@@ -35,8 +35,11 @@ MAX_NUM_SEQS = 32
 def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     home = tmp_path_factory.mktemp("relay-engine")
+    # The engine's key is the tenant's key, so the direct calls below authenticate with the
+    # same header as the calls through the gateway (which sends it as engines[].api_key).
     srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                      "--max-num-seqs", str(MAX_NUM_SEQS)), port, home / "vllm.log")
+                                      "--max-num-seqs", str(MAX_NUM_SEQS)), port, home / "vllm.log",
+                 env={"VLLM_API_KEY": KEY})
     start_all([srv])
     try:
         yield srv
@@ -48,7 +51,8 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     home = tmp_path_factory.mktemp("relay-gateway")
     config: dict[str, Any] = {
-        "engines": [{"url": engine.base_url, "max_inflight": 128, "max_num_seqs": MAX_NUM_SEQS,
+        "engines": [{"url": engine.base_url, "api_key": KEY, "max_inflight": 128,
+                     "max_num_seqs": MAX_NUM_SEQS,
                      "max_engine_waiting": 4}],
         "ledger": f"sqlite:///{home / 'usage.db'}",
         "tenants": [{"id": "relay", "api_keys": [KEY]},
