@@ -166,16 +166,16 @@ class Exchange:
         if self.waiter is not None and self.waiter.granted:
             self.tenant.record_service(e2e - (self.queue_s or 0.0))
         tenant, lane = self.tenant.id, self.lane
-        metrics.REQUESTS.labels(tenant, lane, outcome.split(":", 1)[0]).inc()
+        metrics.child(metrics.REQUESTS, tenant, lane, outcome.split(":", 1)[0]).inc()
         if outcome.startswith("rejected:"):
-            metrics.REJECTIONS.labels(tenant, outcome.split(":", 1)[1]).inc()
+            metrics.child(metrics.REJECTIONS, tenant, outcome.split(":", 1)[1]).inc()
         if self.charge_usage and self.waiter is not None:
-            metrics.PROMPT_TOKENS.labels(tenant, lane).inc(self.prompt_tokens)
-            metrics.COMPLETION_TOKENS.labels(tenant, lane).inc(self.completion_tokens)
-            metrics.SERVICE.labels(tenant, lane).inc(actual)
-            metrics.E2E_SECONDS.labels(tenant).observe(e2e)
+            metrics.child(metrics.PROMPT_TOKENS, tenant, lane).inc(self.prompt_tokens)
+            metrics.child(metrics.COMPLETION_TOKENS, tenant, lane).inc(self.completion_tokens)
+            metrics.child(metrics.SERVICE, tenant, lane).inc(actual)
+            metrics.child(metrics.E2E_SECONDS, tenant).observe(e2e)
         if self.ttft_s is not None:
-            metrics.TTFT_SECONDS.labels(tenant).observe(self.ttft_s)
+            metrics.child(metrics.TTFT_SECONDS, tenant).observe(self.ttft_s)
         rt.ledger.record(UsageRecord(
             request_id=self.id, tenant=tenant, model=self.model, lane=lane,
             prompt_tokens=self.prompt_tokens,
@@ -200,7 +200,7 @@ def authenticate(rt: Runtime, request: Request) -> TenantState:
     tenant = rt.config.tenant_for_key(key) if key else None
     state = rt.tenants.get(tenant.id) if tenant else None
     if state is None:
-        metrics.REJECTIONS.labels("", "unauthenticated").inc()
+        metrics.child(metrics.REJECTIONS, "", "unauthenticated").inc()
         raise GatewayError(
             401,
             "Missing API key: send 'Authorization: Bearer <key>'" if not key
@@ -292,7 +292,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
             watch.stop()
             return Response(status_code=499)
         ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
-        metrics.QUEUE_SECONDS.labels(tenant.id).observe(ex.queue_s)
+        metrics.child(metrics.QUEUE_SECONDS, tenant.id).observe(ex.queue_s)
         lane = rt.config.lane(tenant.config.lane)
         body = engine_body(
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
