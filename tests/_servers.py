@@ -1,13 +1,15 @@
-"""Real vLLM servers for end-to-end tests (the same helpers the benchmarks use)."""
+"""Real servers for end-to-end tests: re-exports tokenpace._process (also used by `up`, bench)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tokenpace.bench._server import (
+from tokenpace._process import (
+    KV_CACHE_BYTES,
     Server,
     free_port,
+    group_members,
     start_all,
     tokenpace_serve_argv,
     tree_cpu_seconds,
@@ -15,8 +17,10 @@ from tokenpace.bench._server import (
 )
 
 __all__ = [
+    "KV_CACHE_BYTES",
     "Server",
     "free_port",
+    "group_members",
     "paced_vllm_server_argv",
     "start_all",
     "tokenpace_serve_argv",

@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     from .gateway._main import load_or_exit
 
     config = load_or_exit(parser, args.config, "info")
-    from .bench._server import Server, start_all
+    from ._process import Server, start_all
     from .serve import ServeUsageError, build_command
 
     if any(a == "--api-key" or a.startswith(("--api-key=", "--api_key")) for a in extra):

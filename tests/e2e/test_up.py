@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests._servers import Server, free_port
-from tokenpace.bench._server import KV_CACHE_BYTES, group_members
+from tests._servers import KV_CACHE_BYTES, group_members
 
 pytestmark = pytest.mark.vllm
 

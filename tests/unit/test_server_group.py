@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenpace.bench._server import Server, group_members
+from tests._servers import Server, group_members
 
 # The leader starts a child that stays in its process group (as vLLM's engine core does),
 # prints the child's pid, then waits.

@@ -36,7 +36,7 @@ import httpx
 
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_completion
-from ._server import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from .overhead import median_interval
 
 KEY = "sk-bench"

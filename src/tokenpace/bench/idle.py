@@ -25,7 +25,7 @@ import httpx
 
 from ._environment import environment
 from ._load import run_streams, stream_completion
-from ._server import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import Server, free_port, start_all, tokenpace_serve_argv
 
 USER_RATE = 2.0
 STREAMS = 8

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._environment import environment
 from ._load import run_streams
-from ._server import Server, free_port, start_all, tokenpace_serve_argv, vllm_server_argv
+from .._process import Server, free_port, start_all, tokenpace_serve_argv, vllm_server_argv
 
 NEVER_THROTTLED = 1_000_000
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._environment import environment
 from ._load import StreamRecord, percentile, run_streams
-from ._server import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import Server, free_port, start_all, tokenpace_serve_argv
 
 SLOW_RATE = 20.0
 FAST_RATE = 100.0

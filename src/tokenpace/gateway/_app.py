@@ -22,12 +22,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import _metrics as metrics
+from ._admission import authenticate, bearer_key
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import Dispatcher, EngineSlots
 from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
-from ._proxy import Runtime, authenticate, bearer_key, handle
+from ._proxy import handle
+from ._runtime import Runtime
 from ._state import StateStore, open_store
 from ._tenants import Tenants
 from ._upstream import Upstream

@@ -128,6 +128,48 @@ class Waiter:
     released: bool = False
 
 
+class Lease:
+    """One request's slot on an engine, from the wait for it to its release.
+
+    ``async with dispatcher.lease(...)`` holds the slot for a block and gives it back however
+    the block ends (exception, cancellation). A request whose response outlives its handler
+    (a stream relayed after ``handle`` returned) calls ``acquire`` and ``release`` itself:
+    ``Exchange.finish`` releases. ``acquire`` leaves nothing behind when it fails or is
+    cancelled, and ``release`` is idempotent, so a slot cannot leak or be freed twice.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, tenant: TenantState, engine: EngineSlots,
+                 timeout_s: float, prompt_cost: float, estimate: float) -> None:
+        self._dispatcher = dispatcher
+        self.tenant, self.engine = tenant, engine
+        self._wait = (timeout_s, prompt_cost, estimate)
+        self.waiter: Waiter | None = None  # set once granted
+
+    async def acquire(self) -> Lease:
+        """Wait for the slot; raise ``QueueFull`` at once or ``TimeoutError`` after the
+        timeout (see ``Dispatcher.acquire``)."""
+        timeout_s, prompt_cost, estimate = self._wait
+        self.waiter = await self._dispatcher.acquire(self.tenant, self.engine, timeout_s,
+                                                     prompt_cost, estimate)
+        return self
+
+    def charge(self, cost: float) -> None:
+        """Service received (cost units), for the fair queue's counter."""
+        if self.waiter is not None:
+            self._dispatcher.charge(self.waiter, cost)
+
+    def release(self) -> None:
+        """Give the slot back (idempotent; nothing to do before it was granted)."""
+        if self.waiter is not None:
+            self._dispatcher.release(self.waiter)
+
+    async def __aenter__(self) -> Lease:
+        return await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
 class Dispatcher:
     def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -138,6 +180,11 @@ class Dispatcher:
         ]
         self.repin_after_s = config.repin_after_s
         self._states: dict[str, TenantState] = {}
+        # tenant -> engines in rendezvous order. The order depends only on the engine URLs
+        # (fixed for a dispatcher) and the tenant id; health and the clock decide among them
+        # in engine_for, so health changes need not (but do) clear it; reloads clear it so a
+        # removed tenant's entry goes.
+        self._ranked: dict[str, list[EngineSlots]] = {}
         self.configure(config)
         for engine in self.engines:
             metrics.ENGINE_INFLIGHT.labels(engine.url).set(0)
@@ -145,6 +192,7 @@ class Dispatcher:
     def configure(self, config: GatewayConfig) -> None:
         """Apply (re)loaded lanes, tenant lanes and weights to every engine's queue."""
         self.repin_after_s = config.repin_after_s
+        self._ranked.clear()
         lanes = _lane_specs(config)
         for engine in self.engines:
             engine.queue.set_lanes(lanes)
@@ -157,7 +205,10 @@ class Dispatcher:
     def engine_for(self, tenant_id: str) -> EngineSlots:
         """The engine ``tenant_id`` is pinned to (highest rendezvous score), or with
         ``repin_after`` the first healthy one in score order once it has been down that long."""
-        ranked = sorted(self.engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
+        ranked = self._ranked.get(tenant_id)
+        if ranked is None:  # one hash per engine and a sort: once per tenant, not per request
+            ranked = sorted(self.engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
+            self._ranked[tenant_id] = ranked
         first = ranked[0]
         if first.healthy or self.repin_after_s is None or first.down_since is None \
                 or self._clock() - first.down_since < self.repin_after_s:
@@ -168,6 +219,7 @@ class Dispatcher:
         if healthy == engine.healthy:
             return
         engine.healthy = healthy
+        self._ranked.clear()
         engine.down_since = None if healthy else self._clock()
         if healthy:
             self._pump(engine)
@@ -197,7 +249,7 @@ class Dispatcher:
         if tenant.config.max_queued is not None and tenant.queued > tenant.config.max_queued:
             self._remove(waiter)
             raise QueueFull()
-        metrics.QUEUED.labels(tenant.id).set(tenant.queued)
+        metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
         try:
             with anyio.fail_after(timeout_s):
                 await waiter.future
@@ -208,6 +260,11 @@ class Dispatcher:
                 self._remove(waiter)
             raise
         return waiter
+
+    def lease(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+              prompt_cost: float, estimate: float) -> Lease:
+        """A slot on ``engine`` for one request of ``tenant``, not yet waited for."""
+        return Lease(self, tenant, engine, timeout_s, prompt_cost, estimate)
 
     def charge(self, waiter: Waiter, cost: float) -> None:
         """Service a dispatched request received (output tokens as the stream reports them)."""
@@ -222,7 +279,7 @@ class Dispatcher:
         engine.inflight -= 1
         tenant.inflight -= 1
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
-        metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
+        metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         for other in self.engines:  # the tenant's concurrency may unblock any queue
             if len(other.queue):
                 self._pump(other)
@@ -230,7 +287,7 @@ class Dispatcher:
     def _remove(self, waiter: Waiter) -> None:
         if waiter.engine.queue.remove(waiter):
             waiter.tenant.queued -= 1
-            metrics.QUEUED.labels(waiter.tenant.id).set(waiter.tenant.queued)
+            metrics.child(metrics.QUEUED, waiter.tenant.id).set(waiter.tenant.queued)
 
     def _pump(self, engine: EngineSlots) -> None:
         """Dispatch the fair queue's choices while the engine has room."""
@@ -243,8 +300,8 @@ class Dispatcher:
             tenant.queued -= 1
             tenant.inflight += 1
             engine.dispatched()
-            metrics.QUEUED.labels(tenant.id).set(tenant.queued)
-            metrics.INFLIGHT.labels(tenant.id).set(tenant.inflight)
+            metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+            metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
             if not waiter.future.done():
                 waiter.future.set_result(None)
         if len(engine.queue) and engine.inflight < engine.config.max_inflight and engine.saturated():
@@ -266,8 +323,8 @@ class Dispatcher:
             metrics.LANE_SHARE.labels(lane).set(cost / total if total else 0.0)
         for tenant_id in self._states:
             engine = self.engine_for(tenant_id)
-            metrics.FAIRNESS_DEBT.labels(tenant_id).set(engine.queue.debt(tenant_id))
-            metrics.QUEUED_COST.labels(tenant_id).set(
+            metrics.child(metrics.FAIRNESS_DEBT, tenant_id).set(engine.queue.debt(tenant_id))
+            metrics.child(metrics.QUEUED_COST, tenant_id).set(
                 sum(e.queue.queued(tenant_id)[1] for e in self.engines))
 
 

@@ -1,4 +1,6 @@
-"""Start and stop real vLLM servers (stock or paced) for benchmarks and end-to-end tests.
+"""Start and stop server processes (vLLM, stock or paced): `tokenpace up`, benchmarks, tests.
+
+It lives outside ``bench`` because ``tokenpace up`` runs engines with it in production.
 
 Each server runs in its own process group so that its engine core and workers die with
 it, and logs to a file that is shown when start-up fails.

@@ -1,0 +1,296 @@
+"""Admission: who is asking, what, and whether it may wait for an engine slot.
+
+The stages before the queue: identity (API key -> tenant), the body (size limit, parse),
+the per-request caps, and the budget reservation (in this process, or in the shared state
+store with ``state: redis://``). Refusals that need no prompt count come first, so a prompt
+its limits refuse never reaches the engine's tokenizer. ``admit`` returns an ``Admission``;
+it records on the ``Exchange`` what it learnt on the way (prompt size, reservation), so a
+refusal's ledger row shows it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import Request
+
+from ..fairness import BudgetRefusal
+from . import _metrics as metrics
+from ._body import ParsedRequest, prompt_token_ids, tokenize_body
+from ._dispatch import EngineSlots
+from ._errors import GatewayError
+from ._runtime import Runtime
+from ._settle import Exchange
+from ._state import Reservation, StateStore, StateUnavailable
+from ._tenants import TenantState
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request's sizes: what is reserved and what the engine is asked for."""
+
+    prompt_tokens: int  # counted (or given as ids); 0 when no decision needed the count
+    max_tokens: int  # per choice, sent to the engine
+    reserved: float  # cost units reserved: prompt + max_tokens x n
+
+
+def bearer_key(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    scheme, _, key = value.partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def authenticate(rt: Runtime, request: Request) -> TenantState:
+    key = bearer_key(request)
+    tenant = rt.config.tenant_for_key(key) if key else None
+    state = rt.tenants.get(tenant.id) if tenant else None
+    if state is None:
+        metrics.child(metrics.REJECTIONS, "", "unauthenticated").inc()
+        raise GatewayError(
+            401,
+            "Missing API key: send 'Authorization: Bearer <key>'" if not key
+            else "Incorrect API key provided",
+            reason="unauthenticated", code="invalid_api_key")
+    return state
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"request body larger than {limit} bytes", reason="body_too_large",
+                           code="body_too_large")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():  # raises ClientDisconnect if the client leaves
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"request body larger than {limit} bytes",
+                               reason="body_too_large", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def route(rt: Runtime, tenant: TenantState) -> EngineSlots:
+    """The engine the tenant is pinned to; 503 at once when it is down."""
+    engine = rt.dispatcher.engine_for(tenant.id)
+    if not engine.healthy:
+        raise GatewayError(503, f"the engine serving tenant {tenant.id!r} is unavailable",
+                           reason="engine_unavailable", code="engine_unavailable")
+    return engine
+
+
+async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest,
+                client: httpx.AsyncClient) -> Admission:
+    """Caps and budget: raise ``GatewayError`` for a refusal, else reserve and return the
+    sizes. ``client`` reaches the engine's ``/tokenize`` when the prompt must be counted."""
+    tenant = ex.tenant
+    _cheap_refusals(rt, tenant, req)
+    if _needs_count(tenant, req):
+        async with tenant.tokenize_slots:
+            prompt_tokens, max_model_len = await _count_prompt(client, req)
+        ex.prompt_counted = True
+    else:
+        # No decision depends on the prompt's size: it is counted by the engine, and
+        # the engine's first usage chunk (or its answer) brings the exact number.
+        ids = prompt_token_ids(req)
+        prompt_tokens, max_model_len = (0 if ids is None else len(ids)), None
+        ex.prompt_counted = ids is not None
+    ex.prompt_tokens = prompt_tokens
+    max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
+    reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
+    if rt.store is not None and tenant.config.budgets:
+        ex.reservation = await _reserve_shared(rt.store, tenant, reserved)
+    else:
+        refusal = tenant.try_reserve(reserved, rt.clock())
+        if refusal is not None:
+            raise budget_error(refusal)
+    ex.reserved = reserved
+    ex.max_completion_tokens = max_tokens * req.n
+    return Admission(prompt_tokens, max_tokens, reserved)
+
+
+def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
+    """Whether a decision before dispatch depends on the prompt's size: a prompt cap, a
+    budget reservation, or the ``max_tokens`` the gateway must fill in (it fits the
+    context only with the prompt's size known)."""
+    cfg = tenant.config
+    return cfg.max_input_tokens is not None or bool(cfg.budgets) or req.max_tokens is None
+
+
+MAX_BYTES_PER_TOKEN = 64
+"""No tokenizer in use packs more text into one token on average (byte-level BPE vocabularies
+have ~3-5 bytes per token on text; their longest tokens, runs of spaces or dashes, are
+well below this): a prompt of more than 64 bytes per allowed token is certainly over the
+limit, whatever the model, and is refused without asking the engine to count it."""
+
+
+def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> None:
+    """Refusals that need no prompt count, checked before one is asked for.
+
+    A tenant at its concurrency limit with a full queue; a prompt whose size in bytes
+    proves it over ``max_input_tokens``; a budget that cannot take the request's lower-bound
+    cost (the output part, ``max_tokens`` x n, plus the fewest tokens the prompt's bytes can
+    make). A multi-megabyte prompt its limits refuse never reaches the engine's tokenizer,
+    where it would delay every other tenant's requests.
+    """
+    cfg = tenant.config
+    if tenant.at_concurrency_limit() and tenant.queue_full():
+        raise queue_full(tenant)
+    if cfg.max_output_tokens is not None and req.max_tokens is not None \
+            and req.max_tokens > cfg.max_output_tokens:
+        return  # refused with its own message by the size checks
+    size = prompt_bytes(req)
+    least_tokens = -(-size // MAX_BYTES_PER_TOKEN)
+    if cfg.max_input_tokens is not None and least_tokens > cfg.max_input_tokens:
+        raise GatewayError(
+            400, f"the prompt has {size} bytes, at least {least_tokens} tokens; tenant "
+            f"{tenant.id!r} may send at most {cfg.max_input_tokens} (max_input_tokens)",
+            reason="max_input_tokens", code="max_input_tokens_exceeded",
+            param="messages" if req.kind == "chat" else "prompt")
+    output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
+    if cfg.budgets:
+        least = rt.config.cost.of(least_tokens, (output or 0) * req.n)
+        refusal = tenant.budgets.would_refuse(least, rt.clock())
+        if refusal is not None:
+            raise budget_error(refusal)
+
+
+def prompt_bytes(req: ParsedRequest) -> int:
+    """A lower bound of the prompt text's UTF-8 size: the characters of the completion
+    prompt, or of the messages' text content (images and other parts are not text and
+    are left out). One pass over the messages, nothing encoded."""
+    if req.kind != "chat":
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    size = 0
+    for message in req.body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part["text"]) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
+
+
+def queue_full(tenant: TenantState) -> GatewayError:
+    cfg = tenant.config
+    wait = tenant.slot_wait_s()
+    return GatewayError(
+        429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
+        f"(max_concurrency {cfg.max_concurrency}) and {tenant.queued} waiting "
+        f"(max_queued {cfg.max_queued}); a slot frees in about {wait:.1f} s",
+        reason="queue_full", code="queue_full", headers=retry_headers(wait))
+
+
+def retry_headers(wait_s: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(wait_s))),
+            "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
+
+
+async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[int, int | None]:
+    """Prompt tokens as the engine counts them (its own ``/tokenize``), and its context size."""
+    ids = prompt_token_ids(req)
+    if ids is not None:
+        return len(ids), None
+    try:
+        resp = await client.post("/tokenize", json=tokenize_body(req), timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise GatewayError(502, f"cannot count prompt tokens: engine unreachable ({type(exc).__name__})",
+                           reason="engine_unavailable", code="engine_unavailable") from None
+    if resp.status_code != 200:
+        message = _engine_message(resp)
+        raise GatewayError(400 if resp.status_code < 500 else 502,
+                           f"the engine refused the prompt: {message}",
+                           reason="bad_request" if resp.status_code < 500 else "engine_error",
+                           code="invalid_prompt")
+    data = resp.json()
+    return int(data["count"]), data.get("max_model_len")
+
+
+def _engine_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message"))
+    return str(body.get("message") if isinstance(body, dict) and body.get("message") else resp.text[:300])
+
+
+def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,
+                 max_model_len: int | None) -> int:
+    """Check the per-request caps; return the ``max_tokens`` to reserve and send."""
+    cfg = tenant.config
+    if cfg.max_input_tokens is not None and prompt_tokens > cfg.max_input_tokens:
+        raise GatewayError(
+            400, f"the prompt has {prompt_tokens} tokens; tenant {tenant.id!r} may send at most "
+            f"{cfg.max_input_tokens} (max_input_tokens)", reason="max_input_tokens",
+            code="max_input_tokens_exceeded", param="messages" if req.kind == "chat" else "prompt")
+    if req.max_tokens is not None:
+        if cfg.max_output_tokens is not None and req.max_tokens > cfg.max_output_tokens:
+            raise GatewayError(
+                400, f"{req.max_tokens_field} is {req.max_tokens}; tenant {tenant.id!r} may ask "
+                f"for at most {cfg.max_output_tokens} (max_output_tokens)",
+                reason="max_output_tokens", code="max_output_tokens_exceeded",
+                param=req.max_tokens_field)
+        return req.max_tokens
+    room = None if max_model_len is None else max(1, max_model_len - prompt_tokens)
+    if cfg.max_output_tokens is not None:
+        return min(cfg.max_output_tokens, room) if room is not None else cfg.max_output_tokens
+    if room is not None:
+        return room
+    raise GatewayError(400, f"{req.max_tokens_field} is required for prompts given as token ids "
+                       "when the tenant has no max_output_tokens", reason="bad_request",
+                       code="invalid_value", param=req.max_tokens_field)
+
+
+async def _reserve_shared(store: StateStore, tenant: TenantState, cost: float) -> Reservation:
+    """Reserve in the shared store (one script, at most its timeout, ~100 ms)."""
+    try:
+        result = await store.reserve(tenant.id, tenant.config.budgets, cost)
+    except StateUnavailable:
+        # on_state_failure: closed: nothing is admitted that could overspend.
+        raise GatewayError(503, "the gateway's state store does not answer; retry shortly",
+                           reason="state_unavailable", code="state_unavailable",
+                           headers={"retry-after": "1"}) from None
+    if isinstance(result, BudgetRefusal):
+        raise budget_error(result)
+    return result
+
+
+def budget_error(refusal: BudgetRefusal) -> GatewayError:
+    budget = refusal.budget
+    if math.isinf(refusal.retry_after_s):
+        return GatewayError(
+            400, f"this request reserves {refusal.cost:g} tokens of cost, more than the whole "
+            f"budget {budget.key}; lower max_tokens or shorten the prompt",
+            reason="larger_than_budget", code="budget_too_small", param="max_tokens")
+    return GatewayError(
+        429, f"token budget {budget.key} exhausted: this request needs {refusal.cost:g}, "
+        f"{math.floor(refusal.remaining)} remain; retry in {refusal.retry_after_s:.3f} s",
+        reason="budget", code="rate_limit_exceeded",
+        headers={
+            "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
+            "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
+            "x-ratelimit-limit-tokens": str(int(budget.tokens)),
+            "x-ratelimit-remaining-tokens": str(math.floor(refusal.remaining)),
+            "x-ratelimit-reset-tokens": _go_duration(refusal.reset_s),
+        })
+
+
+def _go_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``1.5s``, ``6m0s``, ``20ms``."""
+    if seconds < 1:
+        return f"{max(1, math.ceil(seconds * 1000))}ms"
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    text = f"{secs:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{text}"
+    return f"{minutes}m{text}" if minutes else text

@@ -1,0 +1,224 @@
+"""The hot path: the engine call of a dispatched request, and the relay of its answer.
+
+Non-streamed requests pass the engine's answer on as it is (usage read from it); streamed
+ones relay the engine's SSE events as they come, one ``send`` per network read, counting
+tokens from the usage the engine reports in the stream. However either ends, it ends in
+one ``Exchange.finish`` with its ``Outcome``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ._body import Kind, ParsedRequest
+from ._errors import GatewayError, error_body
+from ._settle import Exchange, Outcome
+from ._stream import ChunkRewriter, EventSplitter
+from ._upstream import Upstream, UpstreamError
+from ._watch import ClientWatch
+
+PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def _upstream_headers(ex: Exchange) -> dict[str, str]:
+    return {"content-type": "application/json", "x-request-id": ex.id}
+
+
+async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
+               deadline: float) -> Response:
+    """A non-streaming request: the engine's answer is passed on as it is."""
+    outcome, detail = Outcome.CANCELLED, None
+    resp = None
+    try:
+        with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
+            try:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                content = await resp.read()
+            except UpstreamError as exc:
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                raise GatewayError(502, f"engine failed: {type(exc).__name__}",
+                                   reason="engine_error", code="engine_error") from None
+        if scope.cancelled_caught:
+            # A non-streaming answer never arrived, so the engine's count is unknown: the
+            # reservation (max_tokens) stands as the charge.
+            ex.completion_tokens = ex.max_completion_tokens
+            if watch.gone:
+                return Response(status_code=499)
+            outcome = Outcome.TIMEOUT
+            return _timeout_response(ex)
+        assert resp is not None
+        if resp.status != 200:
+            ex.charge_usage = False
+            outcome = Outcome.UPSTREAM_ERROR
+            return Response(content, status_code=resp.status,
+                            media_type=resp.headers.get("content-type"),
+                            headers={"x-request-id": ex.id})
+        try:
+            data = json.loads(content)
+            usage = data.get("usage") or {}
+            ex.completion_tokens = int(usage.get("completion_tokens") or 0)
+            ex.prompt_tokens = int(usage.get("prompt_tokens") or ex.prompt_tokens)
+            reasons = [c.get("finish_reason") for c in data.get("choices") or [] if isinstance(c, dict)]
+            outcome, detail = Outcome.FINISHED, next((r for r in reasons if r), None)
+        except (ValueError, AttributeError, TypeError):
+            outcome = Outcome.UPSTREAM_ERROR
+        return Response(content, status_code=200, media_type="application/json",
+                        headers={"x-request-id": ex.id})
+    finally:
+        if resp is not None:
+            if outcome in (Outcome.CANCELLED, Outcome.TIMEOUT):
+                resp.close()  # the engine sees the connection go and aborts the request
+            else:
+                resp.release()
+        ex.finish(outcome, detail)
+        watch.stop()
+
+
+def _timeout_response(ex: Exchange) -> Response:
+    return Response(
+        json.dumps(error_body(504, f"the request did not finish within request_timeout "
+                              f"({ex.rt.config.request_timeout_s:g} s)", "timeout")),
+        status_code=504, media_type="application/json", headers={"x-request-id": ex.id})
+
+
+async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
+                      watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
+    """Start the engine stream; its status decides between a pass-through error and SSE."""
+    outcome = Outcome.CANCELLED
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
+            try:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+            except UpstreamError as exc:
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                raise GatewayError(502, f"engine failed: {type(exc).__name__}",
+                                   reason="engine_error", code="engine_error") from None
+            if resp.status != 200:
+                try:
+                    content = await resp.read()
+                except UpstreamError:
+                    content = b""
+                resp.release()
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                ex.finish(outcome)
+                watch.stop()
+                return Response(content, status_code=resp.status,
+                                media_type=resp.headers.get("content-type"),
+                                headers={"x-request-id": ex.id})
+        if scope.cancelled_caught:
+            if resp is not None:
+                resp.close()  # closing the connection makes the engine abort the request
+            ex.charge_usage = False
+            outcome = Outcome.CANCELLED if watch.gone else Outcome.TIMEOUT
+            ex.finish(outcome)
+            watch.stop()
+            return Response(status_code=499) if watch.gone else _timeout_response(ex)
+        assert resp is not None
+        return StreamResponse(ex, resp, req, watch, deadline)
+    except BaseException:
+        if resp is not None:
+            resp.close()
+        ex.finish(outcome)
+        watch.stop()
+        raise
+
+
+class StreamResponse:
+    """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
+
+    def __init__(self, ex: Exchange, upstream: aiohttp.ClientResponse, req: ParsedRequest,
+                 watch: ClientWatch, deadline: float) -> None:
+        self.ex = ex
+        self.upstream = upstream
+        self.rewriter = ChunkRewriter(req.client_wants_usage, req.client_wants_continuous_usage)
+        self.watch = watch
+        self.deadline = deadline
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex, progress = self.ex, self.rewriter.progress
+        outcome, detail = Outcome.CANCELLED, None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                (b"x-request-id", ex.id.encode()),
+            ]})
+            with self.watch.guard(anyio.CancelScope(deadline=self.deadline)) as cancel:
+                failure = await self._relay(send)
+            if cancel.cancelled_caught:
+                outcome = Outcome.CANCELLED if self.watch.gone else Outcome.TIMEOUT
+                if outcome is Outcome.TIMEOUT:
+                    await self._send_error(send, 504, "the request did not finish within "
+                                           "request_timeout", "timeout")
+            elif failure is not None or progress.error is not None or not progress.done:
+                outcome = Outcome.UPSTREAM_ERROR
+                if failure is not None or not progress.done and progress.error is None:
+                    await self._send_error(send, 502, failure or "the engine stream ended early",
+                                           "engine_error")
+            else:
+                outcome, detail = Outcome.FINISHED, progress.finish_reason
+            if not self.watch.gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            outcome = Outcome.CANCELLED  # the client socket broke while we wrote to it
+        finally:
+            if progress.done:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # the engine sees the connection go and aborts
+            ex.completion_tokens = progress.completion_tokens
+            if progress.prompt_tokens is not None:
+                ex.prompt_tokens = progress.prompt_tokens
+            ex.finish(outcome, detail)
+            self.watch.stop()
+
+    async def _relay(self, send: Send) -> str | None:
+        """Copy events until the engine ends the stream; return a failure description.
+
+        The events of one network read go out in one ``send``: one write per read, not
+        per event.
+        """
+        ex, rewriter = self.ex, self.rewriter
+        progress = rewriter.progress
+        splitter = EventSplitter()
+        try:
+            async for data in self.upstream.content.iter_any():
+                out = []
+                for payload in splitter.feed(data):
+                    event = rewriter.event(payload)
+                    if event is not None:
+                        out.append(b"data: " + event + b"\n\n")
+                if progress.first_token and ex.ttft_s is None:
+                    ex.ttft_s = ex.rt.clock() - ex.arrived
+                if progress.prompt_tokens is not None and not ex.prompt_counted:
+                    ex.prompt_tokens = progress.prompt_tokens
+                if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
+                    ex.completion_tokens = progress.completion_tokens
+                    ex.charge_progress()
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
+                if progress.done:
+                    return None
+            for payload in splitter.flush():
+                event = rewriter.event(payload)
+                if event is not None:
+                    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
+                                "more_body": True})
+        except UpstreamError as exc:
+            return f"the engine stream failed: {type(exc).__name__}"
+        return None
+
+    async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
+        event = b"data: " + json.dumps(error_body(status, message, code)).encode() + b"\n\n"
+        with anyio.move_on_after(1.0, shield=True):
+            await send({"type": "http.response.body", "body": event, "more_body": True})

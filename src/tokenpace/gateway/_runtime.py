@@ -1,0 +1,34 @@
+"""What every request handler shares, in one value that a reload replaces piecemeal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from ._config import GatewayConfig
+from ._dispatch import Dispatcher
+from ._ledger import Ledger
+from ._state import StateStore
+from ._tenants import Tenants
+from ._upstream import Upstream
+
+
+@dataclass
+class Runtime:
+    """What every request handler shares; replaced piecemeal by a reload."""
+
+    config: GatewayConfig
+    tenants: Tenants
+    dispatcher: Dispatcher
+    clients: dict[str, httpx.AsyncClient]  # background calls: /tokenize, /health, gauges
+    ledger: Ledger
+    upstreams: dict[str, Upstream] = field(default_factory=dict)  # the hot path: completions
+    clock: Callable[[], float] = time.monotonic
+    # Budgets shared with other replicas (state: redis://...); None: in this process.
+    store: StateStore | None = None
+    # Settlements sent to the store in the background (finish is synchronous).
+    settling: set[asyncio.Task[None]] = field(default_factory=set)

@@ -1,0 +1,144 @@
+"""The end of one request: slot back, budget settled, metrics counted, one ledger row.
+
+Every request that got past authentication ends in exactly one call of
+``Exchange.finish``: it gives the engine slot back, settles the budget reservation to the
+cost actually incurred, counts the outcome in the metrics and writes one ledger row. That
+single exit is what makes "nothing leaked" checkable whatever went wrong (client gone,
+engine gone, timeout, refusal).
+
+How a request ended is one ``Outcome``; the strings it becomes (the ledger's
+``finish_reason``, the ``outcome`` label of ``tokenpace_gateway_requests``) are made in one
+place, ``Outcome.finish_reason``, and are the ones users' ledgers and the dashboard in
+deploy/ already read: do not change them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from . import _metrics as metrics
+from ._body import Kind
+from ._dispatch import Lease
+from ._ledger import UsageRecord
+from ._runtime import Runtime
+from ._state import Reservation
+from ._tenants import TenantState
+
+
+class Outcome(enum.Enum):
+    """How a request ended. The value is the ledger's finish_reason, except for FINISHED
+    (the engine's own finish reason) and REJECTED (``rejected:<reason>``)."""
+
+    FINISHED = "stop"  # the engine answered; its finish reason ("stop", "length", ...) is kept
+    REJECTED = "rejected"  # refused by the gateway, with the refusal's reason
+    CANCELLED = "cancelled"  # the client went away after its body arrived
+    CLIENT_DISCONNECTED = "client_disconnected"  # ... while it was still sending its body
+    TIMEOUT = "timeout"  # request_timeout ran out
+    UPSTREAM_ERROR = "upstream_error"  # the engine failed or refused
+    ERROR = "error"  # a bug in the gateway
+
+    def finish_reason(self, detail: str | None = None) -> str:
+        """The ledger's finish_reason: the engine's reason (FINISHED), ``rejected:<reason>``
+        (REJECTED), else the outcome's own name."""
+        if self is Outcome.FINISHED:
+            return detail or self.value
+        if self is Outcome.REJECTED:
+            return f"rejected:{detail}"
+        return self.value
+
+
+@dataclass
+class Exchange:
+    """The book-keeping of one request, from arrival to its ledger row."""
+
+    rt: Runtime
+    id: str
+    kind: Kind
+    tenant: TenantState
+    arrived: float
+    started_at: float
+    model: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reserved: float = 0.0
+    reservation: Reservation | None = None  # taken in the shared store (state: redis://)
+    max_completion_tokens: int = 0
+    charged_tokens: int = 0  # completion tokens already charged to the fair queue
+    charge_usage: bool = True
+    prompt_counted: bool = False  # the prompt's cost is in the fair queue's counter
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    lease: Lease | None = None  # set once an engine slot was granted
+    finished: bool = field(default=False)
+
+    @property
+    def lane(self) -> str:
+        return self.tenant.config.lane
+
+    def charge_progress(self) -> None:
+        """Grow the tenant's fair-queue counter by the tokens generated since last time
+        (and by the prompt, once the engine's usage gave its size if it was not counted)."""
+        if self.lease is None or not self.charge_usage:
+            return
+        cost = 0.0
+        if not self.prompt_counted and self.prompt_tokens:
+            cost += self.prompt_tokens * self.rt.config.cost.prompt
+            self.prompt_counted = True
+        delta = self.completion_tokens - self.charged_tokens
+        if delta > 0:
+            cost += delta * self.rt.config.cost.completion
+            self.charged_tokens = self.completion_tokens
+        if cost:
+            self.lease.charge(cost)
+
+    def finish(self, outcome: Outcome, detail: str | None = None) -> None:
+        """Settle the request (idempotent). ``detail``: the engine's finish reason for
+        FINISHED, the refusal's reason for REJECTED."""
+        if self.finished:
+            return
+        self.finished = True
+        rt = self.rt
+        if self.lease is not None:
+            self.charge_progress()
+            self.lease.release()
+        actual = (rt.config.cost.of(self.prompt_tokens, self.completion_tokens)
+                  if self.charge_usage else 0.0)
+        if self.reservation is not None:
+            # One script, off the request's path; a failure leaves the reservation charged.
+            task = asyncio.get_running_loop().create_task(
+                rt.store.settle(self.reservation, actual))  # type: ignore[union-attr]
+            rt.settling.add(task)
+            task.add_done_callback(rt.settling.discard)
+        elif self.reserved:
+            self.tenant.settle(self.reserved, actual, rt.clock())
+        e2e = rt.clock() - self.arrived
+        if self.lease is not None:
+            self.tenant.record_service(e2e - (self.queue_s or 0.0))
+        reason = outcome.finish_reason(detail)
+        tenant, lane = self.tenant.id, self.lane
+        # An engine's finish reason is passed on as it is; its label is the part before a
+        # colon, as for "rejected:<reason>".
+        metrics.child(metrics.REQUESTS, tenant, lane, reason.split(":", 1)[0]).inc()
+        if outcome is Outcome.REJECTED:
+            metrics.child(metrics.REJECTIONS, tenant, reason.split(":", 1)[1]).inc()
+        if self.charge_usage and self.lease is not None:
+            metrics.child(metrics.PROMPT_TOKENS, tenant, lane).inc(self.prompt_tokens)
+            metrics.child(metrics.COMPLETION_TOKENS, tenant, lane).inc(self.completion_tokens)
+            metrics.child(metrics.SERVICE, tenant, lane).inc(actual)
+            metrics.child(metrics.E2E_SECONDS, tenant).observe(e2e)
+        if self.ttft_s is not None:
+            metrics.child(metrics.TTFT_SECONDS, tenant).observe(self.ttft_s)
+        rt.ledger.record(UsageRecord(
+            request_id=self.id, tenant=tenant, model=self.model, lane=lane,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens if self.charge_usage else 0,
+            cost=actual,
+            queue_ms=None if self.queue_s is None else self.queue_s * 1000.0,
+            ttft_ms=None if self.ttft_s is None else self.ttft_s * 1000.0,
+            e2e_ms=e2e * 1000.0, finish_reason=reason,
+            started_at=self.started_at, ended_at=time.time(),
+            served=self.charge_usage and self.lease is not None,
+        ))

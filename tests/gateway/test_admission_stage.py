@@ -1,0 +1,140 @@
+"""Admission as a stage, in process (issue 13): caps, budget refusals and their headers,
+and the refusals that need no prompt count. The HTTP behaviour is in test_admission_http.py;
+these call ``admit`` directly with a real Runtime (real ledger file, real dispatcher). The
+engine client points at a closed port: a refusal that asked it to count would be a 502."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tokenpace.gateway import parse_config
+from tokenpace.gateway._admission import Admission, admit
+from tokenpace.gateway._body import parse_request
+from tokenpace.gateway._dispatch import Dispatcher
+from tokenpace.gateway._errors import GatewayError
+from tokenpace.gateway._ledger import open_ledger
+from tokenpace.gateway._runtime import Runtime
+from tokenpace.gateway._settle import Exchange
+from tokenpace.gateway._tenants import Tenants
+
+CLOSED = "http://127.0.0.1:1"
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[Any]:
+    made: list[Runtime] = []
+    now = [0.0]
+
+    def make(**tenant: Any) -> Runtime:
+        config = parse_config({
+            "engines": [CLOSED], "ledger": f"sqlite:///{tmp_path / 'usage.db'}",
+            "cost": {"prompt": 1.0, "completion": 1.0},
+            "tenants": [{"id": "t", "api_keys": ["k"], **tenant}],
+        })
+        clock = lambda: now[0]  # noqa: E731
+        rt = Runtime(config, Tenants(config, clock), Dispatcher(config, clock), {},
+                     open_ledger(config.ledger), clock=clock)
+        made.append(rt)
+        return rt
+
+    make.now = now  # type: ignore[attr-defined]
+    yield make
+    for rt in made:
+        rt.ledger.close()
+
+
+def run_admit(rt: Runtime, body: dict[str, Any], kind: str = "completion") -> tuple[Exchange, Any]:
+    async def main() -> tuple[Exchange, Any]:
+        ex = Exchange(rt, "tpg-test", kind, rt.tenants.get("t"), rt.clock(), time.time())
+        async with httpx.AsyncClient(base_url=CLOSED) as client:
+            try:
+                return ex, await admit(rt, ex, parse_request(kind, body), client)
+            except GatewayError as exc:
+                return ex, exc
+    return asyncio.run(main())
+
+
+def ids(n: int) -> list[int]:
+    return list(range(1, n + 1))
+
+
+def test_an_admitted_request_reserves_prompt_plus_output_and_says_so(runtime: Any) -> None:
+    rt = runtime(budgets=[{"tokens": 100, "per": "1m"}])
+    ex, admission = run_admit(rt, {"model": "m", "prompt": ids(3), "max_tokens": 10, "n": 2})
+    assert admission == Admission(prompt_tokens=3, max_tokens=10, reserved=23.0)
+    assert (ex.prompt_tokens, ex.reserved, ex.max_completion_tokens) == (3, 23.0, 20)
+    assert ex.prompt_counted
+
+
+def test_a_budget_refusal_carries_retry_and_ratelimit_headers(runtime: Any) -> None:
+    rt = runtime(budgets=[{"tokens": 100, "per": "1m"}])  # refills 100/60 per second
+    _, first = run_admit(rt, {"model": "m", "prompt": ids(30), "max_tokens": 30})
+    assert isinstance(first, Admission)  # 60 reserved, 40 left
+    # The lower bound (35: token ids have no text bytes) fits; the full 45 does not.
+    ex, refused = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 35})
+    assert isinstance(refused, GatewayError)
+    assert (refused.status, refused.reason, refused.code) == (429, "budget", "rate_limit_exceeded")
+    h = refused.headers
+    assert h["x-ratelimit-limit-tokens"] == "100" and h["x-ratelimit-remaining-tokens"] == "40"
+    assert h["retry-after"] == "3" and h["retry-after-ms"] == "3000"  # 5 missing
+    assert h["x-ratelimit-reset-tokens"] == "36s"  # 60 missing
+    assert ex.prompt_tokens == 10 and ex.reserved == 0.0  # counted, nothing reserved
+    # Refused on the lower bound alone (50 > 40), before counting: its wait is the bound's.
+    ex, cheap = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 50})
+    assert isinstance(cheap, GatewayError) and cheap.reason == "budget"
+    assert cheap.headers["retry-after-ms"] == "6000" and ex.prompt_tokens == 0
+
+
+def test_a_request_larger_than_the_whole_budget_is_a_400_before_any_count(runtime: Any) -> None:
+    rt = runtime(budgets=[{"tokens": 100, "per": "1m"}])
+    ex, refused = run_admit(rt, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 200}, kind="chat")
+    assert isinstance(refused, GatewayError)
+    assert (refused.status, refused.reason, refused.param) == (400, "larger_than_budget", "max_tokens")
+    assert not ex.prompt_counted  # refused on the output part alone: the engine was not asked
+
+
+def test_a_prompt_too_big_by_its_bytes_is_refused_without_counting(runtime: Any) -> None:
+    rt = runtime(max_input_tokens=10)
+    big = "x" * (10 * 64 + 1)  # more than 64 bytes per allowed token
+    ex, refused = run_admit(rt, {"model": "m", "messages": [{"role": "user", "content": big}],
+                                 "max_tokens": 5}, kind="chat")
+    assert isinstance(refused, GatewayError)
+    assert (refused.status, refused.reason, refused.param) == (400, "max_input_tokens", "messages")
+    assert "at least 11 tokens" in refused.message and not ex.prompt_counted
+
+
+def test_counted_caps_refuse_with_their_own_messages(runtime: Any) -> None:
+    rt = runtime(max_input_tokens=4, max_output_tokens=8)
+    _, over_input = run_admit(rt, {"model": "m", "prompt": ids(5), "max_tokens": 2})
+    assert isinstance(over_input, GatewayError) and over_input.reason == "max_input_tokens"
+    assert "has 5 tokens" in over_input.message
+    _, over_output = run_admit(rt, {"model": "m", "prompt": ids(2), "max_tokens": 9})
+    assert isinstance(over_output, GatewayError)
+    assert (over_output.reason, over_output.param) == ("max_output_tokens", "max_tokens")
+    _, filled = run_admit(rt, {"model": "m", "prompt": ids(2)})
+    assert filled == Admission(prompt_tokens=2, max_tokens=8, reserved=10.0)
+
+
+def test_a_full_queue_is_refused_before_anything_else(runtime: Any) -> None:
+    rt = runtime(max_concurrency=1, max_queued=0, max_input_tokens=1)
+    tenant = rt.tenants.get("t")
+    tenant.inflight = 1
+    _, refused = run_admit(rt, {"model": "m", "prompt": "x" * 1000, "max_tokens": 1})
+    assert isinstance(refused, GatewayError)
+    assert (refused.status, refused.reason) == (429, "queue_full")
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_prompt_that_must_be_counted_asks_the_engine(runtime: Any) -> None:
+    rt = runtime(max_input_tokens=100)
+    _, refused = run_admit(rt, {"model": "m", "prompt": "hello", "max_tokens": 1})
+    assert isinstance(refused, GatewayError)  # the engine (a closed port) could not count it
+    assert (refused.status, refused.reason) == (502, "engine_unavailable")
