@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -37,6 +37,20 @@ class StreamRecord:
         return self.first - self.start
 
 
+async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of a server-sent event stream, framed on LF (and CR LF) bytes
+    only: JSON may carry U+0085, U+2028 and U+2029 unescaped, and the tiny model writes them
+    now and then; ``str.splitlines`` (httpx's ``aiter_lines``) would cut an event there."""
+    pending = b""
+    async for piece in resp.aiter_bytes():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip(b" \r")
+    if pending.startswith(b"data:"):
+        yield pending[5:].strip(b" \r")
+
+
 async def stream_completion(
     client: httpx.AsyncClient, base_url: str, user: str | None, max_tokens: int,
     prompt: str | list[int] = "Hello", record: StreamRecord | None = None,
@@ -60,11 +74,11 @@ async def stream_completion(
                              headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp):
+            if data == b"[DONE]":
                 continue
             now = time.monotonic()
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             for choice in chunk.get("choices") or ():
                 record.token_times.extend([now] * len(choice.get("token_ids") or ()))
             usage = chunk.get("usage")
