@@ -207,7 +207,7 @@ def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
     Measured at the source (event log), per round of one request alone and one next to
     the flood, back to back so both see the machine's load of the moment:
     - pace: the median time between the request's tokens at the engine (its step time),
-      next to the flood at most 1/0.7 = 1.43x alone (median over 5 rounds). Not the
+      next to the flood at most 1.8x alone (median over 5 rounds; why 1.8 at the assertion). Not the
       client's first-to-last interval (a client that reads buffered chunks in a burst made
       it a few ms), and not the whole request's duration: at a load average of 17 on 2
       cores a CPU-starved engine stalled single requests 3.8x in issue 19's runs, and the
@@ -236,8 +236,13 @@ def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
             "shared_ttft_s": [s.ttft for _, s in pairs],
         }
         logs = [p.server.log_path, p.event_log]
+        # 1.8: on a quiet machine the tiny model steps in ~1 ms, and the 8 resident
+        # throttled requests add a fixed ~0.45 ms per step (a fresh-clone CI run measured a
+        # median of 1.46 in async mode, rounds up to 1.63; the old 1/0.7 = 1.43 failed
+        # there). A per-throttled-request cost of 0.1 ms per step (the mutation) adds 0.8 ms:
+        # about 2.2 quiet, 1.90 at load 20; a sleeping or starving engine times out above.
         expect("isolation", f"{p.mode} median shared/alone step time",
-               statistics.median(ratios), 1 / 0.7, logs=logs, **series)
+               statistics.median(ratios), 1.8, logs=logs, **series)
         expect("isolation", f"{p.mode} median of shared TTFT - 1.5 x alone TTFT (s)",
                statistics.median(ttft_excess), 0.010, logs=logs, **series)
 
