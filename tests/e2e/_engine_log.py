@@ -9,11 +9,12 @@ out in time; the event log records the instant each token was dispatched. Its ``
 from __future__ import annotations
 
 import bisect
-import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenpace.engine import read_charges
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,7 @@ def engine_requests(event_log: Path, users: Collection[str] | None,
     The module's servers live for many tests (and for repeated runs of one test), so a
     test selects its own requests by the instant it started.
     """
-    charges: dict[tuple[str, str], list[int]] = {}
-    text = event_log.read_text() if event_log.exists() else ""
-    for line in text.splitlines():
-        if not line:
-            continue
-        event = json.loads(line)
-        if users is not None and event["user"] not in users:
-            continue
-        key = (event["user"], event["request_id"])
-        if event["event"] == "charge":
-            charges.setdefault(key, []).append(event["t_ns"])
-        elif charges.get(key):
-            charges[key].pop()  # a refund cancels the latest charge of that request
+    charges = read_charges(event_log, users)
     found = [
         EngineRequest(request_id, user, tuple(sorted(t / 1e9 for t in stamps)))
         for (user, request_id), stamps in charges.items()

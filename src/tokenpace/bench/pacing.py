@@ -21,6 +21,7 @@ from typing import Any
 from ._environment import environment
 from ._load import StreamRecord, percentile, run_streams
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from ..engine import read_charges
 
 SLOW_RATE = 20.0
 FAST_RATE = 100.0
@@ -39,18 +40,8 @@ def _gaps(times: list[float]) -> list[float]:
 
 def _engine_times(event_log: Path, users: set[str]) -> dict[str, list[float]]:
     """Per user, the instants of charges that were not refunded (seconds)."""
-    charges: dict[tuple[str, str], list[int]] = {}
-    for line in event_log.read_text().splitlines():
-        event = json.loads(line)
-        if event["user"] not in users:
-            continue
-        key = (event["user"], event["request_id"])
-        if event["event"] == "charge":
-            charges.setdefault(key, []).append(event["t_ns"])
-        elif charges.get(key):
-            charges[key].pop()  # a refund cancels the latest charge of that request
     out: dict[str, list[float]] = {}
-    for (user, _), stamps in charges.items():
+    for (user, _), stamps in read_charges(event_log, users).items():
         out.setdefault(user, []).extend(t / 1e9 for t in stamps)
     return out
 

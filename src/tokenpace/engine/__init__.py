@@ -1,7 +1,7 @@
 """The vLLM adapter: paced scheduler subclasses, their configuration and vLLM hooks.
 
 Names are loaded on first use: the configuration, the HTTP guard and the ``vllm_xargs``
-field names (``USER_EXTRA_ARG``, ``RATE_EXTRA_ARG``) import nothing from vLLM (so
+field names (``USER_EXTRA_ARG``, ``RATE_EXTRA_ARG``) and the event-log reader import nothing from vLLM (so
 ``tokenpace serve`` validates flags in milliseconds and a gateway can share the names),
 while the schedulers and hooks import vLLM. vLLM resolves ``--scheduler-cls
 tokenpace.engine.PacedScheduler``, ``--middleware tokenpace.engine.RequestGuard`` and
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._auth import EngineAuth
     from ._config import PacingConfig, PacingConfigError
+    from ._events import read_charges
     from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
@@ -31,6 +32,7 @@ _WHERE = {
     "check_request_body": "_guard",
     "configure_pacing": "_hooks",
     "register": "_hooks",
+    "read_charges": "_events",
     "ANONYMOUS_USER": "_scheduler",
     "PacedAsyncScheduler": "_scheduler",
     "PacedScheduler": "_scheduler",

@@ -15,6 +15,7 @@ import json
 import os
 import threading
 from collections import deque
+from collections.abc import Collection
 from pathlib import Path
 
 FLUSH_INTERVAL_S = 0.2
@@ -71,3 +72,27 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def read_charges(path: Path, users: Collection[str] | None = None) -> dict[tuple[str, str], list[int]]:
+    """Net charges per ``(user, request_id)``: each dispatch instant (``t_ns``) that was not
+    refunded, in the order the log holds them (None for ``users``: everyone).
+
+    A refund cancels the latest charge of its request: the scheduler refunds only the
+    token it charged in the step that was cancelled (its one refund point). A missing file
+    reads as empty (the writer has not flushed yet).
+    """
+    charges: dict[tuple[str, str], list[int]] = {}
+    text = path.read_text() if path.exists() else ""
+    for line in text.splitlines():
+        if not line:
+            continue
+        event = json.loads(line)
+        if users is not None and event["user"] not in users:
+            continue
+        key = (event["user"], event["request_id"])
+        if event["event"] == "charge":
+            charges.setdefault(key, []).append(event["t_ns"])
+        elif charges.get(key):
+            charges[key].pop()
+    return charges
