@@ -177,14 +177,18 @@ class PromptBounds:
         self._probing[key] = future
         found = None
         try:
-            found = Learned(engine, model, kind, await _probe(client, model, kind))
-            self._learned[key] = found
+            found = self.remember(engine, model, kind, await _probe(client, model, kind))
         except ProbeUnreachable:
             pass
         finally:
             # Also when this request is cancelled mid-probe: the waiters count exactly.
             future.set_result(found)
             self._probing.pop(key, None)
+        return found
+
+    def remember(self, engine: str, model: str, kind: str, overhead: Overhead | None) -> Learned:
+        """Keep ``overhead`` (None: no bound) for ``model`` on ``engine``."""
+        found = self._learned[(engine, model, kind)] = Learned(engine, model, kind, overhead)
         return found
 
     def forget(self, engine: str) -> None:
