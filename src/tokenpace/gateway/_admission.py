@@ -3,7 +3,9 @@
 The stages before the queue: identity (API key -> tenant), the body (size limit, parse),
 the per-request caps, and the budget reservation (in this process, or in the shared state
 store with ``state: redis://``). Refusals that need no prompt count come first, so a prompt
-its limits refuse never reaches the engine's tokenizer. ``admit`` returns an ``Admission``;
+its limits refuse never reaches the engine's tokenizer; then a prompt whose byte bound
+(``_prompt_bound``) proves every limit holds is admitted without a round trip, and only the
+rest wait for the engine's exact count. ``admit`` returns an ``Admission``;
 it records on the ``Exchange`` what it learnt on the way (prompt size, reservation), so a
 refusal's ledger row shows it.
 """
