@@ -174,3 +174,14 @@ def test_a_prompt_over_its_bound_turns_the_bound_off_for_that_engine_and_model(
     assert level(rt) == 1000 - 53  # the reservation follows the real count anyway
     _, next_one = run_admit(rt, {"model": "m", "prompt": "x", "max_tokens": 1})
     assert isinstance(next_one, GatewayError) and next_one.status == 502  # counted again
+
+
+def test_the_learned_cache_stays_bounded_against_invented_model_names() -> None:
+    from tokenpace.gateway._prompt_bound import MAX_LEARNED, PromptBounds
+
+    bounds = PromptBounds()
+    bounds.remember(CLOSED, "served", "chat", CHAT)
+    for i in range(MAX_LEARNED - 1):  # names the engine refused: kept as "no bound"
+        bounds.remember(CLOSED, f"invented-{i}", "chat", None)
+    bounds.remember(CLOSED, "another", "chat", None)  # full: the refused names go first
+    assert set(bounds._learned) == {(CLOSED, "served", "chat"), (CLOSED, "another", "chat")}

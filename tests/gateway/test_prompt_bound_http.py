@@ -117,3 +117,14 @@ def test_prompt_count_exact_counts_every_prompt_a_decision_depends_on(
         assert post(gw.url, "/v1/completions", {"model": "fake", "prompt": prompt,
                                                 "max_tokens": 2}).status_code == 200
     assert [b["prompt"] for b in engine.engine.tokenize_bodies] == ["one", "two"]  # no probe
+
+
+def test_concurrent_first_requests_share_one_probe(engine: EngineServer, gw: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "fake", "prompt": "first", "max_tokens": 2}
+    with ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(lambda _: post(gw.url, "/v1/completions", body).status_code,
+                              range(6)))
+    assert codes == [200] * 6
+    assert engine.engine.tokenize_bodies == [{"model": "fake", "prompt": "a"}]

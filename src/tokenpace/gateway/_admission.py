@@ -145,7 +145,8 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
     tenant, cfg = ex.tenant, ex.tenant.config
     if req.max_tokens is None and cfg.max_output_tokens is None:
         return None  # the room left beside the prompt, sent as max_tokens, needs its size
-    learned = await rt.prompt_bounds.learned(client, engine, req.model, req.kind)
+    learned = await rt.prompt_bounds.learned(client, engine, req.model, req.kind,
+                                             tenant.tokenize_slots)
     if learned is None or learned.overhead is None or not learned.trusted:
         return None
     bound = prompt_bound(req, learned.overhead)

@@ -50,6 +50,9 @@ SLACK_PER_MESSAGE = 4
 content's first or last bytes it may split into more tokens than it did around an empty
 probe content (a template's separators there are 1 or 2 bytes)."""
 
+MAX_LEARNED = 1024
+"""Entries of (engine, model, kind) kept at most; see ``PromptBounds.remember``."""
+
 SLACK_PROMPT = 1
 """SentencePiece's ``▁`` prefix can make a token of its own before a completion prompt."""
 
@@ -160,12 +163,14 @@ class PromptBounds:
     _learned: dict[tuple[str, str, str], Learned] = field(default_factory=dict)
     _probing: dict[tuple[str, str, str], asyncio.Future[Learned]] = field(default_factory=dict)
 
-    async def learned(self, client: httpx.AsyncClient, engine: str, model: str,
-                      kind: str) -> Learned | None:
+    async def learned(self, client: httpx.AsyncClient, engine: str, model: str, kind: str,
+                      slots: asyncio.Semaphore | None = None) -> Learned | None:
         """The overhead of ``model`` on ``engine``: cached, else learned by probes (1 to 3
-        /tokenize calls of a few bytes, once; requests arriving meanwhile wait for them).
-        None when the engine did not answer them: nothing is cached, the request is counted
-        exactly, and the next one probes again."""
+        /tokenize calls of a few bytes, once; requests arriving meanwhile wait for them),
+        holding one of ``slots`` (the tenant's tokenize slots: probes for model names a
+        tenant invents count against its own bound on counts in flight). None when the
+        engine did not answer them: nothing is cached, the request is counted exactly, and
+        the next one probes again."""
         key = (engine, model, kind)
         found = self._learned.get(key)
         if found is not None:
@@ -177,7 +182,12 @@ class PromptBounds:
         self._probing[key] = future
         found = None
         try:
-            found = self.remember(engine, model, kind, await _probe(client, model, kind))
+            if slots is None:
+                overhead = await _probe(client, model, kind)
+            else:
+                async with slots:
+                    overhead = await _probe(client, model, kind)
+            found = self.remember(engine, model, kind, overhead)
         except ProbeUnreachable:
             pass
         finally:
@@ -187,7 +197,17 @@ class PromptBounds:
         return found
 
     def remember(self, engine: str, model: str, kind: str, overhead: Overhead | None) -> Learned:
-        """Keep ``overhead`` (None: no bound) for ``model`` on ``engine``."""
+        """Keep ``overhead`` (None: no bound) for ``model`` on ``engine``.
+
+        The model name comes from clients, and an engine refuses names it does not serve
+        (kept as None, so they are not probed again): at ``MAX_LEARNED`` entries those are
+        dropped, and if that is not enough everything is, so the cache stays bounded.
+        """
+        if len(self._learned) >= MAX_LEARNED:
+            for key in [k for k, v in self._learned.items() if v.overhead is None]:
+                del self._learned[key]
+            if len(self._learned) >= MAX_LEARNED:
+                self._learned.clear()
         found = self._learned[(engine, model, kind)] = Learned(engine, model, kind, overhead)
         return found
 
