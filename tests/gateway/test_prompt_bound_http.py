@@ -122,6 +122,7 @@ def test_prompt_count_exact_counts_every_prompt_a_decision_depends_on(
 def test_concurrent_first_requests_share_one_probe(engine: EngineServer, gw: Any) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
+    engine.engine.tokenize_delay_s = 0.5  # the probe is still out when the others arrive
     body = {"model": "fake", "prompt": "first", "max_tokens": 2}
     with ThreadPoolExecutor(6) as pool:
         codes = list(pool.map(lambda _: post(gw.url, "/v1/completions", body).status_code,
