@@ -8,6 +8,7 @@ the engine's request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,9 @@ import httpx
 import openai
 import pytest
 
+from tokenpace.gateway._body import parse_request
+from tokenpace.gateway._prompt_bound import PromptBounds, bound
+
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
@@ -24,7 +28,8 @@ from tests.gateway.conftest import GatewayProcess
 
 pytestmark = pytest.mark.vllm
 
-KEY_SLOW, KEY_FAST = "sk-slow", "sk-fast"
+KEY_SLOW, KEY_FAST, KEY_BUDGET = "sk-slow", "sk-fast", "sk-budget"
+BUDGET = 10000  # per day: refills 0.12 per second
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 
 
@@ -67,6 +72,9 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             # Exactly the engine's count of CHAT: one token more must be refused.
             {"id": "fast", "api_keys": [KEY_FAST], "lane": "interactive",
              "max_input_tokens": chat_tokens, "max_output_tokens": 200},
+            # A cap and a budget the byte bound of short prompts fits: no /tokenize first.
+            {"id": "budgeted", "api_keys": [KEY_BUDGET], "max_input_tokens": 2000,
+             "budgets": [{"tokens": BUDGET, "per": "1d"}]},
         ],
     }
     gw = GatewayProcess(home, config).start()
@@ -169,3 +177,70 @@ def test_client_leaving_mid_stream_aborts_the_engine_request(gateway: GatewayPro
     [row] = gateway.rows_since(t0, 1)
     assert row.finish_reason == "cancelled"
     assert 10 <= row.completion_tokens <= 13  # what the engine had streamed when we left
+
+
+# Text a normalizer could lengthen or a tokenizer could split finely: accents precomposed
+# and combining, CJK, emoji with modifiers and joiners, NFKC and NFC expansions (U+FDFA,
+# U+0958), a ligature, dotted capital I, control characters, whitespace runs, the
+# template's own markers inside a content.
+TEXTS = ["Hello world", "h\u00e9llo w\u00f6rld e\u0301", "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
+         "\U0001f44d\U0001f3fd \U0001f468\u200d\U0001f469\u200d\U0001f467", "\ufdfa \u0958\u0959 \ufb03 \u0130stanbul",
+         "  many   spaces\n\n\ttabs \x01\x7f", "<|user|> not a turn <|assistant|>",
+         "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440 " * 20]
+
+
+def test_the_byte_bound_is_never_below_the_engines_count(engine: Server) -> None:
+    """The bound the gateway admits on (overhead learned by its own probes of this engine)
+    against vLLM's prompt_tokens, for chat and completions, ASCII and not."""
+    async def learn() -> tuple[object, object]:
+        bounds = PromptBounds()
+        async with httpx.AsyncClient(base_url=engine.base_url) as client:
+            chat = await bounds.learned(client, engine.base_url, "tiny", "chat")
+            plain = await bounds.learned(client, engine.base_url, "tiny", "completion")
+        return chat, plain
+
+    chat, plain = asyncio.run(learn())
+    assert chat is not None and chat.overhead is not None  # type: ignore[attr-defined]
+    assert plain is not None and plain.overhead is not None  # type: ignore[attr-defined]
+    checked = []
+    for text in TEXTS:
+        bodies = [
+            ("completion", {"model": "tiny", "prompt": text}),
+            ("chat", {"model": "tiny", "messages": [{"role": "user", "content": text}]}),
+            ("chat", {"model": "tiny", "messages": [
+                {"role": "system", "content": text}, {"role": "user", "content": text},
+                {"role": "assistant", "content": text, "name": "bot"},
+                {"role": "user", "content": [{"type": "text", "text": text}]}]}),
+        ]
+        for kind, body in bodies:
+            learned = chat if kind == "chat" else plain
+            claimed = bound(parse_request(kind, {**body, "max_tokens": 1}),
+                            learned.overhead)  # type: ignore[attr-defined]
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            usage = httpx.post(f"{engine.base_url}{path}", timeout=60,
+                               json={**body, "max_tokens": 1}).json()["usage"]
+            checked.append((kind, text[:12], usage["prompt_tokens"], claimed))
+    assert all(claimed is not None and count <= claimed for _, _, count, claimed in checked), checked
+
+
+def test_a_budgeted_tenant_admitted_on_the_bound_is_charged_the_engines_count(
+        gateway: GatewayProcess) -> None:
+    """Ledger rows equal vLLM's usage and the budget is exact after settlement, for
+    requests the gateway admitted on the byte bound (their reservation was larger)."""
+    t0 = time.time()
+    client = api(gateway, KEY_BUDGET)
+    reported = []
+    msgs = [{"role": "user", "content": TEXTS[1]}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5)
+    reported.append((r.usage.prompt_tokens, r.usage.completion_tokens))
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                                 stream=True, stream_options={"include_usage": True}))
+    reported.append((chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens))
+    c = client.completions.create(model="tiny", prompt=TEXTS[2], max_tokens=4)
+    reported.append((c.usage.prompt_tokens, c.usage.completion_tokens))
+    rows = gateway.rows_since(t0, 3)
+    assert sorted((x.prompt_tokens, x.completion_tokens) for x in rows) == sorted(reported)
+    spent = sum(p + 2 * c for p, c in reported)  # cost: prompt 1, completion 2
+    level = gateway.metric("tokenpace_gateway_budget_remaining_tokens", tenant="budgeted")
+    # refill 0.12 per second: within 2 for the 16 s these requests may take under load
+    assert level == pytest.approx(BUDGET - spent, abs=2)

@@ -56,6 +56,8 @@ class FakeEngine:
     # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
     other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     tokenized: int = 0  # /tokenize calls received
+    tokenize_bodies: list[dict[str, Any]] = field(default_factory=list)  # ... and their bodies
+    tokenize_delay_s: float = 0.0  # each /tokenize answer waits this long
     # While this is an unset event, completions are recorded, then wait until it is set: a
     # test can hold the requests it dispatched for as long as it needs, whatever the load.
     gate: threading.Event | None = None
@@ -119,6 +121,8 @@ class FakeEngine:
         self._note(request)
         self.tokenized += 1
         body = await request.json()
+        self.tokenize_bodies.append(body)
+        await asyncio.sleep(self.tokenize_delay_s)
         n = self.prompt_tokens(body)
         return JSONResponse({"count": n, "max_model_len": self.max_model_len, "tokens": [0] * n})
 

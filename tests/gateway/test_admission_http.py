@@ -36,9 +36,11 @@ def test_a_prompt_too_large_for_its_cap_or_budget_is_refused_without_a_count(
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "budget_too_small"
     assert engine.engine.tokenized == 0
     assert engine.engine.requests == []
-    # a prompt under the bound is counted exactly, and refused by its exact count
+    # a prompt that the cheap refusals pass but whose byte bound (1502) is over the cap is
+    # counted exactly (after the one probe of the engine's overhead), and refused by its count
     resp = post(gw.url, {"model": "fake", "prompt": "z" * 1500, "max_tokens": 4}, KEY_A)
-    assert resp.status_code == 400 and engine.engine.tokenized == 1
+    assert resp.status_code == 400 and engine.engine.tokenized == 2
+    assert engine.engine.tokenize_bodies[-1]["prompt"] == "z" * 1500
     assert "1501 tokens" in resp.json()["error"]["message"]
 
 

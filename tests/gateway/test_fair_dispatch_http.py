@@ -100,8 +100,9 @@ def test_interactive_lane_goes_first(engine: EngineServer, make_gateway: Any, tm
 def test_fairness_debt_and_queued_tokens(engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
     engine.engine.token_delay_s = 0.05
     cfg = config([engine.url], tmp_path / "u.db")
-    # a prompt cap makes the gateway count prompts before dispatch (otherwise the engine's
-    # usage brings the count and the queued estimate is the output part alone)
+    # a prompt cap makes the gateway size prompts before dispatch (otherwise the engine's
+    # usage brings the count and the queued estimate is the output part alone); with
+    # prompt_count: bound (the default) the size is the byte bound, 9 bytes + 2 here
     cfg["tenants"][0]["max_input_tokens"] = 1000
     gw = make_gateway(cfg)
     threads = [send(gw, "sk-hog", "x" * 9, tokens=20, stream=True) for _ in range(3)]
@@ -114,7 +115,7 @@ def test_fairness_debt_and_queued_tokens(engine: EngineServer, make_gateway: Any
     debt = gw.metric("tokenpace_gateway_fairness_debt", tenant="hog")
     assert debt is not None and debt >= 5
     assert gw.metric("tokenpace_gateway_fairness_debt", tenant="polite") == 0
-    assert gw.metric("tokenpace_gateway_queued_tokens", tenant="hog") == 2 * (10 + 20)
+    assert gw.metric("tokenpace_gateway_queued_tokens", tenant="hog") == 2 * (11 + 20)
     for t in threads:
         t.join()
 

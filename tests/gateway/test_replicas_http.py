@@ -156,7 +156,9 @@ def test_open_admits_under_fallback_budgets_while_redis_is_down(
         codes = [post(gw).status_code for _ in range(6)]
         # Fallback budget: 1000 / 2 replicas = 500, room for 4 requests of 116.
         assert codes == [200] * 4 + [429] * 2, codes
-        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") == 6
+        # Reservations: 4 admitted on the prompt's byte bound; 2 refused on it, then again
+        # on the exact count (a refusal is only given on the exact cost).
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") == 8
         assert gw.metric("tokenpace_gateway_state_up") == 0.0
         redis_server.start()
         deadline = time.monotonic() + 10
@@ -166,7 +168,7 @@ def test_open_admits_under_fallback_budgets_while_redis_is_down(
             time.sleep(0.2)
         # Shared again: Redis's budget saw none of the fallback's requests.
         assert post(gw).status_code == 200
-        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") <= 7
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") <= 10
     finally:
         gw.stop()
 

@@ -85,6 +85,7 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     ("engines.0.max_engine_waiting", -1, "engines[0].max_engine_waiting"),
     ("repin_after", "never", "repin_after"),
     ("dispatch_order", "random", "dispatch_order"),
+    ("prompt_count", "guess", "prompt_count"),
     ("ledger", 5, "ledger"),
 ])
 def test_mistakes_name_their_key(path: str, value: Any, message: str) -> None:

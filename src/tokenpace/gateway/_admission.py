@@ -3,7 +3,9 @@
 The stages before the queue: identity (API key -> tenant), the body (size limit, parse),
 the per-request caps, and the budget reservation (in this process, or in the shared state
 store with ``state: redis://``). Refusals that need no prompt count come first, so a prompt
-its limits refuse never reaches the engine's tokenizer. ``admit`` returns an ``Admission``;
+its limits refuse never reaches the engine's tokenizer; then a prompt whose byte bound
+(``_prompt_bound``) proves every limit holds is admitted without a round trip, and only the
+rest wait for the engine's exact count. ``admit`` returns an ``Admission``;
 it records on the ``Exchange`` what it learnt on the way (prompt size, reservation), so a
 refusal's ledger row shows it.
 """
@@ -21,6 +23,7 @@ from . import _metrics as metrics
 from ._body import ParsedRequest, prompt_token_ids, tokenize_body
 from ._dispatch import EngineSlots
 from ._errors import GatewayError
+from ._prompt_bound import bound as prompt_bound
 from ._runtime import Runtime
 from ._settle import Exchange
 from ._state import Reservation, StateStore, StateUnavailable
@@ -81,34 +84,103 @@ def route(rt: Runtime, tenant: TenantState) -> EngineSlots:
     return engine
 
 
-async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest,
-                client: httpx.AsyncClient) -> Admission:
+async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.AsyncClient,
+                engine: str | None = None) -> Admission:
     """Caps and budget: raise ``GatewayError`` for a refusal, else reserve and return the
-    sizes. ``client`` reaches the engine's ``/tokenize`` when the prompt must be counted."""
+    sizes. ``client`` reaches the engine's ``/tokenize`` when the prompt must be counted;
+    ``engine`` (its URL, by default the client's) keys what is learned about its templates.
+
+    The prompt's size is known in one of four ways, cheapest first: not needed (no cap,
+    budget or missing ``max_tokens`` depends on it: the engine's usage brings it); token
+    ids (their number); the byte bound (``_prompt_bound``), when it proves every limit
+    holds and the budgets take a reservation on it; else the engine's exact count.
+    """
     tenant = ex.tenant
     _cheap_refusals(rt, tenant, req)
-    if _needs_count(tenant, req):
-        async with tenant.tokenize_slots:
-            prompt_tokens, max_model_len = await _count_prompt(client, req)
-        ex.prompt_counted = True
-    else:
+    ids = prompt_token_ids(req)
+    if ids is not None:
+        return await _admit_counted(rt, ex, req, len(ids), None, counted=True)
+    if not _needs_count(tenant, req):
         # No decision depends on the prompt's size: it is counted by the engine, and
         # the engine's first usage chunk (or its answer) brings the exact number.
-        ids = prompt_token_ids(req)
-        prompt_tokens, max_model_len = (0 if ids is None else len(ids)), None
-        ex.prompt_counted = ids is not None
+        return await _admit_counted(rt, ex, req, 0, None, counted=False)
+    if rt.config.prompt_count == "bound":
+        admission = await _admit_on_bound(rt, ex, req, client,
+                                          engine or str(client.base_url).rstrip("/"))
+        if admission is not None:
+            return admission
+    async with tenant.tokenize_slots:
+        prompt_tokens, max_model_len = await _count_prompt(client, req)
+    return await _admit_counted(rt, ex, req, prompt_tokens, max_model_len, counted=True)
+
+
+async def _admit_counted(rt: Runtime, ex: Exchange, req: ParsedRequest, prompt_tokens: int,
+                         max_model_len: int | None, *, counted: bool) -> Admission:
+    """Caps and reservation with the prompt's size known exactly (``counted``), or not
+    needed by any decision (0: the engine's usage brings it)."""
+    tenant = ex.tenant
+    ex.prompt_counted = counted
     ex.prompt_tokens = prompt_tokens
     max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
     reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
-    if rt.store is not None and tenant.config.budgets:
-        ex.reservation = await _reserve_shared(rt.store, tenant, reserved)
-    else:
-        refusal = tenant.try_reserve(reserved, rt.clock())
-        if refusal is not None:
-            raise budget_error(refusal)
+    refusal = await _reserve(rt, ex, reserved)
+    if refusal is not None:
+        raise budget_error(refusal)
     ex.reserved = reserved
     ex.max_completion_tokens = max_tokens * req.n
     return Admission(prompt_tokens, max_tokens, reserved)
+
+
+async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
+                          client: httpx.AsyncClient, engine: str) -> Admission | None:
+    """Admit on the prompt's byte bound, or None when the exact count is needed.
+
+    The bound decides when it proves the prompt within ``max_input_tokens``, when a
+    missing ``max_tokens`` is filled in with ``max_output_tokens`` that fits the context
+    beside the bound, and when the budgets take a reservation of the bound. Anything
+    else may still pass with the exact count, so it is taken (a refusal is never given
+    on the bound alone). Cost, once the engine and model are learned: a dict lookup and
+    one pass over the prompt's strings (O(1) each when ASCII); no round trip.
+    """
+    tenant, cfg = ex.tenant, ex.tenant.config
+    if req.max_tokens is None and cfg.max_output_tokens is None:
+        return None  # the room left beside the prompt, sent as max_tokens, needs its size
+    learned = await rt.prompt_bounds.learned(client, engine, req.model, req.kind,
+                                             tenant.tokenize_slots)
+    if learned is None or learned.overhead is None or not learned.trusted:
+        return None
+    bound = prompt_bound(req, learned.overhead)
+    if bound is None:
+        return None
+    if cfg.max_input_tokens is not None and bound > cfg.max_input_tokens:
+        return None
+    if req.max_tokens is None:
+        room = learned.overhead.max_model_len
+        if cfg.max_output_tokens is None or room is None or bound + cfg.max_output_tokens > room:
+            return None  # the room beside the prompt needs its exact size
+        max_tokens = cfg.max_output_tokens
+    else:
+        max_tokens = _admit_sizes(tenant, req, 0, None)  # max_output_tokens
+    reserved = rt.config.cost.of(bound, max_tokens * req.n)
+    if await _reserve(rt, ex, reserved) is not None:
+        return None  # the bound does not fit; the exact count may
+    ex.prompt_tokens, ex.prompt_counted = 0, False
+    ex.prompt_bound, ex.bound_source = bound, learned
+    ex.reserved = reserved
+    ex.max_completion_tokens = max_tokens * req.n
+    return Admission(0, max_tokens, reserved)
+
+
+async def _reserve(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | None:
+    """Take ``cost`` from the tenant's budgets (shared store or in process), or the refusal."""
+    tenant = ex.tenant
+    if rt.store is not None and tenant.config.budgets:
+        result = await _reserve_shared(rt.store, tenant, cost)
+        if isinstance(result, BudgetRefusal):
+            return result
+        ex.reservation = result
+        return None
+    return tenant.try_reserve(cost, rt.clock())
 
 
 def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
@@ -250,7 +322,8 @@ def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,
                        code="invalid_value", param=req.max_tokens_field)
 
 
-async def _reserve_shared(store: StateStore, tenant: TenantState, cost: float) -> Reservation:
+async def _reserve_shared(store: StateStore, tenant: TenantState,
+                          cost: float) -> Reservation | BudgetRefusal:
     """Reserve in the shared store (one script, at most its timeout, ~100 ms)."""
     try:
         result = await store.reserve(tenant.id, tenant.config.budgets, cost)
@@ -259,8 +332,6 @@ async def _reserve_shared(store: StateStore, tenant: TenantState, cost: float) -
         raise GatewayError(503, "the gateway's state store does not answer; retry shortly",
                            reason="state_unavailable", code="state_unavailable",
                            headers={"retry-after": "1"}) from None
-    if isinstance(result, BudgetRefusal):
-        raise budget_error(result)
     return result
 
 

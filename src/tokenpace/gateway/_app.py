@@ -160,6 +160,8 @@ class Gateway:
                 healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
                 if healthy != engine.healthy:
                     logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                    # Back up, it may serve another model or chat template: learn again.
+                    self.rt.prompt_bounds.forget(engine.url)
                 dispatcher.set_health(engine, healthy)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 

@@ -111,6 +111,9 @@ class GatewayConfig:
     repin_after_s: float | None = None
     # "fcfs" keeps lanes but serves tenants in arrival order: the baseline for comparisons.
     dispatch_order: str = "vtc"
+    # "bound": a prompt whose byte bound decides admission is not sent to /tokenize first;
+    # "exact": every prompt a decision depends on is counted by the engine before dispatch.
+    prompt_count: str = "bound"
     # Where budgets live: in process (one replica) or shared in Redis (several).
     state: StateConfig = field(default_factory=StateConfig)
     source: Path | None = None
@@ -163,7 +166,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
-                      "dispatch_order", "state", "on_state_failure"))
+                      "dispatch_order", "prompt_count", "state", "on_state_failure"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -213,6 +216,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         lane_share_window_s=_duration(root, "lane_share_window", "", 30.0),
         repin_after_s=_duration(root, "repin_after", "", 0.0) or None,
         dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
+        prompt_count=_prompt_count(root.get("prompt_count", "bound")),
         state=_state(root.get("state"), root.get("on_state_failure")),
         source=source,
     )
@@ -231,6 +235,13 @@ def _state(state: Any, on_failure: Any) -> StateConfig:
 def _dispatch_order(value: Any) -> str:
     if value not in ("vtc", "fcfs"):
         raise ConfigError(f"dispatch_order: expected 'vtc' (weighted fair) or 'fcfs', got {value!r}")
+    return value
+
+
+def _prompt_count(value: Any) -> str:
+    if value not in ("bound", "exact"):
+        raise ConfigError(f"prompt_count: expected 'bound' (count with /tokenize only when the "
+                          f"prompt's byte bound cannot decide) or 'exact', got {value!r}")
     return value
 
 

@@ -44,6 +44,11 @@ PROMPT_TOKENS = Counter(
     "tokenpace_gateway_prompt_tokens", "Prompt tokens of requests that reached an engine.",
     ["tenant", "lane"], registry=REGISTRY,
 )
+PROMPT_BOUND_VIOLATIONS = Counter(
+    "tokenpace_gateway_prompt_bound_violations", "Prompts with more tokens than the byte bound "
+    "they were admitted on (the bound is then off for that engine and model).",
+    ["engine"], registry=REGISTRY,
+)
 COMPLETION_TOKENS = Counter(
     "tokenpace_gateway_completion_tokens", "Output tokens generated for a tenant.",
     ["tenant", "lane"], registry=REGISTRY,

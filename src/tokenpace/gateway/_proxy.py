@@ -54,7 +54,7 @@ async def handle(rt: Runtime, kind: Kind, request: Request) -> Response | Callab
         watch = ClientWatch(request.receive)
         engine = route(rt, tenant)
         client, upstream = rt.clients[engine.url], rt.upstreams[engine.url]
-        admission = await admit(rt, ex, req, client)
+        admission = await admit(rt, ex, req, client, engine.url)
         admitted = rt.clock()
         ex.lease = await _wait_for_slot(ex, engine, admission, watch)
         if ex.lease is None:

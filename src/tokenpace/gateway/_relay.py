@@ -63,7 +63,9 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
             data = json.loads(content)
             usage = data.get("usage") or {}
             ex.completion_tokens = int(usage.get("completion_tokens") or 0)
-            ex.prompt_tokens = int(usage.get("prompt_tokens") or ex.prompt_tokens)
+            reported = int(usage.get("prompt_tokens") or 0)
+            if reported:
+                ex.learn_prompt(reported)
             reasons = [c.get("finish_reason") for c in data.get("choices") or [] if isinstance(c, dict)]
             outcome, detail = Outcome.FINISHED, next((r for r in reasons if r), None)
         except (ValueError, AttributeError, TypeError):
@@ -177,7 +179,7 @@ class StreamResponse:
                 self.upstream.close()  # the engine sees the connection go and aborts
             ex.completion_tokens = progress.completion_tokens
             if progress.prompt_tokens is not None:
-                ex.prompt_tokens = progress.prompt_tokens
+                ex.learn_prompt(progress.prompt_tokens)
             ex.finish(outcome, detail)
             self.watch.stop()
 
@@ -200,7 +202,9 @@ class StreamResponse:
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
                 if progress.prompt_tokens is not None and not ex.prompt_counted:
-                    ex.prompt_tokens = progress.prompt_tokens
+                    # The first usage: the exact prompt count (once; corrects a reservation
+                    # made on the prompt's byte bound).
+                    ex.learn_prompt(progress.prompt_tokens)
                 if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()

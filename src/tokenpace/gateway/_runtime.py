@@ -12,6 +12,7 @@ import httpx
 from ._config import GatewayConfig
 from ._dispatch import Dispatcher
 from ._ledger import Ledger
+from ._prompt_bound import PromptBounds
 from ._state import StateStore
 from ._tenants import Tenants
 from ._upstream import Upstream
@@ -32,3 +33,5 @@ class Runtime:
     store: StateStore | None = None
     # Settlements sent to the store in the background (finish is synchronous).
     settling: set[asyncio.Task[None]] = field(default_factory=set)
+    # Template overheads learned per engine and model (prompt_count: bound).
+    prompt_bounds: PromptBounds = field(default_factory=PromptBounds)

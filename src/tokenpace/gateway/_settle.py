@@ -23,6 +23,7 @@ from . import _metrics as metrics
 from ._body import Kind
 from ._dispatch import Lease
 from ._ledger import UsageRecord
+from ._prompt_bound import Learned
 from ._runtime import Runtime
 from ._state import Reservation
 from ._tenants import TenantState
@@ -69,6 +70,10 @@ class Exchange:
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
     prompt_counted: bool = False  # the prompt's cost is in the fair queue's counter
+    # Admitted on the prompt's byte bound (no /tokenize): the bound, until the engine's
+    # usage brings the exact count; and where the bound came from, to report a violation.
+    prompt_bound: int | None = None
+    bound_source: Learned | None = None
     queue_s: float | None = None
     ttft_s: float | None = None
     lease: Lease | None = None  # set once an engine slot was granted
@@ -77,6 +82,27 @@ class Exchange:
     @property
     def lane(self) -> str:
         return self.tenant.config.lane
+
+    def learn_prompt(self, tokens: int) -> None:
+        """The engine's own count of the prompt, from its usage (once per request).
+
+        After an admission on the byte bound: check that the bound held, and correct the
+        reservation to the exact count now, so the over-reservation goes back to the
+        tenant's budgets while the request still runs (budgets in this process; a shared
+        store's reservation is replaced by the exact cost at ``finish``). Cost: a compare,
+        and one bucket update per budget when the request was admitted on the bound.
+        """
+        self.prompt_tokens = tokens
+        bound = self.prompt_bound
+        if bound is None:
+            return
+        self.prompt_bound = None
+        if tokens > bound and self.bound_source is not None:
+            self.bound_source.violated(bound, tokens)
+        if self.reservation is None and self.reserved and not self.finished:
+            corrected = self.rt.config.cost.of(tokens, self.max_completion_tokens)
+            self.tenant.settle(self.reserved, corrected, self.rt.clock())
+            self.reserved = corrected
 
     def charge_progress(self) -> None:
         """Grow the tenant's fair-queue counter by the tokens generated since last time
@@ -101,6 +127,11 @@ class Exchange:
             return
         self.finished = True
         rt = self.rt
+        if self.prompt_bound is not None and self.charge_usage and self.lease is not None:
+            # Sent to the engine, which never reported the prompt (the client left or the
+            # time ran out before the first usage): its bound is charged, as the output's
+            # reservation is for a non-streamed request that timed out.
+            self.prompt_tokens, self.prompt_bound = self.prompt_bound, None
         if self.lease is not None:
             self.charge_progress()
             self.lease.release()
