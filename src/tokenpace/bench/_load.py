@@ -22,6 +22,7 @@ class StreamRecord:
     user: str
     start: float
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     completion_tokens: int | None = None  # from the final usage chunk
 
     @property
@@ -51,15 +52,34 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
         yield pending[5:].strip(b" \r")
 
 
+def record_chunk(record: StreamRecord, data: bytes, now: float) -> None:
+    """Add one ``data:`` payload that arrived at ``now`` to ``record``.
+
+    A token is counted where its id is (``return_token_ids``): a chunk without token ids (a
+    role-only first chat chunk, a usage-only last chunk, prompt ids alone) is not a token,
+    so the first token time is the first *generated* token's, on any path.
+    """
+    if data == b"[DONE]":
+        return
+    chunk = json.loads(data)
+    for choice in chunk.get("choices") or ():
+        record.token_times.extend([now] * len(choice.get("token_ids") or ()))
+        record.token_ids.extend(choice.get("token_ids") or ())
+    usage = chunk.get("usage")
+    if usage:  # the last one, the final usage chunk, is the engine's total
+        record.completion_tokens = usage["completion_tokens"]
+
+
 async def stream_completion(
     client: httpx.AsyncClient, base_url: str, user: str | None, max_tokens: int,
     prompt: str | list[int] = "Hello", record: StreamRecord | None = None,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None, extra: dict[str, object] | None = None,
 ) -> StreamRecord:
     """Stream one ``ignore_eos`` completion for ``user`` (None: no identity).
 
     Pass ``record`` to watch tokens arrive while the stream runs (it keeps what arrived if
-    the task is cancelled); ``prompt`` may be token ids.
+    the task is cancelled); ``prompt`` may be token ids; ``extra`` adds or replaces body
+    fields. The record's start is taken just before the request is sent.
     """
     body: dict[str, object] = {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -68,6 +88,7 @@ async def stream_completion(
     }
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
+    body.update(extra or {})
     if record is None:
         record = StreamRecord(user=user or "", start=time.monotonic())
     async with client.stream("POST", f"{base_url}/v1/completions", json=body,
@@ -75,15 +96,7 @@ async def stream_completion(
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for data in sse_data(resp):
-            if data == b"[DONE]":
-                continue
-            now = time.monotonic()
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or ():
-                record.token_times.extend([now] * len(choice.get("token_ids") or ()))
-            usage = chunk.get("usage")
-            if usage:
-                record.completion_tokens = usage["completion_tokens"]
+            record_chunk(record, data, time.monotonic())
     return record
 
 
