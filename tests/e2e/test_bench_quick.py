@@ -91,6 +91,10 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert result["requests_per_gateway_cpu_second"]["median"] > 0
     assert len(result["burst_ttft_ms_median"]["gateway"]) == rounds
     assert result["burst_ttft_ratio"]["pairs"] == result["throughput_ratio"]["pairs"] == rounds
+    # the gateway's ledger has every gateway burst round (found by its wall-clock span)
+    in_gateway = result["burst_in_gateway"]
+    assert len(in_gateway["queue_ms_max"]) == rounds
+    assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
            0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
 

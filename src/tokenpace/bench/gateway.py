@@ -18,7 +18,9 @@ the first chunk that carries a generated token id.
 - burst and throughput: ``streams`` streams sent at once, direct and through the gateway
   in alternating pairs of rounds with the same prompts; per pair the ratio gateway/direct
   of the median time to first token and of the output tokens per second; reported as
-  the median ratio over pairs with its bootstrap interval;
+  the median ratio over pairs with its bootstrap interval; and the gateway's own view of
+  its rounds from its ledger (how long it held each request before dispatch, and its TTFT
+  from arrival), which tells a burst held in the gateway from a slow engine;
 - gateway CPU per request (sequential non-streamed 1-token requests through the gateway
   alone; this includes the background health and gauge polls that run meanwhile, so it is
   also given against the fast upstream below, where they are negligible) and per streamed
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -156,6 +159,27 @@ def _summary(records: list[StreamRecord]) -> dict[str, float]:
     }
 
 
+def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """The gateway's own view of its burst rounds, from its ledger (read after it stopped).
+
+    ``queue_ms`` is how long the gateway held a request before dispatching it (the gate,
+    the fair queue); ``ttft_ms`` runs from the request's arrival at the gateway to its
+    first token there. A burst that waits in the gateway shows in the first; what the
+    engine takes, in the second, which the client's TTFT exceeds by the hop to the client.
+    """
+    with sqlite3.connect(ledger) as db:
+        rows = db.execute("SELECT started_at, queue_ms, ttft_ms FROM requests").fetchall()
+    queue_max, queue_p50, ttft_p50 = [], [], []
+    for start, end in windows:
+        burst = [r for r in rows if start <= r[0] <= end]
+        queue = [r[1] or 0.0 for r in burst]
+        ttft = [r[2] for r in burst if r[2] is not None]
+        queue_max.append(round(max(queue, default=0.0), 2))
+        queue_p50.append(round(statistics.median(queue) if queue else 0.0, 3))
+        ttft_p50.append(round(statistics.median(ttft), 1) if ttft else None)
+    return {"queue_ms_max": queue_max, "queue_ms_median": queue_p50, "ttft_ms_median": ttft_p50}
+
+
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         stream_tokens: int = 128, rounds: int = 12, workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
@@ -183,17 +207,19 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     rates: dict[str, list[float]] = {"direct": [], "gateway": []}
     burst: dict[str, list[float]] = {"direct": [], "gateway": []}
     per_core: list[float] = []
+    windows: list[tuple[float, float]] = []  # wall-clock span of each gateway burst round
     try:
         asyncio.run(_sequential(urls, 4, tokens, f"{nonce}w"))  # warm-up: connections, paths
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
         for i in range(rounds):
             for name in pair_order(list(urls), i):
-                cpu0 = gateway.cpu_seconds()
+                cpu0, wall0 = gateway.cpu_seconds(), time.time()
                 rate, records = asyncio.run(_concurrent(urls[name], name, streams, stream_tokens,
                                                         f"{nonce}b{i}"))
                 rates[name].append(rate)
                 burst[name].append(statistics.median(r.ttft for r in records))
                 if name == "gateway":
+                    windows.append((wall0, time.time()))
                     cpu_gross.append((gateway.cpu_seconds() - cpu0,
                                       sum(len(r.token_times) for r in records)))
                 print(f"burst pair {i + 1} {name:7s}: {rate:.0f} tok/s, TTFT median "
@@ -214,6 +240,7 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     finally:
         for srv in reversed(servers):
             srv.stop()
+    in_gateway = _ledger_rounds(home / "gateway.db", windows)
     request_cpu = statistics.median(cpu_per_request)
     cpu_per_chunk = [max(0.0, gross - streams * request_cpu) / chunks for gross, chunks in cpu_gross]
     cpu_per_chunk_gross = [gross / chunks for gross, chunks in cpu_gross]
@@ -237,6 +264,7 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         "throughput_ratio": ratio_summary(rates["gateway"], rates["direct"], 4),
         "burst_ttft_ms_median": {k: [round(v * 1000, 1) for v in vals] for k, vals in burst.items()},
         "burst_ttft_ratio": ratio_summary(burst["gateway"], burst["direct"]),
+        "burst_in_gateway": in_gateway,
         "requests_per_gateway_cpu_second": _interval(per_core, 0),
         "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
         **environment(),
@@ -249,7 +277,8 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
           f" throughput gateway/direct {result['throughput_ratio']['median']:.3f} "
           f"{result['throughput_ratio']['interval95']}; burst TTFT gateway/direct "
           f"{result['burst_ttft_ratio']['median']:.2f} {result['burst_ttft_ratio']['interval95']}"
-          f" ({rounds} pairs); gateway CPU "
+          f" ({rounds} pairs; held in the gateway at most "
+          f"{max(in_gateway['queue_ms_max'], default=0.0):.1f} ms); gateway CPU "
           f"{result['gateway_cpu_ms_per_request']['median']:.3f} ms per request, "
           f"{result['gateway_cpu_us_per_chunk']['median']:.1f} us per chunk net, "
           f"{result['gateway_cpu_us_per_chunk_gross']['median']:.1f} us gross; "
