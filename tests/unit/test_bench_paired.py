@@ -20,7 +20,7 @@ from tokenpace.bench._paired import (
     ratio_summary,
     run_pairs,
 )
-from tokenpace.bench.gateway import DIRECT_SALT, prompt_for, work
+from tokenpace.bench.gateway import DIRECT_SALT, body, prompt_for, work
 
 
 class FakeEngine:
@@ -135,6 +135,10 @@ def test_both_paths_send_the_same_work() -> None:
     assert len(DIRECT_SALT) == 64 and "cache_salt" not in gateway
     assert gateway["temperature"] == 0
     assert gateway["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    whole = body("gateway", "p", 16)
+    assert {k: v for k, v in body("direct", "p", 16).items() if k != "cache_salt"} == whole
+    assert whole["vllm_xargs"] == {"output_rate_user": "bench"}  # what the gateway writes
+    assert whole["return_token_ids"] is True and whole["max_tokens"] == 16
     # one prompt per pair, the same in both halves; no two pairs share their first words
     assert prompt_for("n", 3) == prompt_for("n", 3)
     starts = {prompt_for("n", i)[:12] for i in range(200)}

@@ -43,13 +43,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from ._environment import environment
-from ._load import StreamRecord, percentile, stream_completion
+from ._load import StreamRecord, percentile, stream_aiohttp
 from ._paired import difference_summary, pair_order, ratio_summary, run_pairs
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from .overhead import median_interval
@@ -95,31 +97,83 @@ def work(path: str) -> dict[str, object]:
     return fields
 
 
+def body(path: str, prompt: str, tokens: int) -> dict[str, object]:
+    """One streamed completion of ``tokens`` tokens for ``path``: the same on both paths
+    but the salt (``work``)."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+            "vllm_xargs": {"output_rate_user": TENANT}, **work(path)}
+
+
+def _session(connections: int) -> aiohttp.ClientSession:
+    """The load generator's client: keep-alive connections for both paths (the gateway
+    keeps its own to the engine), created once and warmed up before anything is timed."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=connections,
+                                       keepalive_timeout=300),
+        timeout=aiohttp.ClientTimeout(total=600), headers={"authorization": f"Bearer {KEY}"})
+
+
 async def _sequential(urls: dict[str, str], pairs: int, tokens: int,
                       nonce: str) -> dict[str, list[StreamRecord]]:
-    """``pairs`` pairs of sequential streamed completions, one prompt per pair."""
-    async with httpx.AsyncClient(timeout=120, headers={"authorization": f"Bearer {KEY}"}) as client:
-        def call(path: str) -> Callable[[int], Awaitable[StreamRecord]]:
+    """Pairs of sequential streamed completions, one prompt per pair, after 4 warm-up pairs."""
+    async with _session(4) as session:
+        def call(path: str, tag: str) -> Callable[[int], Awaitable[StreamRecord]]:
             async def one(i: int) -> StreamRecord:
-                return await stream_completion(client, urls[path], TENANT, tokens,
-                                               prompt_for(nonce, i), extra=work(path))
+                return await stream_aiohttp(session, urls[path],
+                                            body(path, prompt_for(tag, i), tokens))
             return one
 
-        return await run_pairs({path: call(path) for path in urls}, pairs)
+        await run_pairs({path: call(path, f"{nonce}w") for path in urls}, 4)
+        return await run_pairs({path: call(path, nonce) for path in urls}, pairs)
 
 
-async def _concurrent(url: str, path: str, streams: int, tokens: int,
-                      nonce: str) -> tuple[float, list[StreamRecord]]:
+async def _burst(session: aiohttp.ClientSession, url: str, path: str, streams: int, tokens: int,
+                 nonce: str) -> tuple[float, list[StreamRecord]]:
     """Output tokens per second of ``streams`` streams sent at once, and their records."""
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(timeout=600, limits=limits,
-                                 headers={"authorization": f"Bearer {KEY}"}) as client:
-        t0 = time.monotonic()
-        records = await asyncio.gather(*[
-            stream_completion(client, url, TENANT, tokens, prompt_for(nonce, j), extra=work(path))
-            for j in range(streams)])
-        elapsed = time.monotonic() - t0
+    t0 = time.monotonic()
+    records = await asyncio.gather(*[
+        stream_aiohttp(session, url, body(path, prompt_for(nonce, j), tokens))
+        for j in range(streams)])
+    elapsed = time.monotonic() - t0
     return sum(len(r.token_times) for r in records) / elapsed, list(records)
+
+
+@dataclass
+class _Bursts:
+    rates: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
+    cpu_gross: list[tuple[float, int]] = field(default_factory=list)
+    """Gateway CPU seconds and chunks relayed, per gateway round."""
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    """Wall-clock span of each gateway round (to find its requests in the ledger)."""
+    client_cpu: list[float] = field(default_factory=list)
+    """The load generator's own CPU seconds per round (both paths, in round order)."""
+
+
+async def _bursts(urls: dict[str, str], gateway: Server, rounds: int, streams: int, tokens: int,
+                  nonce: str) -> _Bursts:
+    """``rounds`` pairs of burst rounds, the order alternating, the same prompts in both
+    rounds of a pair; one warm-up round per path first opens the connections."""
+    out = _Bursts()
+    async with _session(streams) as session:
+        for path in urls:
+            await _burst(session, urls[path], path, streams, 8, f"{nonce}w")
+        for i in range(rounds):
+            for path in pair_order(list(urls), i):
+                cpu0, wall0, own0 = gateway.cpu_seconds(), time.time(), time.process_time()
+                rate, records = await _burst(session, urls[path], path, streams, tokens,
+                                             f"{nonce}b{i}")
+                out.client_cpu.append(time.process_time() - own0)
+                out.rates[path].append(rate)
+                out.ttft[path].append(statistics.median(r.ttft for r in records))
+                if path == "gateway":
+                    out.windows.append((wall0, time.time()))
+                    out.cpu_gross.append((gateway.cpu_seconds() - cpu0,
+                                          sum(len(r.token_times) for r in records)))
+                print(f"burst pair {i + 1} {path:7s}: {rate:.0f} tok/s, TTFT median "
+                      f"{out.ttft[path][-1] * 1000:.0f} ms", flush=True)
+    return out
 
 
 async def _plain(url: str, requests: int, concurrency: int, tokens: int = 1) -> float:
@@ -203,27 +257,10 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     start_all(servers)
     urls = {"direct": engine.base_url, "gateway": gateway.base_url}
     cpu_per_request: list[float] = []
-    cpu_gross: list[tuple[float, int]] = []  # gateway CPU seconds and chunks, per gateway burst
-    rates: dict[str, list[float]] = {"direct": [], "gateway": []}
-    burst: dict[str, list[float]] = {"direct": [], "gateway": []}
     per_core: list[float] = []
-    windows: list[tuple[float, float]] = []  # wall-clock span of each gateway burst round
     try:
-        asyncio.run(_sequential(urls, 4, tokens, f"{nonce}w"))  # warm-up: connections, paths
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
-        for i in range(rounds):
-            for name in pair_order(list(urls), i):
-                cpu0, wall0 = gateway.cpu_seconds(), time.time()
-                rate, records = asyncio.run(_concurrent(urls[name], name, streams, stream_tokens,
-                                                        f"{nonce}b{i}"))
-                rates[name].append(rate)
-                burst[name].append(statistics.median(r.ttft for r in records))
-                if name == "gateway":
-                    windows.append((wall0, time.time()))
-                    cpu_gross.append((gateway.cpu_seconds() - cpu0,
-                                      sum(len(r.token_times) for r in records)))
-                print(f"burst pair {i + 1} {name:7s}: {rate:.0f} tok/s, TTFT median "
-                      f"{burst[name][-1] * 1000:.0f} ms", flush=True)
+        bursts = asyncio.run(_bursts(urls, gateway, rounds, streams, stream_tokens, nonce))
         for i in range(CPU_ROUNDS):
             cpu0 = gateway.cpu_seconds()
             asyncio.run(_plain(gateway.base_url, requests, 1))
@@ -240,7 +277,8 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     finally:
         for srv in reversed(servers):
             srv.stop()
-    in_gateway = _ledger_rounds(home / "gateway.db", windows)
+    in_gateway = _ledger_rounds(home / "gateway.db", bursts.windows)
+    rates, burst, cpu_gross = bursts.rates, bursts.ttft, bursts.cpu_gross
     request_cpu = statistics.median(cpu_per_request)
     cpu_per_chunk = [max(0.0, gross - streams * request_cpu) / chunks for gross, chunks in cpu_gross]
     cpu_per_chunk_gross = [gross / chunks for gross, chunks in cpu_gross]
@@ -265,6 +303,7 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         "burst_ttft_ms_median": {k: [round(v * 1000, 1) for v in vals] for k, vals in burst.items()},
         "burst_ttft_ratio": ratio_summary(burst["gateway"], burst["direct"]),
         "burst_in_gateway": in_gateway,
+        "load_generator_cpu_s_per_round": _interval(bursts.client_cpu),
         "requests_per_gateway_cpu_second": _interval(per_core, 0),
         "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
         **environment(),
