@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="concurrent streams in the throughput rounds (default 32)")
     gwb.add_argument("--stream-tokens", type=_positive_int, default=128,
                      help="tokens per concurrent stream (default 128)")
-    gwb.add_argument("--rounds", type=_positive_int, default=12,
-                     help="pairs of burst rounds (direct, gateway; default 12)")
+    gwb.add_argument("--rounds", type=_positive_int, default=24,
+                     help="pairs of burst rounds (direct, gateway; default 24)")
     gwb.set_defaults(func=_cmd_bench_gateway)
 
     fair = bench_sub.add_parser(

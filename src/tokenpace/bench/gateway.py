@@ -235,7 +235,7 @@ def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str
 
 
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
-        stream_tokens: int = 128, rounds: int = 12, workdir: Path | None = None) -> dict[str, Any]:
+        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
     nonce = f"{random.getrandbits(32):08x}"
     engine_port, gateway_port = free_port(), free_port()
