@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def prompt_for(nonce: str, index: int, words: int = 24) -> str:
 
 
 def work(path: str) -> dict[str, object]:
-    """The body fields both paths send on top of ``stream_completion``'s, for ``path``.
+    """The fields that make a plain streamed completion the gateway's work, for ``path``.
 
     The gateway overwrites identity and priority with the same values and adds its
     tenant's salt; the direct call carries them itself, so the engine gets the same work.
@@ -221,7 +222,7 @@ def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str
     first token there. A burst that waits in the gateway shows in the first; what the
     engine takes, in the second, which the client's TTFT exceeds by the hop to the client.
     """
-    with sqlite3.connect(ledger) as db:
+    with closing(sqlite3.connect(ledger)) as db:
         rows = db.execute("SELECT started_at, queue_ms, ttft_ms FROM requests").fetchall()
     queue_max, queue_p50, ttft_p50 = [], [], []
     for start, end in windows:
