@@ -106,7 +106,7 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     from .bench import gateway
 
     if args.quick:
-        args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 1
+        args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
     result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
                          args.stream_tokens, args.rounds)
     return _bench_outputs(args, gateway, result)
@@ -250,15 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bench_common(gwb)
     gwb.add_argument("--requests", type=_positive_int, default=200,
-                     help="sequential streamed requests per path (default 200)")
+                     help="pairs of sequential streamed requests (direct, gateway; default 200)")
     gwb.add_argument("--tokens", type=_positive_int, default=16,
                      help="tokens per sequential request (default 16)")
     gwb.add_argument("--streams", type=_positive_int, default=32,
                      help="concurrent streams in the throughput rounds (default 32)")
     gwb.add_argument("--stream-tokens", type=_positive_int, default=128,
                      help="tokens per concurrent stream (default 128)")
-    gwb.add_argument("--rounds", type=_positive_int, default=3,
-                     help="alternating throughput rounds per path (default 3)")
+    gwb.add_argument("--rounds", type=_positive_int, default=24,
+                     help="pairs of burst rounds (direct, gateway; default 24)")
     gwb.set_defaults(func=_cmd_bench_gateway)
 
     fair = bench_sub.add_parser(

@@ -74,13 +74,27 @@ def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
 
 def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     result = _bench("gateway", tiny_model, tmp_path)
+    pairs, rounds = result["parameters"]["requests"], result["parameters"]["rounds"]
     for path in ("direct", "gateway"):
-        assert len(result["ttft_ms"][path]) == result["parameters"]["requests"]
+        assert len(result["ttft_ms"][path]) == pairs
         assert 0 < result["latency"][path]["ttft_ms_median"] <= result["latency"][path]["ttft_ms_p99"]
+    # Both paths sent the engine the same work: greedy decoding of the same prompt gave the
+    # same tokens in every pair (a path that changed the prompt, the sampling or the
+    # length would not).
+    assert result["same_output_pairs"] == pairs
+    added = result["added_ttft_ms"]
+    assert added["pairs"] == pairs and len(added["values"]) == pairs
+    assert added["p1"] <= added["p50"]["value"] <= added["p99"]["value"]
+    assert added["p50"]["interval95"][0] <= added["p50"]["interval95"][1]
     assert result["gateway_cpu_ms_per_request"]["median"] > 0
     assert result["gateway_cpu_us_per_chunk"]["median"] >= 0
     assert result["requests_per_gateway_cpu_second"]["median"] > 0
-    assert len(result["burst_ttft_ms_median"]["gateway"]) == result["parameters"]["rounds"]
+    assert len(result["burst_ttft_ms_median"]["gateway"]) == rounds
+    assert result["burst_ttft_ratio"]["pairs"] == result["throughput_ratio"]["pairs"] == rounds
+    # the gateway's ledger has every gateway burst round (found by its wall-clock span)
+    in_gateway = result["burst_in_gateway"]
+    assert len(in_gateway["queue_ms_max"]) == rounds
+    assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
            0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
 

@@ -1,76 +1,180 @@
 """`tokenpace bench gateway`: what the gateway adds, measured against the engine direct.
 
 One engine (``tokenpace serve --trusted-gateway``, nobody paced) and one gateway in front of
-it, all figures from one run:
+it, all figures from one run. Both paths send the engine the same work: the same body
+(prompt, ``temperature`` 0, the tenant's identity as the gateway writes it, usage in every
+chunk, which is what the gateway asks the engine for anyway), a salt of the same length
+(the gateway's per-tenant ``cache_salt``, a fixed one direct) and a prompt of their own per
+pair, so neither call finds the other's prefix in the engine's cache. Greedy decoding
+makes the two answers of a pair identical; the run counts the pairs where they are.
+Time to first token is the same on both paths: from just before the request is sent to
+the first chunk that carries a generated token id.
 
-- latency: sequential streamed completions, alternating direct and through the gateway;
-  time to first token and to the last token at the client, the gateway's share being the
-  difference of the two distributions;
+- latency: sequential streamed completions in pairs (direct and gateway, the order
+  alternating from pair to pair); what the gateway adds is the per-pair difference, its
+  median and 99th percentile with bootstrap intervals over pairs (``_paired``): the
+  engine's own latency moves in phases on a busy machine, which independent medians of
+  the two paths would measure instead of the gateway;
+- burst and throughput: ``streams`` streams sent at once, direct and through the gateway
+  in alternating pairs of rounds with the same prompts; per pair the ratio gateway/direct
+  of the median time to first token and of the output tokens per second; reported as
+  the median ratio over pairs with its bootstrap interval; and the gateway's own view of
+  its rounds from its ledger (how long it held each request before dispatch, and its TTFT
+  from arrival), which tells a burst held in the gateway from a slow engine;
 - gateway CPU per request (sequential non-streamed 1-token requests through the gateway
   alone; this includes the background health and gauge polls that run meanwhile, so it is
   also given against the fast upstream below, where they are negligible) and per streamed
-  chunk (the gateway's CPU during its own throughput rounds over the chunks it relayed:
+  chunk (the gateway's CPU during its own burst rounds over the chunks it relayed:
   gross, and net of the requests' share): process CPU time of the gateway only, in phases
   where only the gateway is called;
-- throughput: many concurrent streams, direct and through the gateway in alternating
-  rounds, output tokens per second;
-- burst: the same number of streams sent at once, time to first token per round;
 - requests per second at 100% of one core: a second gateway in front of an upstream that
   answers from canned bytes (``_fast_upstream``, its own process), so the gateway is the
   limit; requests per gateway CPU-second.
-
-Each figure comes with a 95% bootstrap interval of its median over the rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
+import sqlite3
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from ._environment import environment
-from ._load import StreamRecord, percentile, stream_completion
+from ._load import StreamRecord, percentile, stream_aiohttp
+from ._paired import difference_summary, pair_order, ratio_summary, run_pairs
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from .overhead import median_interval
 
 KEY = "sk-bench"
+TENANT = "bench"
+DIRECT_SALT = hashlib.sha256(b"tokenpace-bench-direct").hexdigest()
+"""The direct path's ``cache_salt``: as long as the gateway's per-tenant salt (64 hex
+digits), and different from it, so the engine hashes the same amount and neither path
+reuses the other's cached prefix."""
+CPU_ROUNDS = 3
+_WORDS = ("river", "stone", "lamp", "orbit", "maple", "quartz", "harbor", "cedar", "ember",
+          "violet", "tundra", "signal", "meadow", "copper", "lantern", "glacier")
 
 
 def _gateway_config(engine_url: str, ledger: Path) -> str:
     return (
         f'engines: [{{url: "{engine_url}", max_inflight: 256}}]\n'
         f'ledger: "sqlite:///{ledger}"\n'
-        f'tenants: [{{id: bench, api_keys: ["{KEY}"]}}]\n'
+        f'tenants: [{{id: {TENANT}, api_keys: ["{KEY}"]}}]\n'
     )
 
 
-async def _sequential(urls: dict[str, str], requests: int, tokens: int) -> dict[str, list[StreamRecord]]:
-    out: dict[str, list[StreamRecord]] = {name: [] for name in urls}
-    async with httpx.AsyncClient(timeout=120, headers={"authorization": f"Bearer {KEY}"}) as client:
-        names = list(urls)
-        for i in range(requests):
-            order = names if i % 2 == 0 else names[::-1]
-            for name in order:
-                out[name].append(await stream_completion(client, urls[name], None, tokens))
-    return out
+def prompt_for(nonce: str, index: int, words: int = 24) -> str:
+    """A prompt of its own for each pair (or stream): its first words differ from every
+    other's, so no prompt finds another's prefix in the engine's cache."""
+    rng = random.Random(f"{nonce}/{index}")
+    return f"{nonce} {index}: " + " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-async def _concurrent(url: str, streams: int, tokens: int) -> tuple[float, list[StreamRecord]]:
+def work(path: str) -> dict[str, object]:
+    """The fields that make a plain streamed completion the gateway's work, for ``path``.
+
+    The gateway overwrites identity and priority with the same values and adds its
+    tenant's salt; the direct call carries them itself, so the engine gets the same work.
+    """
+    fields: dict[str, object] = {
+        "temperature": 0, "priority": 0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if path == "direct":
+        fields["cache_salt"] = DIRECT_SALT
+    return fields
+
+
+def body(path: str, prompt: str, tokens: int) -> dict[str, object]:
+    """One streamed completion of ``tokens`` tokens for ``path``: the same on both paths
+    but the salt (``work``)."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+            "vllm_xargs": {"output_rate_user": TENANT}, **work(path)}
+
+
+def _session(connections: int) -> aiohttp.ClientSession:
+    """The load generator's client: keep-alive connections for both paths (the gateway
+    keeps its own to the engine), created once and warmed up before anything is timed."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=connections,
+                                       keepalive_timeout=300),
+        timeout=aiohttp.ClientTimeout(total=600), headers={"authorization": f"Bearer {KEY}"})
+
+
+async def _sequential(urls: dict[str, str], pairs: int, tokens: int,
+                      nonce: str) -> dict[str, list[StreamRecord]]:
+    """Pairs of sequential streamed completions, one prompt per pair, after 4 warm-up pairs."""
+    async with _session(4) as session:
+        def call(path: str, tag: str) -> Callable[[int], Awaitable[StreamRecord]]:
+            async def one(i: int) -> StreamRecord:
+                return await stream_aiohttp(session, urls[path],
+                                            body(path, prompt_for(tag, i), tokens))
+            return one
+
+        await run_pairs({path: call(path, f"{nonce}w") for path in urls}, 4)
+        return await run_pairs({path: call(path, nonce) for path in urls}, pairs)
+
+
+async def _burst(session: aiohttp.ClientSession, url: str, path: str, streams: int, tokens: int,
+                 nonce: str) -> tuple[float, list[StreamRecord]]:
     """Output tokens per second of ``streams`` streams sent at once, and their records."""
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(timeout=600, limits=limits,
-                                 headers={"authorization": f"Bearer {KEY}"}) as client:
-        t0 = time.monotonic()
-        records = await asyncio.gather(*[stream_completion(client, url, None, tokens)
-                                         for _ in range(streams)])
-        elapsed = time.monotonic() - t0
+    t0 = time.monotonic()
+    records = await asyncio.gather(*[
+        stream_aiohttp(session, url, body(path, prompt_for(nonce, j), tokens))
+        for j in range(streams)])
+    elapsed = time.monotonic() - t0
     return sum(len(r.token_times) for r in records) / elapsed, list(records)
+
+
+@dataclass
+class _Bursts:
+    rates: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
+    cpu_gross: list[tuple[float, int]] = field(default_factory=list)
+    """Gateway CPU seconds and chunks relayed, per gateway round."""
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    """Wall-clock span of each gateway round (to find its requests in the ledger)."""
+    client_cpu: list[float] = field(default_factory=list)
+    """The load generator's own CPU seconds per round (both paths, in round order)."""
+
+
+async def _bursts(urls: dict[str, str], gateway: Server, rounds: int, streams: int, tokens: int,
+                  nonce: str) -> _Bursts:
+    """``rounds`` pairs of burst rounds, the order alternating, the same prompts in both
+    rounds of a pair; one warm-up round per path first opens the connections."""
+    out = _Bursts()
+    async with _session(streams) as session:
+        for path in urls:
+            await _burst(session, urls[path], path, streams, 8, f"{nonce}w")
+        for i in range(rounds):
+            for path in pair_order(list(urls), i):
+                cpu0, wall0, own0 = gateway.cpu_seconds(), time.time(), time.process_time()
+                rate, records = await _burst(session, urls[path], path, streams, tokens,
+                                             f"{nonce}b{i}")
+                out.client_cpu.append(time.process_time() - own0)
+                out.rates[path].append(rate)
+                out.ttft[path].append(statistics.median(r.ttft for r in records))
+                if path == "gateway":
+                    out.windows.append((wall0, time.time()))
+                    out.cpu_gross.append((gateway.cpu_seconds() - cpu0,
+                                          sum(len(r.token_times) for r in records)))
+                print(f"burst pair {i + 1} {path:7s}: {rate:.0f} tok/s, TTFT median "
+                      f"{out.ttft[path][-1] * 1000:.0f} ms", flush=True)
+    return out
 
 
 async def _plain(url: str, requests: int, concurrency: int, tokens: int = 1) -> float:
@@ -110,9 +214,31 @@ def _summary(records: list[StreamRecord]) -> dict[str, float]:
     }
 
 
+def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """The gateway's own view of its burst rounds, from its ledger (read after it stopped).
+
+    ``queue_ms`` is how long the gateway held a request before dispatching it (the gate,
+    the fair queue); ``ttft_ms`` runs from the request's arrival at the gateway to its
+    first token there. A burst that waits in the gateway shows in the first; what the
+    engine takes, in the second, which the client's TTFT exceeds by the hop to the client.
+    """
+    with closing(sqlite3.connect(ledger)) as db:
+        rows = db.execute("SELECT started_at, queue_ms, ttft_ms FROM requests").fetchall()
+    queue_max, queue_p50, ttft_p50 = [], [], []
+    for start, end in windows:
+        burst = [r for r in rows if start <= r[0] <= end]
+        queue = [r[1] or 0.0 for r in burst]
+        ttft = [r[2] for r in burst if r[2] is not None]
+        queue_max.append(round(max(queue, default=0.0), 2))
+        queue_p50.append(round(statistics.median(queue) if queue else 0.0, 3))
+        ttft_p50.append(round(statistics.median(ttft), 1) if ttft else None)
+    return {"queue_ms_max": queue_max, "queue_ms_median": queue_p50, "ttft_ms_median": ttft_p50}
+
+
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
-        stream_tokens: int = 128, rounds: int = 3, workdir: Path | None = None) -> dict[str, Any]:
+        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
+    nonce = f"{random.getrandbits(32):08x}"
     engine_port, gateway_port = free_port(), free_port()
     fast_port, fast_gateway_port = free_port(), free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
@@ -132,30 +258,14 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     start_all(servers)
     urls = {"direct": engine.base_url, "gateway": gateway.base_url}
     cpu_per_request: list[float] = []
-    cpu_per_chunk: list[float] = []
-    cpu_per_chunk_gross: list[float] = []
-    rates: dict[str, list[float]] = {"direct": [], "gateway": []}
-    burst: dict[str, list[float]] = {"direct": [], "gateway": []}
     per_core: list[float] = []
     try:
-        asyncio.run(_sequential(urls, 4, tokens))  # warm-up: connections, compiled paths
-        seq = asyncio.run(_sequential(urls, requests, tokens))
-        for i in range(rounds):
+        seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
+        bursts = asyncio.run(_bursts(urls, gateway, rounds, streams, stream_tokens, nonce))
+        for i in range(CPU_ROUNDS):
             cpu0 = gateway.cpu_seconds()
             asyncio.run(_plain(gateway.base_url, requests, 1))
             cpu_per_request.append((gateway.cpu_seconds() - cpu0) / requests)
-            for name in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
-                cpu0 = gateway.cpu_seconds()
-                rate, records = asyncio.run(_concurrent(urls[name], streams, stream_tokens))
-                rates[name].append(rate)
-                burst[name].append(statistics.median(r.ttft for r in records))
-                if name == "gateway":
-                    chunks = sum(len(r.token_times) for r in records)
-                    gross = gateway.cpu_seconds() - cpu0
-                    cpu_per_chunk_gross.append(gross / chunks)
-                    cpu_per_chunk.append(max(0.0, gross - streams * cpu_per_request[-1]) / chunks)
-                print(f"round {i + 1} {name:7s}: {rate:.0f} tok/s, burst TTFT median "
-                      f"{burst[name][-1] * 1000:.0f} ms", flush=True)
             asyncio.run(_plain(fast_gateway.base_url, 50, 16))  # warm-up
             cpu0, t0 = fast_gateway.cpu_seconds(), time.monotonic()
             n = 20 * requests
@@ -168,36 +278,47 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
     finally:
         for srv in reversed(servers):
             srv.stop()
+    in_gateway = _ledger_rounds(home / "gateway.db", bursts.windows)
+    rates, burst, cpu_gross = bursts.rates, bursts.ttft, bursts.cpu_gross
+    request_cpu = statistics.median(cpu_per_request)
+    cpu_per_chunk = [max(0.0, gross - streams * request_cpu) / chunks for gross, chunks in cpu_gross]
+    cpu_per_chunk_gross = [gross / chunks for gross, chunks in cpu_gross]
     latency = {name: _summary(records) for name, records in seq.items()}
-    added = {
-        key: round(latency["gateway"][key] - latency["direct"][key], 3)
-        for key in latency["direct"]
-    }
-    ratios = [g / d for g, d in zip(rates["gateway"], rates["direct"])]
-    burst_ratios = [g / d for g, d in zip(burst["gateway"], burst["direct"])]
+    ttft = {name: [r.ttft * 1000 for r in records] for name, records in seq.items()}
+    total = {name: [(r.last - r.start) * 1000 for r in records] for name, records in seq.items()}
+    same = sum(d.token_ids == g.token_ids for d, g in zip(seq["direct"], seq["gateway"]))
     result = {
         "benchmark": "gateway",
         "parameters": {"requests": requests, "tokens": tokens, "streams": streams,
                        "stream_tokens": stream_tokens, "rounds": rounds},
         "latency": latency,
-        "added_ms": added,
+        "added_ttft_ms": difference_summary(ttft["gateway"], ttft["direct"]),
+        "added_total_ms": difference_summary(total["gateway"], total["direct"]),
+        "same_output_pairs": same,
         "gateway_cpu_ms_per_request": _interval([v * 1000 for v in cpu_per_request]),
         "gateway_cpu_us_per_chunk": _interval([v * 1e6 for v in cpu_per_chunk], 1),
         "gateway_cpu_us_per_chunk_gross": _interval([v * 1e6 for v in cpu_per_chunk_gross], 1),
         "gateway_cpu_ms_per_request_fast_upstream": _interval([1000 / v for v in per_core]),
         "throughput_tok_s": {k: [round(v, 1) for v in vals] for k, vals in rates.items()},
-        "throughput_ratio": _interval(ratios, 4),
+        "throughput_ratio": ratio_summary(rates["gateway"], rates["direct"], 4),
         "burst_ttft_ms_median": {k: [round(v * 1000, 1) for v in vals] for k, vals in burst.items()},
-        "burst_ttft_ratio": _interval(burst_ratios, 3),
+        "burst_ttft_ratio": ratio_summary(burst["gateway"], burst["direct"]),
+        "burst_in_gateway": in_gateway,
+        "load_generator_cpu_s_per_round": _interval(bursts.client_cpu),
         "requests_per_gateway_cpu_second": _interval(per_core, 0),
-        "ttft_ms": {name: [round(r.ttft * 1000, 3) for r in records] for name, records in seq.items()},
+        "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
         **environment(),
     }
-    print(f"added by the gateway: TTFT median {added['ttft_ms_median']:+.2f} ms, p99 "
-          f"{added['ttft_ms_p99']:+.2f} ms; throughput gateway/direct "
-          f"{result['throughput_ratio']['median']:.3f} {result['throughput_ratio']['interval95']}; "
-          f"burst TTFT gateway/direct {result['burst_ttft_ratio']['median']:.2f} "
-          f"{result['burst_ttft_ratio']['interval95']}; gateway CPU "
+    added = result["added_ttft_ms"]
+    print(f"added by the gateway (paired, {requests} pairs, {same} with identical output): "
+          f"TTFT p50 {added['p50']['value']:+.2f} ms {added['p50']['interval95']}, p99 "
+          f"{added['p99']['value']:+.2f} ms {added['p99']['interval95']} (p1 {added['p1']:+.2f}),"
+          f" p99 shift {added['p99_shift']['value']:+.2f} ms {added['p99_shift']['interval95']};"
+          f" throughput gateway/direct {result['throughput_ratio']['median']:.3f} "
+          f"{result['throughput_ratio']['interval95']}; burst TTFT gateway/direct "
+          f"{result['burst_ttft_ratio']['median']:.2f} {result['burst_ttft_ratio']['interval95']}"
+          f" ({rounds} pairs; held in the gateway at most "
+          f"{max(in_gateway['queue_ms_max'], default=0.0):.1f} ms); gateway CPU "
           f"{result['gateway_cpu_ms_per_request']['median']:.3f} ms per request, "
           f"{result['gateway_cpu_us_per_chunk']['median']:.1f} us per chunk net, "
           f"{result['gateway_cpu_us_per_chunk_gross']['median']:.1f} us gross; "
@@ -212,17 +333,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, values in result["ttft_ms"].items():
-        ordered = sorted(values)
-        left.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
-    left.set_xlabel("time to first token at the client (ms)")
-    left.set_ylabel("fraction of requests")
-    left.set_title("Sequential streamed requests")
+        left.plot(range(len(values)), values, ".", markersize=3, label=name)
+    left.set_xlabel("pair (direct and gateway, one after the other)")
+    left.set_ylabel("time to first token at the client (ms)")
+    left.set_yscale("log")
+    added = result["added_ttft_ms"]
+    left.set_title(f"Sequential streamed requests: added p50 {added['p50']['value']:+.2f} ms")
     left.legend()
-    names = list(result["throughput_tok_s"])
-    for i, name in enumerate(names):
-        values = result["throughput_tok_s"][name]
-        right.scatter([i] * len(values), values, label=name)
-    right.set_xticks(range(len(names)), names)
-    right.set_ylabel("output tokens per second")
-    right.set_title(f"{result['parameters']['streams']} concurrent streams")
+    for key, label in (("throughput_ratio", "output tok/s"), ("burst_ttft_ratio", "median TTFT")):
+        values = result[key]["values"]
+        right.plot(range(1, len(values) + 1), values, "o-", label=f"{label}, median "
+                   f"{result[key]['median']:.2f} {result[key]['interval95']}")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_xlabel("burst pair")
+    right.set_ylabel("gateway / direct, same pair")
+    right.set_title(f"{result['parameters']['streams']} streams sent at once")
+    right.legend()
     save(fig, path)
