@@ -272,21 +272,25 @@ class _PacingMixin:
             self._cleanup()
 
         priority_policy = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
-        # Per running request and step: one attribute read, the remaining-token sum, one
-        # attribute write and one append (about 0.1 us); no allocation.
+        # Per running request and step: four attribute reads, the remaining-token sum, one
+        # attribute write and one append (about 0.05 us hot); no allocation. The token
+        # count is read as ``len(_all_token_ids)``: vLLM's ``num_tokens_with_spec``
+        # property adds its draft tokens, always none here (speculative decoding is
+        # refused, ``_modes``), and a property call cost 0.045 us per request.
         cap = self.max_num_scheduled_tokens
         streams: list[Stream] = []
         append = streams.append
-        samples, may_sample, no_sample = SAMPLES, MAY_SAMPLE, NO_SAMPLE  # locals: faster
+        samples = SAMPLES  # local: faster
         for req in self.running:
             try:
                 s = req.tokenpace_stream  # = STREAM_ATTRIBUTE, set by add_request
             except AttributeError:
                 s = self._stream_of(req)
-            remaining = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
-            s.samples = (
-                samples if remaining == 1 else may_sample if 0 < remaining <= cap else no_sample
-            )
+            remaining = len(req._all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
+            if remaining == 1:  # a decode step
+                s.samples = samples
+            else:
+                s.samples = MAY_SAMPLE if 0 < remaining <= cap else NO_SAMPLE
             append(s)
         active_slots = self.max_num_active_reqs
         requests = self.requests

@@ -7,10 +7,11 @@ forward by one emission interval (1/rate). Tokens therefore come out evenly spac
 of a whole second's worth at the start of each second.
 
 Exact arithmetic: a rate is taken as the fraction ``p/q`` it was written as (2.5 -> 5/2).
-Each user's times are stored multiplied by ``p``, so the emission interval ``1e9 * q / p``
-nanoseconds becomes the integer ``1e9 * q`` and every operation is integer addition and
-comparison. Nothing drifts, however many tokens pass, and fractional rates are as exact as
-whole ones.
+Each user's times are stored multiplied by ``s = p / gcd(p, 1e9)``, so the emission interval
+``1e9 * q / p`` nanoseconds becomes the integer ``1e9 * q / gcd(p, 1e9)`` and every operation
+is integer addition and comparison. Nothing drifts, however many tokens pass, and
+fractional rates are as exact as whole ones. Most rates divide 1e9 (20, 2.5, 1e9 tok/s), so
+their scale is 1 and their times are plain nanoseconds.
 
 Guarantee: in any window of W seconds a user is granted (net of refunds) at most
 ``(W + 0.1) * rate + 1`` tokens; a user who asks all the time gets at least
@@ -19,6 +20,8 @@ Guarantee: in any window of W seconds a user is granted (net of refunds) at most
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable, Iterable
 from fractions import Fraction
@@ -34,17 +37,30 @@ its rate."""
 _NS_PER_S = 1_000_000_000
 
 
+@functools.lru_cache(maxsize=4096)
+def _constants(rate: float) -> tuple[int, int, int]:
+    """(scale, interval, burst) of a rate, in its scaled time unit; see the module docstring.
+
+    Cached: ``Fraction(repr(rate))`` costs several microseconds, and the idle cleanup drops
+    and re-creates the state of every user that is under its rate (in a busy engine, most
+    of them) every 256 steps. Equal rates also share the same ``int`` objects, which lets
+    the planner's step pass reuse one ``now * scale`` for all users of a scale (an identity
+    test instead of a multiplication).
+    """
+    frac = Fraction(repr(rate))
+    common = math.gcd(frac.numerator, _NS_PER_S)
+    scale = frac.numerator // common
+    return scale, _NS_PER_S * frac.denominator // common, BURST_NS * scale
+
+
 class _Bucket:
-    """One user's GCRA state, in that user's scaled time unit (nanoseconds x ``p``)."""
+    """One user's GCRA state, in that user's scaled time unit (nanoseconds x ``scale``)."""
 
     __slots__ = ("rate", "scale", "interval", "burst", "tat", "refundable")
 
     def __init__(self, rate: float, now_ns: int) -> None:
-        frac = Fraction(repr(rate))
         self.rate = rate
-        self.scale = frac.numerator
-        self.interval = _NS_PER_S * frac.denominator
-        self.burst = BURST_NS * frac.numerator
+        self.scale, self.interval, self.burst = _constants(rate)
         self.tat = now_ns * self.scale
         # Grants that a refund may still return; refunds beyond this are ignored so that a
         # caller's bookkeeping error can never hand out extra tokens.
@@ -52,12 +68,9 @@ class _Bucket:
 
     def rescale(self, rate: float) -> None:
         """Switch to a new rate, keeping the TAT's instant (rounded up: never earlier)."""
-        frac = Fraction(repr(rate))
         old_scale = self.scale
         self.rate = rate
-        self.scale = frac.numerator
-        self.interval = _NS_PER_S * frac.denominator
-        self.burst = BURST_NS * frac.numerator
+        self.scale, self.interval, self.burst = _constants(rate)
         self.tat = -((-self.tat * self.scale) // old_scale)
 
 
