@@ -414,24 +414,31 @@ class StepPlanner:
         scheduled: Container[Hashable],
         still_prefilling: Callable[[Hashable], bool],
         report: bool = False,
+        all_dispatched: bool = False,
     ) -> list[Settlement]:
         """The one refund point: return the token of every charge not dispatched to sample.
 
         A charge was dispatched if its request is in ``scheduled`` and, for a step that
         may end a prompt, ``still_prefilling(key)`` is False. With ``report``, returns one
         ``Settlement`` per charge (for the event log); else an empty list. Cost: one
-        membership test per charged request.
+        membership test per charged request, or, with ``all_dispatched`` (the caller
+        knows that every stream of this step's ``plan_running`` was scheduled and that
+        none of them was a step that may end a prompt), only the rotation stamp.
         """
         step = self._step
         refund = self.limiter.refund
         result: list[Settlement] = []
         refunded: set[Hashable] = set()
-        for s in self._charged_streams:
-            if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
+        if all_dispatched:
+            for s in self._charged_streams:
                 s.last_served = step
-            else:
-                refund(s.user)
-                refunded.add(s.key)
+        else:
+            for s in self._charged_streams:
+                if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
+                    s.last_served = step
+                else:
+                    refund(s.user)
+                    refunded.add(s.key)
         if report:
             result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
         self._charged_streams = []
