@@ -63,7 +63,12 @@ class _Bucket:
         self.scale, self.interval, self.burst = _constants(rate)
         self.tat = now_ns * self.scale
         # Grants that a refund may still return; refunds beyond this are ignored so that a
-        # caller's bookkeeping error can never hand out extra tokens.
+        # caller's bookkeeping error can never hand out extra tokens. Counted since the
+        # TAT last restarted from the clock (a grant while the TAT was not ahead of it):
+        # refunding grants from before a restart could not move the TAT anyway (a refund
+        # never takes it behind the clock, which it was at the restart), so forgetting
+        # them changes no decision, and the count stays a small cached int instead of
+        # growing with every token of a user under its rate (an allocation per step).
         self.refundable = 0
 
     def rescale(self, rate: float) -> None:
@@ -146,10 +151,13 @@ class OutputRateLimiter:
                 return True
             bucket = self._buckets[user] = _Bucket(rate, now)
         now_scaled = now * bucket.scale
-        tat = bucket.tat if bucket.tat > now_scaled else now_scaled
-        if tat - now_scaled > bucket.burst:
+        if bucket.tat <= now_scaled:  # under its rate: restart from now (see refundable)
+            bucket.tat = now_scaled + bucket.interval
+            bucket.refundable = 1
+            return True
+        if bucket.tat - now_scaled > bucket.burst:
             return False
-        bucket.tat = tat + bucket.interval
+        bucket.tat += bucket.interval
         bucket.refundable += 1
         return True
 
@@ -188,24 +196,25 @@ class OutputRateLimiter:
                     continue
                 bucket = buckets[claim.user] = _Bucket(rate, now_ns)
             now_scaled = now_ns * bucket.scale
-            tat = bucket.tat if bucket.tat > now_scaled else now_scaled
+            tat = bucket.tat
+            restart = tat <= now_scaled  # under its rate: restart from now (see refundable)
+            if restart:
+                tat = now_scaled
             room = bucket.burst - (tat - now_scaled)
             if room < 0:
                 claim.granted = 0
                 short.append(claim)
                 continue
             if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
-                bucket.tat = tat + bucket.interval
-                bucket.refundable += 1
-                claim.granted = 1
-                continue
-            granted = room // bucket.interval + 1
-            if granted >= n:
-                granted = n
+                granted = 1
             else:
-                short.append(claim)
+                granted = room // bucket.interval + 1
+                if granted >= n:
+                    granted = n
+                else:
+                    short.append(claim)
             bucket.tat = tat + granted * bucket.interval
-            bucket.refundable += granted
+            bucket.refundable = granted if restart else bucket.refundable + granted
             claim.granted = granted
         return short
 
@@ -216,8 +225,9 @@ class OutputRateLimiter:
         planner's fast path): they cache the result per user and ask again when
         ``generation`` changed. A single grant on it is exactly ``try_take``'s update::
 
-            now_scaled = now_ns * b.scale; tat = max(b.tat, now_scaled)
-            if tat - now_scaled <= b.burst: b.tat = tat + b.interval; b.refundable += 1
+            now_scaled = now_ns * b.scale
+            if b.tat <= now_scaled: b.tat = now_scaled + b.interval; b.refundable = 1
+            elif b.tat - now_scaled <= b.burst: b.tat += b.interval; b.refundable += 1
         """
         bucket = self._buckets.get(user)
         if bucket is None:

@@ -251,18 +251,20 @@ class StepPlanner:
         # The first refusal of a user ends the pass for that user's later streams too (a
         # refusal changes nothing, so the rest are refused alike); which of its streams
         # run is then re-decided by turn, as on the exact path.
-        # Two shortcuts keep the GCRA update to one comparison and one addition for a user
-        # under its rate (the usual case when nobody is throttled): ``now * scale`` is
-        # computed once per run of users sharing a scale (the limiter hands equal rates the
-        # same ``int`` objects, so an identity test finds them), and a TAT that is not
-        # ahead of the clock restarts from now without the burst test (it always passes).
+        # For a user under its rate (the usual case when nobody is throttled) the GCRA
+        # update is one comparison and two stores, no arithmetic and no allocation: a TAT
+        # that is not ahead of the clock restarts from now (the burst test always passes),
+        # at ``now * scale + interval``, computed once per run of users that share a rate
+        # (the limiter hands equal rates the same ``int`` objects, so identity tests find
+        # them), and its refundable count restarts at 1 (a cached small int).
         step = self._step
         prev = step - 1
         limiter = self.limiter
         generation = limiter.generation
         now = limiter.now_ns()
         scale: int | None = None
-        now_scaled = 0
+        interval: int | None = None
+        now_scaled = restart = 0
         charged: list[Stream] = []
         append = charged.append
         fresh: list[_Account] = []
@@ -285,15 +287,20 @@ class StepPlanner:
             if b.scale is not scale:
                 scale = b.scale
                 now_scaled = now * scale
+                interval = None
             tat = b.tat
             if tat <= now_scaled:  # under its rate: the grant restarts from now
-                b.tat = now_scaled + b.interval
+                if b.interval is not interval:
+                    interval = b.interval
+                    restart = now_scaled + interval
+                b.tat = restart
+                b.refundable = 1
             elif tat - now_scaled > b.burst:
                 short[a.user] = a
                 continue
             else:
                 b.tat = tat + b.interval
-            b.refundable += 1
+                b.refundable += 1
             append(s)
         if fresh:
             present = list({s.account.user: s.account for s in streams}.values())
