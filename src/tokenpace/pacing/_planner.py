@@ -19,8 +19,9 @@ bookkeeping has one home:
 Cost on the uncontended path (no slot contention, the usual case) while no user was
 refused earlier in the step: one pass over the streams that counts service and grants each
 sampling stream its token on the user's cached GCRA state (about ten attribute operations
-per stream, no call, no allocation but a list append), then one pass over the charged
-streams in ``settle``. Sorting, heaps and the per-user limiter call (``take_claims``) only
+per stream, no call; for a user under its rate no arithmetic but the service count), then
+one pass over the charged streams in ``settle`` that only stamps the rotation when the
+caller knows every planned stream was dispatched. Sorting, heaps and the per-user limiter call (``take_claims``) only
 happen for a user that is short of quota, after an earlier refusal, or when slots bind.
 
 Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
