@@ -170,6 +170,23 @@ def test_refund_when_kv_allocation_fails(tiny_model, is_async, tmp_path):
     assert [e["event"] for e in events][:2] == ["charge", "refund"]
 
 
+def test_a_charged_step_that_vllm_skips_is_refunded(tiny_model, is_async, tmp_path):
+    # Under async scheduling vLLM skips a running request whose last token is already in
+    # flight (max_tokens reached), though it still looks like a decode step to the
+    # planner: that charge must come back even though nothing was preempted (the refund
+    # point's shortcut must not apply when fewer requests were scheduled than planned).
+    log = tmp_path / "events.jsonl"
+    sim = make_sim(tiny_model, is_async=is_async,
+                   pacing={**paced(1000), "event_log": str(log)})
+    for i in range(4):
+        sim.add(f"r{i}", f"u{i}", max_tokens=3 + i)
+    for _ in range(12):
+        sim.step()
+    sim.drain()
+    assert dict(sim.tokens) == {f"r{i}": 3 + i for i in range(4)}
+    assert_charges_match_dispatch(sim, log)
+
+
 def run_until_preemption(tiny_model, is_async, policy: str, **pacing) -> Sim:
     """Few KV blocks; the throttled user's request arrives first (stock vLLM would evict
     the newest request, the fast user's). Stops at the first preemption."""

@@ -310,3 +310,51 @@ def test_take_for_an_unpaced_user_counts_nothing():
     limiter, clock = make({}, default=None)
     assert limiter.take("u", 5, clock.now_ns) is None
     assert limiter.tracked_users() == 0
+
+
+class ReferenceGcra:
+    """GCRA written out with exact fractions and a refund count over all grants ever
+    made (the limiter counts only since its TAT last restarted from the clock)."""
+
+    def __init__(self, rate: float, now_ns: int) -> None:
+        self.interval = Fraction(NS) / Fraction(repr(rate))
+        self.tat = Fraction(now_ns)
+        self.refundable = 0
+
+    def take(self, now_ns: int) -> bool:
+        tat = max(self.tat, Fraction(now_ns))
+        if tat - now_ns > BURST_NS:
+            return False
+        self.tat = tat + self.interval
+        self.refundable += 1
+        return True
+
+    def refund(self, now_ns: int) -> None:
+        if self.refundable:
+            self.refundable -= 1
+            self.tat = max(self.tat - self.interval, Fraction(now_ns))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rate=rates_st, ops=st.lists(op_st, max_size=150))
+def test_refund_count_restarting_with_the_tat_decides_like_counting_every_grant(rate, ops):
+    limiter, clock = make({"u": rate})
+    reference = ReferenceGcra(rate, clock.now_ns)
+    for kind, arg in ops:
+        if kind == "advance":
+            clock.advance(arg)
+        elif kind == "take":
+            for _ in range(arg):
+                assert limiter.try_take("u") == reference.take(clock.now_ns)
+        elif kind == "refund":  # any number, also of grants made long ago
+            for _ in range(arg):
+                limiter.refund("u")
+                reference.refund(clock.now_ns)
+        granted = limiter.take("u", 3, clock.now_ns)  # take_claims keeps the count alike
+        for _ in range(granted or 0):
+            assert reference.take(clock.now_ns)
+        if granted is not None and granted < 3:
+            assert not reference.take(clock.now_ns)  # stopped where GCRA stops
+        for _ in range(granted or 0):
+            limiter.refund("u")
+            reference.refund(clock.now_ns)

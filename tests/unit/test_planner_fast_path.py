@@ -90,7 +90,9 @@ def test_fast_path_decides_exactly_as_the_exact_path() -> None:
     """Twin planners, one forced onto the exact path, under random streams, rates,
     clock steps (0, exact intervals, odd ones), refunds, reloads and cleanups."""
     rng = random.Random(16)
-    rates = {"a": 5.0, "b": 10.0, "c": 33.3, "d": 100.0, "e": 2.5}
+    # g and h share their interval (250 in scaled units, a cached small int) but not
+    # their scale (1 and 3): the fast path's restart value must not carry over.
+    rates = {"a": 5.0, "b": 10.0, "c": 33.3, "d": 100.0, "e": 2.5, "g": 4e6, "h": 1.2e7}
     clocks = (Clock(), Clock())
     fast = _planner(None, clocks[0], **rates)
     exact = _planner(None, clocks[1], **rates)
@@ -119,6 +121,8 @@ def test_fast_path_decides_exactly_as_the_exact_path() -> None:
                 sorted(plan.throttled), sorted(settled),
                 [s.account.service for s in streams],
                 {u: limiter.ready_at_ns(u) for u in users},
+                # How much of its burst is left (consumed alike in both twins).
+                [limiter.take(u, 10**9, clock.ns) for u in ("g", "h") if step % 50 == 0],
             ))
             clock.ns += advance
             if reload:

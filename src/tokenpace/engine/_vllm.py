@@ -55,6 +55,7 @@ REQUEST_ATTRIBUTES = (
     "num_computed_tokens",
     "num_tokens",
     "num_tokens_with_spec",
+    "_all_token_ids",  # its length is num_tokens_with_spec without drafts (read per step)
     "num_output_placeholders",
     "next_decode_eligible_step",
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step

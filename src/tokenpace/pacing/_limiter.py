@@ -7,10 +7,11 @@ forward by one emission interval (1/rate). Tokens therefore come out evenly spac
 of a whole second's worth at the start of each second.
 
 Exact arithmetic: a rate is taken as the fraction ``p/q`` it was written as (2.5 -> 5/2).
-Each user's times are stored multiplied by ``p``, so the emission interval ``1e9 * q / p``
-nanoseconds becomes the integer ``1e9 * q`` and every operation is integer addition and
-comparison. Nothing drifts, however many tokens pass, and fractional rates are as exact as
-whole ones.
+Each user's times are stored multiplied by ``s = p / gcd(p, 1e9)``, so the emission interval
+``1e9 * q / p`` nanoseconds becomes the integer ``1e9 * q / gcd(p, 1e9)`` and every operation
+is integer addition and comparison. Nothing drifts, however many tokens pass, and
+fractional rates are as exact as whole ones. Most rates divide 1e9 (20, 2.5, 1e9 tok/s), so
+their scale is 1 and their times are plain nanoseconds.
 
 Guarantee: in any window of W seconds a user is granted (net of refunds) at most
 ``(W + 0.1) * rate + 1`` tokens; a user who asks all the time gets at least
@@ -19,6 +20,8 @@ Guarantee: in any window of W seconds a user is granted (net of refunds) at most
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable, Iterable
 from fractions import Fraction
@@ -34,30 +37,45 @@ its rate."""
 _NS_PER_S = 1_000_000_000
 
 
+@functools.lru_cache(maxsize=4096)
+def _constants(rate: float) -> tuple[int, int, int]:
+    """(scale, interval, burst) of a rate, in its scaled time unit; see the module docstring.
+
+    Cached: ``Fraction(repr(rate))`` costs several microseconds, and the idle cleanup drops
+    and re-creates the state of every user that is under its rate (in a busy engine, most
+    of them) every 256 steps. Equal rates also share the same ``int`` objects, which lets
+    the planner's step pass reuse one ``now * scale`` for all users of a scale (an identity
+    test instead of a multiplication).
+    """
+    frac = Fraction(repr(rate))
+    common = math.gcd(frac.numerator, _NS_PER_S)
+    scale = frac.numerator // common
+    return scale, _NS_PER_S * frac.denominator // common, BURST_NS * scale
+
+
 class _Bucket:
-    """One user's GCRA state, in that user's scaled time unit (nanoseconds x ``p``)."""
+    """One user's GCRA state, in that user's scaled time unit (nanoseconds x ``scale``)."""
 
     __slots__ = ("rate", "scale", "interval", "burst", "tat", "refundable")
 
     def __init__(self, rate: float, now_ns: int) -> None:
-        frac = Fraction(repr(rate))
         self.rate = rate
-        self.scale = frac.numerator
-        self.interval = _NS_PER_S * frac.denominator
-        self.burst = BURST_NS * frac.numerator
+        self.scale, self.interval, self.burst = _constants(rate)
         self.tat = now_ns * self.scale
         # Grants that a refund may still return; refunds beyond this are ignored so that a
-        # caller's bookkeeping error can never hand out extra tokens.
+        # caller's bookkeeping error can never hand out extra tokens. Counted since the
+        # TAT last restarted from the clock (a grant while the TAT was not ahead of it):
+        # refunding grants from before a restart could not move the TAT anyway (a refund
+        # never takes it behind the clock, which it was at the restart), so forgetting
+        # them changes no decision, and the count stays a small cached int instead of
+        # growing with every token of a user under its rate (an allocation per step).
         self.refundable = 0
 
     def rescale(self, rate: float) -> None:
         """Switch to a new rate, keeping the TAT's instant (rounded up: never earlier)."""
-        frac = Fraction(repr(rate))
         old_scale = self.scale
         self.rate = rate
-        self.scale = frac.numerator
-        self.interval = _NS_PER_S * frac.denominator
-        self.burst = BURST_NS * frac.numerator
+        self.scale, self.interval, self.burst = _constants(rate)
         self.tat = -((-self.tat * self.scale) // old_scale)
 
 
@@ -133,10 +151,13 @@ class OutputRateLimiter:
                 return True
             bucket = self._buckets[user] = _Bucket(rate, now)
         now_scaled = now * bucket.scale
-        tat = bucket.tat if bucket.tat > now_scaled else now_scaled
-        if tat - now_scaled > bucket.burst:
+        if bucket.tat <= now_scaled:  # under its rate: restart from now (see refundable)
+            bucket.tat = now_scaled + bucket.interval
+            bucket.refundable = 1
+            return True
+        if bucket.tat - now_scaled > bucket.burst:
             return False
-        bucket.tat = tat + bucket.interval
+        bucket.tat += bucket.interval
         bucket.refundable += 1
         return True
 
@@ -175,24 +196,25 @@ class OutputRateLimiter:
                     continue
                 bucket = buckets[claim.user] = _Bucket(rate, now_ns)
             now_scaled = now_ns * bucket.scale
-            tat = bucket.tat if bucket.tat > now_scaled else now_scaled
+            tat = bucket.tat
+            restart = tat <= now_scaled  # under its rate: restart from now (see refundable)
+            if restart:
+                tat = now_scaled
             room = bucket.burst - (tat - now_scaled)
             if room < 0:
                 claim.granted = 0
                 short.append(claim)
                 continue
             if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
-                bucket.tat = tat + bucket.interval
-                bucket.refundable += 1
-                claim.granted = 1
-                continue
-            granted = room // bucket.interval + 1
-            if granted >= n:
-                granted = n
+                granted = 1
             else:
-                short.append(claim)
+                granted = room // bucket.interval + 1
+                if granted >= n:
+                    granted = n
+                else:
+                    short.append(claim)
             bucket.tat = tat + granted * bucket.interval
-            bucket.refundable += granted
+            bucket.refundable = granted if restart else bucket.refundable + granted
             claim.granted = granted
         return short
 
@@ -203,8 +225,9 @@ class OutputRateLimiter:
         planner's fast path): they cache the result per user and ask again when
         ``generation`` changed. A single grant on it is exactly ``try_take``'s update::
 
-            now_scaled = now_ns * b.scale; tat = max(b.tat, now_scaled)
-            if tat - now_scaled <= b.burst: b.tat = tat + b.interval; b.refundable += 1
+            now_scaled = now_ns * b.scale
+            if b.tat <= now_scaled: b.tat = now_scaled + b.interval; b.refundable = 1
+            elif b.tat - now_scaled <= b.burst: b.tat += b.interval; b.refundable += 1
         """
         bucket = self._buckets.get(user)
         if bucket is None:

@@ -19,8 +19,9 @@ bookkeeping has one home:
 Cost on the uncontended path (no slot contention, the usual case) while no user was
 refused earlier in the step: one pass over the streams that counts service and grants each
 sampling stream its token on the user's cached GCRA state (about ten attribute operations
-per stream, no call, no allocation but a list append), then one pass over the charged
-streams in ``settle``. Sorting, heaps and the per-user limiter call (``take_claims``) only
+per stream, no call; for a user under its rate no arithmetic but the service count), then
+one pass over the charged streams in ``settle`` that only stamps the rotation when the
+caller knows every planned stream was dispatched. Sorting, heaps and the per-user limiter call (``take_claims``) only
 happen for a user that is short of quota, after an earlier refusal, or when slots bind.
 
 Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
@@ -251,11 +252,20 @@ class StepPlanner:
         # The first refusal of a user ends the pass for that user's later streams too (a
         # refusal changes nothing, so the rest are refused alike); which of its streams
         # run is then re-decided by turn, as on the exact path.
+        # For a user under its rate (the usual case when nobody is throttled) the GCRA
+        # update is one comparison and two stores, no arithmetic and no allocation: a TAT
+        # that is not ahead of the clock restarts from now (the burst test always passes),
+        # at ``now * scale + interval``, computed once per run of users that share a rate
+        # (the limiter hands equal rates the same ``int`` objects, so identity tests find
+        # them), and its refundable count restarts at 1 (a cached small int).
         step = self._step
         prev = step - 1
         limiter = self.limiter
         generation = limiter.generation
         now = limiter.now_ns()
+        scale: int | None = None
+        interval: int | None = None
+        now_scaled = restart = 0
         charged: list[Stream] = []
         append = charged.append
         fresh: list[_Account] = []
@@ -275,15 +285,23 @@ class StepPlanner:
             b = a.bucket
             if b is None:  # not paced: nothing counted
                 continue
-            now_scaled = now * b.scale
+            if b.scale is not scale:
+                scale = b.scale
+                now_scaled = now * scale
+                interval = None
             tat = b.tat
-            if tat < now_scaled:
-                tat = now_scaled
-            if tat - now_scaled > b.burst:
+            if tat <= now_scaled:  # under its rate: the grant restarts from now
+                if b.interval is not interval:
+                    interval = b.interval
+                    restart = now_scaled + interval
+                b.tat = restart
+                b.refundable = 1
+            elif tat - now_scaled > b.burst:
                 short[a.user] = a
                 continue
-            b.tat = tat + b.interval
-            b.refundable += 1
+            else:
+                b.tat = tat + b.interval
+                b.refundable += 1
             append(s)
         if fresh:
             present = list({s.account.user: s.account for s in streams}.values())
@@ -404,24 +422,31 @@ class StepPlanner:
         scheduled: Container[Hashable],
         still_prefilling: Callable[[Hashable], bool],
         report: bool = False,
+        all_dispatched: bool = False,
     ) -> list[Settlement]:
         """The one refund point: return the token of every charge not dispatched to sample.
 
         A charge was dispatched if its request is in ``scheduled`` and, for a step that
         may end a prompt, ``still_prefilling(key)`` is False. With ``report``, returns one
         ``Settlement`` per charge (for the event log); else an empty list. Cost: one
-        membership test per charged request.
+        membership test per charged request, or, with ``all_dispatched`` (the caller
+        knows that every stream of this step's ``plan_running`` was scheduled and that
+        none of them was a step that may end a prompt), only the rotation stamp.
         """
         step = self._step
         refund = self.limiter.refund
         result: list[Settlement] = []
         refunded: set[Hashable] = set()
-        for s in self._charged_streams:
-            if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
+        if all_dispatched:
+            for s in self._charged_streams:
                 s.last_served = step
-            else:
-                refund(s.user)
-                refunded.add(s.key)
+        else:
+            for s in self._charged_streams:
+                if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
+                    s.last_served = step
+                else:
+                    refund(s.user)
+                    refunded.add(s.key)
         if report:
             result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
         self._charged_streams = []
