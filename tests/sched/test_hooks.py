@@ -247,7 +247,12 @@ def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
     # This process plays the worker: its engine is its parent process.
     engine_side = StepHint(hint_path(os.getppid()), create=True)
     context = zmq.Context()
-    condition = SpinCondition(True, context, f"inproc://tokenpace-test-{os.getpid()}")
+    address = f"inproc://tokenpace-test-{os.getpid()}"
+    # The engine's side binds first, as in vLLM: a SUB socket with CONFLATE connected to an
+    # inproc address nobody has bound made libzmq abort at the later destroy in about half
+    # of the runs ("Assertion failed: ok (src/ctx.cpp:789)", its pending-connection path).
+    writer = SpinCondition(False, context, address)
+    condition = SpinCondition(True, context, address)
     spins: list[Any] = []
     vllm_wait = condition.wait
 
