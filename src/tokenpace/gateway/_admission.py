@@ -256,12 +256,17 @@ async def _reserve_shared(store: StateStore, tenant: TenantState, cost: float) -
         result = await store.reserve(tenant.id, tenant.config.budgets, cost)
     except StateUnavailable:
         # on_state_failure: closed: nothing is admitted that could overspend.
-        raise GatewayError(503, "the gateway's state store does not answer; retry shortly",
-                           reason="state_unavailable", code="state_unavailable",
-                           headers={"retry-after": "1"}) from None
+        raise state_unavailable() from None
     if isinstance(result, BudgetRefusal):
         raise budget_error(result)
     return result
+
+
+def state_unavailable() -> GatewayError:
+    """The shared state store did not answer a decision (``on_state_failure: closed``)."""
+    return GatewayError(503, "the gateway's state store does not answer; retry shortly",
+                        reason="state_unavailable", code="state_unavailable",
+                        headers={"retry-after": "1"})
 
 
 def budget_error(refusal: BudgetRefusal) -> GatewayError:

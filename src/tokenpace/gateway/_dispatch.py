@@ -312,6 +312,9 @@ class Dispatcher:
         state = self._states.get(tenant_id)
         return state is not None and not state.at_concurrency_limit()
 
+    async def close(self) -> None:
+        """Stop background work (none in process; see ``SharedDispatcher``)."""
+
     def publish(self) -> None:
         """Refresh the fairness gauges (called when /metrics is scraped)."""
         lane_cost: dict[str, float] = {}
