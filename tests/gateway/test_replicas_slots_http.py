@@ -233,3 +233,72 @@ def test_two_backlogged_tenants_share_fairly_through_two_replicas(
         stop.set()
         for gw in gws:
             gw.stop()
+
+
+def test_closed_refuses_a_request_that_cannot_get_its_slots_while_redis_is_down(
+        engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    """team-b has no budget: only its slots need Redis, and without them it gets a 503."""
+    (gw,) = start_replicas(engine, tmp_path, redis_server.url, 1)
+    try:
+        assert post(gw, KEY_B).status_code == 200
+        redis_server.kill()
+        down = post(gw, KEY_B)
+        assert down.status_code == 503, down.text
+        assert down.headers["retry-after"] == "1"
+        assert down.json()["error"]["code"] == "state_unavailable"
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while (answer := post(gw, KEY_B)).status_code != 200:
+            assert answer.status_code == 503 and time.monotonic() < deadline, answer.text
+            time.sleep(0.2)
+        assert len(engine.engine.requests) == 2  # the refused one never reached the engine
+    finally:
+        gw.stop()
+
+
+def test_open_dispatches_under_fallback_limits_and_gives_them_back_after_redis_returns(
+        held_engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    """max_concurrency 2 over replicas: 2 is 1 per replica while Redis is down; the slot
+    taken in the fallback is given back to the fallback when its request ends, after Redis
+    came back, and the shared limit of 2 applies again."""
+    def edit(config: dict[str, Any]) -> None:
+        config["tenants"][0]["max_concurrency"] = 2
+        config["on_state_failure"] = "open"
+    (gw,) = start_replicas(held_engine, tmp_path, redis_server.url, 1, edit, replicas=2)
+    engine = held_engine.engine
+    try:
+        redis_server.kill()
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(post, gw) for _ in range(2)]
+            wait_until(settled(held_engine, [gw], 2), 30, lambda: (
+                f"engine has {len(engine.requests)}, gateway queues {queued([gw])}"))
+            assert len(engine.requests) == 1  # fallback limit: 2 / 2 replicas
+            assert gw.metric("tokenpace_gateway_state_up") == 0.0
+            health = httpx.get(f"{gw.url}/health").json()["state"]
+            # The first request's running slots, the second's queued place.
+            assert health["fallback_leases"] == 2, health
+            redis_server.start()
+            # The waiting request polls; once Redis answers it takes a shared slot (Redis
+            # holds none: the first request's slot is the fallback's).
+            wait_until(lambda: len(engine.requests) == 2, 15,
+                       lambda: "the queued request did not get a shared slot after Redis returned")
+            engine.gate.set()  # type: ignore[union-attr]
+            assert [a.result().status_code for a in first] == [200, 200]
+        wait_until(lambda: httpx.get(f"{gw.url}/health").json()["state"]["fallback_leases"] == 0,
+                   5, lambda: "the fallback's slot was not given back")
+        # Shared again, nothing leaked in Redis: 2 of 3 held requests go, the third waits.
+        engine.gate.clear()  # type: ignore[union-attr]
+        engine.requests.clear()
+        engine.reset_peak()
+        with ThreadPoolExecutor(3) as pool:
+            again = [pool.submit(post, gw) for _ in range(3)]
+            wait_until(settled(held_engine, [gw], 3), 30, lambda: (
+                f"engine has {len(engine.requests)}, gateway queues {queued([gw])}"))
+            assert len(engine.requests) == 2
+            engine.gate.set()  # type: ignore[union-attr]
+            assert [a.result().status_code for a in again] == [200] * 3
+        # The fallback's decisions were counted: the first request's slots, the second's place.
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="acquire") >= 1
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="admit") >= 1
+    finally:
+        gw.stop()
