@@ -302,3 +302,28 @@ def test_open_dispatches_under_fallback_limits_and_gives_them_back_after_redis_r
         assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="admit") >= 1
     finally:
         gw.stop()
+
+
+def test_release_and_settlement_in_one_call_give_the_budget_back(
+        engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    """A dispatched request the engine refuses costs nothing: its shared slots and its
+    reservation go back in the same store call (FINISH), and the shared budget is full."""
+    import asyncio
+
+    from tests.gateway.test_replicas_http import _level
+
+    def edit(config: dict[str, Any]) -> None:
+        # Refill 0.1 per second: a reservation of 126 left unsettled shows for minutes.
+        config["tenants"][0]["budgets"] = [{"tokens": 10_000, "per": "24h"}]
+    (gw,) = start_replicas(engine, tmp_path, redis_server.url, 1, edit)
+    try:
+        refused = post(gw, body={**BODY, "max_tokens": 60, "fake_error": 400})
+        assert refused.status_code == 400, refused.text
+        assert len(engine.engine.requests) == 1  # it was dispatched, then refused
+        deadline = time.monotonic() + 5
+        while (level := asyncio.run(_level(redis_server.url, 10_000, "24h"))) < 10_000 - 1e-6:
+            assert time.monotonic() < deadline, f"the reservation was not given back: {level}"
+            time.sleep(0.05)
+        assert gw.rows(1)[0].finish_reason == "upstream_error"
+    finally:
+        gw.stop()

@@ -53,6 +53,7 @@ from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
 from ._state import (
     Admission,
+    Reservation,
     SlotClaim,
     SlotRefusal,
     StateStore,
@@ -211,11 +212,12 @@ class SharedDispatcher(Dispatcher):
         tenant = waiter.tenant
         self.store.charge(tenant.config.lane, tenant.id, cost / tenant.config.weight)
 
-    def release(self, waiter: Waiter) -> None:
-        """Give the slots back (idempotent): the store's leases in the background, then
-        this replica's waiters get their turn."""
+    def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give the slots back (idempotent): the store's leases in the background, with
+        ``settle``'s reservation settled in the same call; then this replica's waiters get
+        their turn. True: ``settle`` was taken."""
         if not waiter.granted or waiter.released:
-            return
+            return False
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
         engine.inflight -= 1
@@ -223,12 +225,20 @@ class SharedDispatcher(Dispatcher):
         metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         assert isinstance(waiter, SharedWaiter) and waiter.running is not None
-        self._spawn(self._give_back(waiter.running, tenant.id))
+        self._spawn(self._give_back(waiter.running, tenant.id, settle))
+        return settle is not None
 
-    async def _give_back(self, lease: StoreLease, tenant_id: str) -> None:
+    async def _give_back(self, lease: StoreLease, tenant_id: str,
+                         settle: tuple[Reservation, float] | None) -> None:
         # The waiters are woken after the store has the slots back, or they would be
         # refused the slots this request still holds there and wait for the next poll.
-        await self._release_lease(lease)
+        try:
+            if settle is None:
+                await self.store.release(lease)
+            else:  # one script for both (a failure leaves the reservation charged)
+                await self.store.finish(lease, *settle)
+        except StateUnavailable:
+            pass  # the lease expires with its lease time
         self._blocked.pop(tenant_id, None)
         for engine in self.engines:
             if len(engine.queue):
