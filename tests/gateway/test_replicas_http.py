@@ -1,8 +1,8 @@
 """Gateway replicas sharing their tenants' budgets in a real ``redis-server``: separate
 processes, and ``--workers`` on one port.
 
-What issue 14 wires so far: budgets (``state: redis://...``). Slots and fair-queue counters
-are still per process (docs/gateway.md, "Several replicas").
+Budgets here; shared slots and fair-queue counters through replicas are in
+test_replicas_slots_http.py (docs/gateway.md, "Several replicas").
 """
 
 from __future__ import annotations
