@@ -327,3 +327,27 @@ def test_release_and_settlement_in_one_call_give_the_budget_back(
         assert gw.rows(1)[0].finish_reason == "upstream_error"
     finally:
         gw.stop()
+
+
+def test_max_queued_is_global_across_two_replicas(
+        held_engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        config["tenants"][0].update(max_concurrency=1, max_queued=1)
+    gws = start_replicas(held_engine, tmp_path, redis_server.url, 2, edit)
+    engine = held_engine.engine
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, gws[0])
+            wait_until(lambda: len(engine.requests) == 1, 30, lambda: "nothing reached the engine")
+            waiting = pool.submit(post, gws[1])
+            wait_until(lambda: queued(gws) == 1, 30, lambda: "the second request did not queue")
+            # Replica 0 has nobody waiting, but the tenant's one queued place is taken.
+            full = post(gws[0])
+            assert full.status_code == 429, full.text
+            assert full.json()["error"]["code"] == "queue_full"
+            assert "1 waiting on all replicas" in full.json()["error"]["message"]
+            engine.gate.set()  # type: ignore[union-attr]
+            assert [running.result().status_code, waiting.result().status_code] == [200, 200]
+    finally:
+        for gw in gws:
+            gw.stop()

@@ -33,7 +33,12 @@ from ._tenants import TenantState
 
 
 class QueueFull(Exception):
-    """The tenant already has ``max_queued`` requests waiting."""
+    """The tenant already has ``max_queued`` requests waiting; ``waiting``: how many wait
+    on every replica together (shared slots), None in process."""
+
+    def __init__(self, waiting: int | None = None) -> None:
+        super().__init__(waiting)
+        self.waiting = waiting
 
 
 class EngineSlots:

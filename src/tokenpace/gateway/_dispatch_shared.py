@@ -154,7 +154,7 @@ class SharedDispatcher(Dispatcher):
                 tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane,
                 self._lane_tenants.get(lane, ())))
             if isinstance(admitted, SlotRefusal):
-                raise QueueFull()
+                raise QueueFull(admitted.held)
             assert isinstance(admitted, Admission)
             waiter.queued = admitted.queued
             for other in self.engines:  # the store's lift, on every queue the tenant uses
@@ -267,6 +267,10 @@ class SharedDispatcher(Dispatcher):
         for handle in self._polls.values():
             handle.cancel()
         self._polls.clear()
+        # Releases and settlements under way finish (each is bounded by the store's
+        # timeout); what is still running after a second is cancelled.
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=1.0)
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -297,6 +301,9 @@ class SharedDispatcher(Dispatcher):
             logger.exception("dispatch round for %s failed", engine.url)
         finally:
             self._pumping.discard(engine)
+        if len(engine.queue) and engine.inflight < engine.config.max_inflight \
+                and engine.saturated():
+            engine.held.set()  # ask for a fresh reading, as the in-process pump does
         if len(engine.queue) and engine.has_room() and engine not in self._polls:
             # Requests wait while this replica has room: the store refused (other replicas
             # hold the slots) or a tenant is blocked. Ask again after the poll interval.

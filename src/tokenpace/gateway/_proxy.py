@@ -113,8 +113,8 @@ async def _wait_for_slot(ex: Exchange, engine: EngineSlots, admission: Admission
     with watch.guard(anyio.CancelScope()):
         try:
             return await lease.acquire()
-        except QueueFull:
-            raise queue_full(tenant) from None
+        except QueueFull as exc:
+            raise queue_full(tenant, exc.waiting) from None
         except StateUnavailable:  # shared slots, on_state_failure: closed
             raise state_unavailable() from None
         except TimeoutError:
