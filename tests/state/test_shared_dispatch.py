@@ -43,7 +43,7 @@ async def replicas(url: str, n: int = 2) -> list[Replica]:
     for _ in range(n):
         cfg = config()
         clock = asyncio.get_running_loop().time
-        store = RedisStore(url, lease_s=5.0, timeout_s=2.0)  # generous: a loaded box
+        store = RedisStore(url, lease_s=5.0, timeout_s=5.0)  # generous: a loaded box
         await store.start()
         out.append((SharedDispatcher(cfg, clock, store), Tenants(cfg, clock).get("t"), store))
     return out
@@ -68,6 +68,19 @@ async def nothing_held(store: RedisStore) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"slots still held in Redis: {held}")
+
+
+async def until_queued(store: RedisStore, task: asyncio.Task[Any]) -> None:
+    """Wait (bounded) until the tenant holds a queued place; a waiter that failed instead
+    raises its error here."""
+    for _ in range(1000):
+        if task.done():
+            await task  # raises what it failed with
+            raise AssertionError("the waiter got its slot instead of waiting")
+        if (await store.held(KEYS))["queued:t"]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the waiter took no queued place within 10 s")
 
 
 def run(redis_server: RedisServer, body: Callable[[list[Replica]], Awaitable[None]]) -> None:
@@ -99,8 +112,7 @@ def test_max_queued_is_global(redis_server: RedisServer) -> None:
     async def body(reps: list[Replica]) -> None:
         first = await lease(reps[0]).acquire()
         waiting = asyncio.create_task(lease(reps[0]).acquire())
-        while (await reps[1][2].held(KEYS))["queued:t"] == 0:
-            await asyncio.sleep(0.01)
+        await until_queued(reps[1][2], waiting)
         with pytest.raises(QueueFull):  # the other replica's queued place counts here
             await lease(reps[1]).acquire()
         first.release()
@@ -146,8 +158,7 @@ def test_no_exit_path_leaves_a_slot_in_redis(redis_server: RedisServer, how: str
                     await lease(reps[0], timeout_s=0.3).acquire()
             else:
                 task = asyncio.create_task(lease(reps[0]).acquire())
-                while (await store.held(KEYS))["queued:t"] == 0:
-                    await asyncio.sleep(0.01)
+                await until_queued(store, task)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task

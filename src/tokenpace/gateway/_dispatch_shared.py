@@ -145,7 +145,10 @@ class SharedDispatcher(Dispatcher):
             if not len(engine.queue) and engine.has_room() and self._may_dispatch(tenant.id):
                 result = await self._call(self.store.acquire(self._claims(tenant, engine)))
                 if isinstance(result, StoreLease):
-                    engine.queue.charge(tenant.id, prompt_cost)  # pop's prompt charge
+                    # Through the queue's books as if popped: the prompt's charge on the
+                    # tenant's counter, the estimate in the lane's share.
+                    engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
+                    engine.queue.take(waiter)
                     self._grant(waiter, result)
                     return waiter
                 self._refused(result, tenant)
