@@ -61,6 +61,15 @@ class FakeEngine:
     # While this is an unset event, completions are recorded, then wait until it is set: a
     # test can hold the requests it dispatched for as long as it needs, whatever the load.
     gate: threading.Event | None = None
+    active: int = 0  # completions being worked on now (held at the gate included)
+    peak: int = 0  # the most at once since the last reset_peak()
+
+    def reset_peak(self) -> None:
+        self.peak = self.active
+
+    def _enter(self) -> None:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
 
     def count(self, text: str) -> int:
         return len(text.encode())
@@ -130,6 +139,17 @@ class FakeEngine:
         body = await request.json()
         seen = Seen(request.url.path, body, dict(request.headers))
         self.requests.append(seen)
+        self._enter()
+        streaming = False
+        try:
+            response = await self._answer(request, body, seen)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:
+                self.active -= 1
+
+    async def _answer(self, request: Request, body: dict[str, Any], seen: Seen) -> Response:
         while self.gate is not None and not self.gate.is_set():
             await asyncio.sleep(0.005)
         if body.get("fake_error"):
@@ -207,6 +227,7 @@ class FakeEngine:
                 yield "data: [DONE]\n\n"
                 seen.finished = True
             finally:
+                self.active -= 1
                 if not seen.finished and fail_after is None:
                     seen.aborted = True
 

@@ -1,8 +1,8 @@
 """Gateway replicas sharing their tenants' budgets in a real ``redis-server``: separate
 processes, and ``--workers`` on one port.
 
-What issue 14 wires so far: budgets (``state: redis://...``). Slots and fair-queue counters
-are still per process (docs/gateway.md, "Several replicas").
+Budgets here; shared slots and fair-queue counters through replicas are in
+test_replicas_slots_http.py (docs/gateway.md, "Several replicas").
 """
 
 from __future__ import annotations
@@ -195,14 +195,14 @@ def test_a_sigkilled_replica_leaves_the_survivor_serving_with_every_ledger_row(
             gw.stop()
 
 
-async def _level(url: str, tokens: int) -> float:
+async def _level(url: str, tokens: int, per: str = "1h") -> float:
     """team-a's budget level, read from Redis."""
-    from tokenpace.fairness import BudgetSpec
+    from tokenpace.fairness import BudgetSpec, parse_duration
     from tokenpace.gateway._state._redis import RedisStore
 
     store = RedisStore(url, timeout_s=2.0)
     try:
-        spec = BudgetSpec(tokens, 3600)
+        spec = BudgetSpec(tokens, parse_duration(per))
         return (await store.budget_levels("team-a", [spec]))[spec.key]
     finally:
         await store.close()

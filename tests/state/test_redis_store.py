@@ -462,3 +462,20 @@ def test_rediss_url_with_tls(tmp_path: Any) -> None:
         run(body)
     finally:
         server.stop()
+
+
+def test_a_burst_beyond_the_connection_pool_waits_instead_of_failing(
+        redis_server: RedisServer) -> None:
+    """300 calls at once on 64 pooled connections: the extra ones wait for a connection
+    (within their deadline) rather than fail, and the store stays healthy. A burst of
+    requests is not an outage."""
+    async def body() -> None:
+        store = RedisStore(redis_server.url, timeout_s=SLACK_S)
+        try:
+            results = await asyncio.gather(*(store.acquire([SlotClaim(f"burst:{i}", 1)])
+                                             for i in range(300)))
+            assert all(isinstance(r, Lease) for r in results)
+            assert store.healthy and store.failures == 0
+        finally:
+            await store.close()
+    run(body)

@@ -122,6 +122,28 @@ def test_remove_and_queued_cost() -> None:
     assert queue.pop() == "a2"
 
 
+def test_peek_then_take_dispatches_as_pop_does() -> None:
+    """A dispatcher that asks a shared store first peeks, then takes once it may: the same
+    choice and the same accounting as pop; an item removed meanwhile is not taken."""
+    popped, taken = make_queue(), make_queue()
+    for queue in (popped, taken):
+        queue.push("a1", "a", 10, 30)
+        queue.push("b1", "b", 5, 25)
+        queue.push("a2", "a", 10, 30)
+    order = []
+    while (item := taken.peek()) is not None:
+        assert taken.peek() == item  # peeking changes nothing
+        assert taken.take(item)
+        order.append(item)
+        assert popped.pop() == item
+        assert (taken.counter("a"), taken.counter("b")) == (popped.counter("a"), popped.counter("b"))
+        assert taken.lane_costs() == popped.lane_costs()
+    assert order == ["a1", "b1", "a2"] and len(taken) == 0
+    taken.push("a3", "a", 10, 30)
+    assert taken.peek() == "a3" and taken.remove("a3")
+    assert not taken.take("a3") and taken.counter("a") == popped.counter("a")
+
+
 def test_debt_and_weight_change_apply_to_future_service_only() -> None:
     queue = make_queue()
     queue.push("a1", "a", 100, 100)

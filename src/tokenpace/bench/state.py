@@ -12,6 +12,13 @@ round trip), settlement (release, settle). Three round trips with Redis. Measure
   and that process's CPU time per request (the gateway's own cost; Redis's is separate).
 
 Ratios are against the in-process store measured in the same run.
+
+A second measurement runs the gateway's dispatcher itself, as a request meets it: wait for
+the slot (``Lease.acquire``), a charge, release. In process (one replica: no store call at
+all) against the shared dispatcher on Redis, uncontended (the slot is free: one round trip
+to take it, one in the background to give it back) and contended (``max_inflight`` is half
+the concurrency: the waiting half also takes a queued place and trades it, two more).
+Budgets are not part of it (their reserve and settle are one script each, above).
 """
 
 from __future__ import annotations
@@ -105,6 +112,81 @@ def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("tokenpace bench state: error: redis-server did not start")
 
 
+async def _dispatch_path(url: str | None, requests: int, concurrency: int,
+                         max_inflight: int) -> tuple[float, float, float]:
+    """(median wait for the slot in s one at a time, CPU s per request at ``concurrency``,
+    requests per second) through the real dispatcher; ``url`` None: in process."""
+    from ..gateway import parse_config
+    from ..gateway._dispatch_shared import make_dispatcher
+    from ..gateway._state._redis import RedisStore
+    from ..gateway._tenants import Tenants
+
+    config = parse_config({
+        "engines": [{"url": "http://bench-engine", "max_inflight": max_inflight}],
+        "tenants": [{"id": t, "api_keys": [f"k-{t}"], "max_concurrency": 10_000}
+                    for t in TENANTS],
+        "ledger": "sqlite:///unused.db",
+    })
+    clock = asyncio.get_running_loop().time
+    store = None if url is None else RedisStore(url, timeout_s=5.0, prefix="tokenpace-bench:")
+    if store is not None:
+        await store.start()
+    dispatcher = make_dispatcher(config, clock, store)
+    tenants = Tenants(config, clock)
+    engine = dispatcher.engines[0]
+    background: set[asyncio.Task[Any]] = getattr(dispatcher, "_background", set())
+
+    async def one(i: int) -> float:
+        lease = dispatcher.lease(tenants.get(TENANTS[i % len(TENANTS)]),  # type: ignore[arg-type]
+                                 engine, 60.0, 64.0, 300.0)
+        t0 = time.perf_counter()
+        await lease.acquire()
+        waited = time.perf_counter() - t0
+        lease.charge(200.0)
+        await asyncio.sleep(0)  # the request's time on the engine: let the others run
+        lease.release()
+        return waited
+
+    async def drain() -> None:
+        while background:
+            await asyncio.gather(*list(background), return_exceptions=True)
+
+    try:
+        for i in range(50):  # warm-up
+            await one(i)
+        await drain()
+        waits = []
+        for i in range(requests):
+            waits.append(await one(i))
+            await drain()  # one at a time: the release lands before the next request
+        queue = list(range(requests))
+
+        async def worker() -> None:
+            while queue:
+                await one(queue.pop())
+
+        c0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await drain()
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        await dispatcher.close()
+        if store is not None:
+            await store.close()
+    return statistics.median(waits), cpu / requests, requests / elapsed
+
+
+async def _measure_dispatch(url: str, requests: int, concurrency: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, store_url, limit in (("memory", None, 10_000), ("redis", url, 10_000),
+                                   ("memory_contended", None, max(1, concurrency // 2)),
+                                   ("redis_contended", url, max(1, concurrency // 2))):
+        wait, cpu, rps = await _dispatch_path(store_url, requests, concurrency, limit)
+        out[name] = {"slot_wait_median_us": wait * 1e6, "cpu_us_per_request": cpu * 1e6,
+                     "requests_per_s": rps, "max_inflight": limit}
+    return out
+
+
 async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
     from ..gateway._state._redis import RedisStore
 
@@ -152,6 +234,7 @@ def run(requests: int, concurrency: int, repeats: int, redis_url: str | None = N
         proc, redis_url = _start_redis(home)
     try:
         result = asyncio.run(_measure(redis_url, requests, concurrency, repeats))
+        result["dispatcher"] = asyncio.run(_measure_dispatch(redis_url, requests, concurrency))
     finally:
         if proc is not None:
             proc.terminate()
@@ -179,6 +262,11 @@ def _print(result: dict[str, Any]) -> None:
     ratio = result["redis_over_memory_cpu"]
     print(f"  gateway CPU per request, redis / memory: {ratio['median']:.1f}x "
           f"(95% {ratio['interval'][0]:.1f}-{ratio['interval'][1]:.1f})")
+    print(f"the dispatcher's slot (acquire, charge, release), concurrency {result['concurrency']}:")
+    for name, r in result.get("dispatcher", {}).items():
+        print(f"  {name:17s} (max_inflight {r['max_inflight']:5d}) slot wait median "
+              f"{r['slot_wait_median_us']:7.0f} us alone; {r['requests_per_s']:7.0f} req/s, "
+              f"CPU {r['cpu_us_per_request']:5.0f} us/request")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -148,6 +148,37 @@ class FairQueue(Generic[T]):
         self._window_cost[lane] = self._window_cost.get(lane, 0.0) + entry.estimate
         return entry.item
 
+    def peek(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
+        """The item ``pop`` would return, left in the queue.
+
+        For a dispatcher that must ask someone else before it dispatches (gateway replicas
+        take a global slot in a shared store first): ``take`` it once the answer is yes.
+        Same cost as ``pop``'s choice: O(tenants)."""
+        self._trim(self._clock())
+        lane = self._choose_lane(eligible)
+        if lane is None:
+            return None
+        return self._choose_tenant(lane, eligible)[1].queue[0].item
+
+    def take(self, item: T) -> bool:
+        """Dispatch ``item`` (chosen by ``peek``) with ``pop``'s accounting: its prompt cost
+        on its tenant's counter, its estimate in its lane's share. False when it is no longer
+        queued (removed while the dispatcher was asking). O(tenant's queue)."""
+        tenant = self._where.pop(item, None)
+        if tenant is None:
+            return False
+        state = self._tenants[tenant]
+        entry = next(e for e in state.queue if e.item == item)
+        state.queue.remove(entry)
+        state.queued_cost -= entry.estimate
+        state.counter += entry.prompt_cost / state.weight
+        if not state.queue:
+            self._last_left[state.lane] = state.counter
+        now = self._clock()
+        self._window.append((now, state.lane, entry.estimate))
+        self._window_cost[state.lane] = self._window_cost.get(state.lane, 0.0) + entry.estimate
+        return True
+
     def charge(self, tenant: str, cost: float) -> None:
         """Service delivered to ``tenant`` after dispatch (output tokens as they stream)."""
         state = self._tenants.get(tenant)

@@ -249,12 +249,16 @@ def prompt_bytes(req: ParsedRequest) -> int:
     return size
 
 
-def queue_full(tenant: TenantState) -> GatewayError:
+def queue_full(tenant: TenantState, waiting: int | None = None) -> GatewayError:
+    """429 for a full queue; ``waiting``: the count on every replica (shared slots)."""
     cfg = tenant.config
     wait = tenant.slot_wait_s()
+    where = (f"{tenant.inflight} requests running here (max_concurrency {cfg.max_concurrency}) "
+             f"and {waiting} waiting on all replicas" if waiting is not None else
+             f"{tenant.inflight} requests running (max_concurrency {cfg.max_concurrency}) "
+             f"and {tenant.queued} waiting")
     return GatewayError(
-        429, f"tenant {tenant.id!r} has {tenant.inflight} requests running "
-        f"(max_concurrency {cfg.max_concurrency}) and {tenant.queued} waiting "
+        429, f"tenant {tenant.id!r} has {where} "
         f"(max_queued {cfg.max_queued}); a slot frees in about {wait:.1f} s",
         reason="queue_full", code="queue_full", headers=retry_headers(wait))
 
@@ -329,10 +333,15 @@ async def _reserve_shared(store: StateStore, tenant: TenantState,
         result = await store.reserve(tenant.id, tenant.config.budgets, cost)
     except StateUnavailable:
         # on_state_failure: closed: nothing is admitted that could overspend.
-        raise GatewayError(503, "the gateway's state store does not answer; retry shortly",
-                           reason="state_unavailable", code="state_unavailable",
-                           headers={"retry-after": "1"}) from None
+        raise state_unavailable() from None
     return result
+
+
+def state_unavailable() -> GatewayError:
+    """The shared state store did not answer a decision (``on_state_failure: closed``)."""
+    return GatewayError(503, "the gateway's state store does not answer; retry shortly",
+                        reason="state_unavailable", code="state_unavailable",
+                        headers={"retry-after": "1"})
 
 
 def budget_error(refusal: BudgetRefusal) -> GatewayError:

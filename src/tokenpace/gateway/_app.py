@@ -24,7 +24,8 @@ from starlette.routing import Route
 from . import _metrics as metrics
 from ._admission import authenticate, bearer_key
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
-from ._dispatch import Dispatcher, EngineSlots
+from ._dispatch import EngineSlots
+from ._dispatch_shared import make_dispatcher
 from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
@@ -98,7 +99,9 @@ class Gateway:
             if store is not None:
                 await store.start()
                 _register_state_collector(store)
-            self.rt = Runtime(self.config, tenants, Dispatcher(self.config, self.clock),
+            # With a shared store, max_concurrency, max_queued and engine max_inflight are
+            # global leases and the VTC counters shared; without, all stays in process.
+            self.rt = Runtime(self.config, tenants, make_dispatcher(self.config, self.clock, store),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
                               store=store)
             # With shared state the process's own buckets are unused: publish nothing rather
@@ -114,6 +117,7 @@ class Gateway:
             finally:
                 for task in tasks:
                     task.cancel()
+                await self.rt.dispatcher.close()
                 for client in clients.values():
                     await client.aclose()
                 for upstream in upstreams.values():

@@ -28,11 +28,17 @@ import anyio
 from ..fairness import FairQueue, LaneSpec
 from . import _metrics as metrics
 from ._config import EngineConfig, GatewayConfig
+from ._state import Reservation
 from ._tenants import TenantState
 
 
 class QueueFull(Exception):
-    """The tenant already has ``max_queued`` requests waiting."""
+    """The tenant already has ``max_queued`` requests waiting; ``waiting``: how many wait
+    on every replica together (shared slots), None in process."""
+
+    def __init__(self, waiting: int | None = None) -> None:
+        super().__init__(waiting)
+        self.waiting = waiting
 
 
 class EngineSlots:
@@ -158,10 +164,16 @@ class Lease:
         if self.waiter is not None:
             self._dispatcher.charge(self.waiter, cost)
 
-    def release(self) -> None:
-        """Give the slot back (idempotent; nothing to do before it was granted)."""
+    def release(self, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give the slot back (idempotent; nothing to do before it was granted).
+
+        ``settle``: a budget reservation of the shared store and the actual cost, settled in
+        the same store call as the release when the slot is a shared lease (one round trip
+        instead of two). True when it was taken; otherwise the caller settles it.
+        """
         if self.waiter is not None:
-            self._dispatcher.release(self.waiter)
+            return self._dispatcher.release(self.waiter, settle)
+        return False
 
     async def __aenter__(self) -> Lease:
         return await self.acquire()
@@ -270,10 +282,11 @@ class Dispatcher:
         """Service a dispatched request received (output tokens as the stream reports them)."""
         waiter.engine.queue.charge(waiter.tenant.id, cost)
 
-    def release(self, waiter: Waiter) -> None:
-        """Give a dispatched request's slots back (idempotent) and dispatch the next."""
+    def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give a dispatched request's slots back (idempotent) and dispatch the next.
+        In process there is no store call to settle ``settle`` with: False."""
         if not waiter.granted or waiter.released:
-            return
+            return False
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
         engine.inflight -= 1
@@ -283,6 +296,7 @@ class Dispatcher:
         for other in self.engines:  # the tenant's concurrency may unblock any queue
             if len(other.queue):
                 self._pump(other)
+        return False
 
     def _remove(self, waiter: Waiter) -> None:
         if waiter.engine.queue.remove(waiter):
@@ -311,6 +325,9 @@ class Dispatcher:
     def _may_dispatch(self, tenant_id: str) -> bool:
         state = self._states.get(tenant_id)
         return state is not None and not state.at_concurrency_limit()
+
+    async def close(self) -> None:
+        """Stop background work (none in process; see ``SharedDispatcher``)."""
 
     def publish(self) -> None:
         """Refresh the fairness gauges (called when /metrics is scraped)."""

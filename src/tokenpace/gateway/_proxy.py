@@ -27,6 +27,7 @@ from ._admission import (
     read_body,
     retry_headers,
     route,
+    state_unavailable,
 )
 from ._body import Kind, engine_body, parse_json_body, parse_request
 from ._dispatch import EngineSlots, Lease, QueueFull
@@ -34,6 +35,7 @@ from ._errors import GatewayError, error_response
 from ._relay import call, open_stream
 from ._runtime import Runtime
 from ._settle import Exchange, Outcome
+from ._state import StateUnavailable
 from ._watch import ClientWatch
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -111,8 +113,10 @@ async def _wait_for_slot(ex: Exchange, engine: EngineSlots, admission: Admission
     with watch.guard(anyio.CancelScope()):
         try:
             return await lease.acquire()
-        except QueueFull:
-            raise queue_full(tenant) from None
+        except QueueFull as exc:
+            raise queue_full(tenant, exc.waiting) from None
+        except StateUnavailable:  # shared slots, on_state_failure: closed
+            raise state_unavailable() from None
         except TimeoutError:
             if not engine.healthy:
                 raise GatewayError(

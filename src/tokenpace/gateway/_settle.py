@@ -132,12 +132,17 @@ class Exchange:
             # time ran out before the first usage): its bound is charged, as the output's
             # reservation is for a non-streamed request that timed out.
             self.prompt_tokens, self.prompt_bound = self.prompt_bound, None
-        if self.lease is not None:
-            self.charge_progress()
-            self.lease.release()
         actual = (rt.config.cost.of(self.prompt_tokens, self.completion_tokens)
                   if self.charge_usage else 0.0)
-        if self.reservation is not None:
+        settled = False
+        if self.lease is not None:
+            self.charge_progress()
+            # With shared slots the release and the settlement go in one store call.
+            settled = self.lease.release(
+                None if self.reservation is None else (self.reservation, actual))
+        if settled:
+            pass
+        elif self.reservation is not None:
             # One script, off the request's path; a failure leaves the reservation charged.
             task = asyncio.get_running_loop().create_task(
                 rt.store.settle(self.reservation, actual))  # type: ignore[union-attr]

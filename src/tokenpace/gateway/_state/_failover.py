@@ -182,4 +182,5 @@ class FailoverStore(StateStore):
 
     def describe(self) -> dict[str, object]:
         return {**self.primary.describe(), "on_state_failure": self.on_failure,
-                "fallback_divisor": self.fallback.divisor}
+                "fallback_divisor": self.fallback.divisor,
+                "fallback_leases": self.fallback.lease_count()}

@@ -104,6 +104,11 @@ class LocalStore(StateStore):
     async def held(self, keys: Sequence[str]) -> dict[str, int]:
         return {key: len(self._slots.get(key, ())) for key in keys}
 
+    def lease_count(self) -> int:
+        """Leases held now (as a fallback: those taken while the shared store was down and
+        not yet given back). O(slots held)."""
+        return len({lease for holders in self._slots.values() for lease in holders})
+
     # -- fair queue ------------------------------------------------------------------
 
     def charge(self, lane: str, tenant: str, amount: float) -> None:

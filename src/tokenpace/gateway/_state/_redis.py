@@ -49,7 +49,7 @@ class RedisStore(StateStore):
     def __init__(self, url: str, *, lease_s: float = 10.0, timeout_s: float = 0.1,
                  probe_s: float = 0.5, flush_s: float = 0.05, prefix: str = "tokenpace:",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from redis.asyncio import Redis
+        from redis.asyncio import BlockingConnectionPool, Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
@@ -61,11 +61,13 @@ class RedisStore(StateStore):
         self.prefix = prefix
         self._clock = clock
         # No retries: a retry would double the longest wait; the caller decides what a
-        # failure means (closed: 503, open: the fallback store).
-        self._redis = Redis.from_url(
+        # failure means (closed: 503, open: the fallback store). A call finding all 64
+        # connections busy waits for one (within the call's own deadline) instead of
+        # failing at once: a burst of requests is not an outage.
+        self._redis = Redis.from_pool(BlockingConnectionPool.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0, max_connections=64,
-            decode_responses=True)
+            timeout=timeout_s, decode_responses=True))
         self._scripts = {name: self._redis.register_script(getattr(_scripts, name))
                          for name in ("RESERVE", "SETTLE", "LEVELS", "ACQUIRE", "RENEW",
                                       "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH",

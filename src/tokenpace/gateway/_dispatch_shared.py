@@ -1,0 +1,374 @@
+"""Dispatch when several gateway replicas share their slots and fair-queue counters.
+
+With ``state: redis://...`` a tenant's ``max_concurrency`` and ``max_queued`` and each
+engine's ``max_inflight`` are global: every replica counts the same slots, held in the
+state store as leases that the store renews while the request runs (a replica that dies
+gives its slots back within ``state.lease``; a request that ends, is cancelled or fails
+gives them back at once). The in-process :class:`Dispatcher` stays the single-replica path,
+untouched: nothing here runs without a shared store.
+
+How a request gets its slot (round trips to the store in brackets):
+
+- Nobody waits on this replica for the engine and the tenant is not known to be at its
+  limit: take the engine slot and the tenant's running slot in one step [1]. Uncontended,
+  that is the only call before the engine; release is one more, off the request's path.
+- Otherwise the request takes a queued place (the global ``max_queued``; the tenant's
+  shared VTC counter is lifted if it was not backlogged anywhere) [1] and waits in this
+  replica's fair queue. The fair queue chooses which local waiter goes next, by the shared
+  counters; the chosen one trades its queued place for the running slots in one step [1].
+- If another replica holds the slots (the store refuses), the waiter stays queued: a tenant
+  refused its running slot is skipped for ``SHARED_POLL_S`` while the others are tried, an
+  engine refused stops the round. The round runs again when a request of this replica
+  releases its slots, or after ``SHARED_POLL_S`` (25 ms) while requests wait and the engine
+  has room here: a replica never loops on the store, at most one round per poll interval.
+  Releases on other replicas are therefore seen within 25 ms (plus one round trip).
+
+Fairness: service (prompt cost at dispatch, output tokens as they stream) is charged to the
+local queue and to the store (batched: the store sends charges every 50 ms); before a
+dispatch the local queues adopt the store's counters of the tenants waiting here, at most
+every ``COUNTER_REFRESH_S`` (one read per lane with two or more waiting tenants). Lane
+shares (``min_share``) are measured per replica from its own dispatches.
+
+Store calls that may return a slot are shielded from the request's cancellation: a lease
+granted to a request that was cancelled meanwhile is released as soon as it arrives.
+``on_state_failure: closed``: a request that cannot get its slots because the store does
+not answer fails with ``StateUnavailable`` (503 with ``retry-after``); ``open``: the store
+itself decides under per-replica limits (each limit / replicas), and leases taken that way
+are given back to the in-process fallback that granted them, also after Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+
+from . import _metrics as metrics
+from ._config import GatewayConfig
+from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
+from ._state import (
+    Admission,
+    Reservation,
+    SlotClaim,
+    SlotRefusal,
+    StateStore,
+    StateUnavailable,
+    engine_slot,
+    queued_slot,
+    running_slot,
+)
+from ._state import Lease as StoreLease
+from ._tenants import TenantState
+
+logger = logging.getLogger("tokenpace.gateway")
+
+T = TypeVar("T")
+
+SHARED_POLL_S = 0.025
+"""How soon a replica asks the store again for slots another replica held (and the most
+often it does: one dispatch round per engine per interval while requests wait)."""
+
+COUNTER_REFRESH_S = 0.05
+"""Longest age of the shared VTC counters a dispatch decision uses (the store's charge
+flush interval: fresher reads would see nothing new)."""
+
+
+@dataclass(eq=False)
+class SharedWaiter(Waiter):
+    """A waiter whose slots are leases in the shared store."""
+
+    prompt_cost: float = 0.0
+    estimate: float = 0.0
+    queued: StoreLease | None = None  # its queued place while it waits
+    running: StoreLease | None = None  # its engine and tenant slots once granted
+
+
+class SharedDispatcher(Dispatcher):
+    """The dispatcher of one replica among several sharing ``store``."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float],
+                 store: StateStore) -> None:
+        self.store = store
+        self._lane_tenants: dict[str, list[str]] = {}
+        super().__init__(config, clock)
+        self._blocked: dict[str, float] = {}  # tenant -> until when its global slots are full
+        self._pumping: set[EngineSlots] = set()
+        self._again: set[EngineSlots] = set()
+        self._polls: dict[EngineSlots, asyncio.TimerHandle] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._counters_at = -math.inf
+
+    def configure(self, config: GatewayConfig) -> None:
+        super().configure(config)
+        lanes: dict[str, list[str]] = {}
+        for tenant in config.tenants:
+            lanes.setdefault(tenant.lane, []).append(tenant.id)
+        self._lane_tenants = lanes
+        for engine in self.engines:
+            engine.queue.lift = False  # the store lifts, over every replica's backlog
+
+    # -- claims ------------------------------------------------------------------------
+
+    @staticmethod
+    def _claims(tenant: TenantState, engine: EngineSlots) -> list[SlotClaim]:
+        return [engine_slot(engine.url, engine.config.max_inflight),
+                running_slot(tenant.id, tenant.config.max_concurrency)]
+
+    def _may_dispatch(self, tenant_id: str) -> bool:
+        state = self._states.get(tenant_id)
+        if state is None or state.at_concurrency_limit():
+            return False
+        until = self._blocked.get(tenant_id)
+        return until is None or until <= self._clock()
+
+    def _refused(self, refusal: SlotRefusal, tenant: TenantState) -> bool:
+        """Note a refusal; True when it was the engine's (nobody else can go either)."""
+        if refusal.claim.key.startswith("running:"):
+            self._blocked[tenant.id] = self._clock() + SHARED_POLL_S
+            return False
+        return True
+
+    # -- waiting -----------------------------------------------------------------------
+
+    async def acquire(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+                      prompt_cost: float, estimate: float) -> Waiter:
+        """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
+        ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed)."""
+        waiter = SharedWaiter(tenant, engine, prompt_cost=prompt_cost, estimate=estimate)
+        self._states[tenant.id] = tenant
+        with anyio.fail_after(timeout_s):
+            if not len(engine.queue) and engine.has_room() and self._may_dispatch(tenant.id):
+                result = await self._call(self.store.acquire(self._claims(tenant, engine)))
+                if isinstance(result, StoreLease):
+                    # Through the queue's books as if popped: the prompt's charge on the
+                    # tenant's counter, the estimate in the lane's share.
+                    engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
+                    engine.queue.take(waiter)
+                    self._grant(waiter, result)
+                    return waiter
+                self._refused(result, tenant)
+            lane = tenant.config.lane
+            admitted = await self._call(self.store.admit(
+                tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane,
+                self._lane_tenants.get(lane, ())))
+            if isinstance(admitted, SlotRefusal):
+                raise QueueFull(admitted.held)
+            assert isinstance(admitted, Admission)
+            waiter.queued = admitted.queued
+            for other in self.engines:  # the store's lift, on every queue the tenant uses
+                other.queue.set_counters({tenant.id: admitted.counter})
+            engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
+            tenant.queued += 1
+            metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+            self._kick(engine)
+            try:
+                await waiter.future
+            except BaseException:
+                if waiter.granted:
+                    self.release(waiter)
+                else:
+                    self._remove(waiter)
+                raise
+        return waiter
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        """A store call that may grant a lease, shielded from the caller's cancellation: a
+        lease that arrives for a caller gone meanwhile is released at once."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._orphaned)
+            raise
+
+    def _orphaned(self, task: asyncio.Future[Any]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        result = task.result()
+        lease = result.queued if isinstance(result, Admission) else result
+        if isinstance(lease, StoreLease):
+            self._spawn(self._release_lease(lease))
+
+    def _grant(self, waiter: SharedWaiter, lease: StoreLease) -> None:
+        tenant, engine = waiter.tenant, waiter.engine
+        waiter.running = lease
+        waiter.granted = True
+        tenant.inflight += 1
+        engine.dispatched()
+        if waiter.prompt_cost:
+            self.store.charge(tenant.config.lane, tenant.id,
+                              waiter.prompt_cost / tenant.config.weight)
+        metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
+        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        if not waiter.future.done():
+            waiter.future.set_result(None)
+
+    def charge(self, waiter: Waiter, cost: float) -> None:
+        """Service received: on this replica's queue now, on the shared counter with the
+        store's next flush (no round trip per token)."""
+        super().charge(waiter, cost)
+        tenant = waiter.tenant
+        self.store.charge(tenant.config.lane, tenant.id, cost / tenant.config.weight)
+
+    def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give the slots back (idempotent): the store's leases in the background, with
+        ``settle``'s reservation settled in the same call; then this replica's waiters get
+        their turn. True: ``settle`` was taken."""
+        if not waiter.granted or waiter.released:
+            return False
+        waiter.released = True
+        engine, tenant = waiter.engine, waiter.tenant
+        engine.inflight -= 1
+        tenant.inflight -= 1
+        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
+        assert isinstance(waiter, SharedWaiter) and waiter.running is not None
+        self._spawn(self._give_back(waiter.running, tenant.id, settle))
+        return settle is not None
+
+    async def _give_back(self, lease: StoreLease, tenant_id: str,
+                         settle: tuple[Reservation, float] | None) -> None:
+        # The waiters are woken after the store has the slots back, or they would be
+        # refused the slots this request still holds there and wait for the next poll.
+        try:
+            if settle is None:
+                await self.store.release(lease)
+            else:  # one script for both (a failure leaves the reservation charged)
+                await self.store.finish(lease, *settle)
+        except StateUnavailable:
+            pass  # the lease expires with its lease time
+        self._blocked.pop(tenant_id, None)
+        for engine in self.engines:
+            if len(engine.queue):
+                self._kick(engine)
+
+    async def _release_lease(self, lease: StoreLease) -> None:
+        try:
+            await self.store.release(lease)
+        except StateUnavailable:
+            pass  # it expires with its lease time
+
+    def _remove(self, waiter: Waiter) -> None:
+        super()._remove(waiter)
+        assert isinstance(waiter, SharedWaiter)
+        if waiter.queued is not None and not waiter.queued.released:
+            self._spawn(self._release_lease(waiter.queued))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Stop polls and background rounds (the store's leases expire with its lease time
+        if their releases did not go out)."""
+        for handle in self._polls.values():
+            handle.cancel()
+        self._polls.clear()
+        # Releases and settlements under way finish (each is bounded by the store's
+        # timeout); what is still running after a second is cancelled.
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=1.0)
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def _pump(self, engine: EngineSlots) -> None:
+        self._kick(engine)
+
+    def _kick(self, engine: EngineSlots) -> None:
+        """Run a dispatch round for ``engine`` (one at a time; a kick during a round asks
+        for another)."""
+        if engine in self._pumping:
+            self._again.add(engine)
+            return
+        self._pumping.add(engine)
+        self._spawn(self._rounds(engine))
+
+    async def _rounds(self, engine: EngineSlots) -> None:
+        try:
+            while True:
+                self._again.discard(engine)
+                await self._round(engine)
+                if engine not in self._again:
+                    break
+        except Exception:
+            logger.exception("dispatch round for %s failed", engine.url)
+        finally:
+            self._pumping.discard(engine)
+        if len(engine.queue) and engine.inflight < engine.config.max_inflight \
+                and engine.saturated():
+            engine.held.set()  # ask for a fresh reading, as the in-process pump does
+        if len(engine.queue) and engine.has_room() and engine not in self._polls:
+            # Requests wait while this replica has room: the store refused (other replicas
+            # hold the slots) or a tenant is blocked. Ask again after the poll interval.
+            self._polls[engine] = asyncio.get_running_loop().call_later(
+                SHARED_POLL_S, self._poll, engine)
+
+    def _poll(self, engine: EngineSlots) -> None:
+        self._polls.pop(engine, None)
+        self._kick(engine)
+
+    async def _round(self, engine: EngineSlots) -> None:
+        """Dispatch the fair queue's choices while the store grants their slots."""
+        while engine.has_room():
+            if self._clock() - self._counters_at >= COUNTER_REFRESH_S:
+                await self._refresh_counters()
+            waiter = engine.queue.peek(self._may_dispatch)
+            if waiter is None:
+                break
+            assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
+            tenant = waiter.tenant
+            try:
+                result = await self.store.dispatch(self._claims(tenant, engine), waiter.queued,
+                                                   tenant.config.lane, waiter.estimate)
+            except StateUnavailable as exc:
+                # on_state_failure: closed: this request cannot get its slots; 503.
+                if engine.queue.remove(waiter):
+                    tenant.queued -= 1
+                    metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+                    self._spawn(self._release_lease(waiter.queued))
+                    waiter.future.set_exception(exc)
+                continue
+            if isinstance(result, SlotRefusal):
+                if self._refused(result, tenant):
+                    break
+                continue
+            if not engine.queue.take(waiter):  # it left (timeout, client gone) meanwhile
+                self._spawn(self._release_lease(result))
+                continue
+            tenant.queued -= 1
+            metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+            self._grant(waiter, result)
+
+    async def _refresh_counters(self) -> None:
+        """Adopt the shared counters of the tenants waiting here: one read per lane where
+        two or more tenants wait (with one there is no choice to make)."""
+        self._counters_at = self._clock()
+        waiting: dict[str, list[str]] = {}
+        for tenant_id, state in self._states.items():
+            if state.queued:
+                waiting.setdefault(state.config.lane, []).append(tenant_id)
+        for lane, tenants in waiting.items():
+            if len(tenants) < 2:
+                continue
+            try:
+                values = await self.store.counters(lane, tenants)
+            except StateUnavailable:
+                return  # decide on the local counters until the store answers
+            for engine in self.engines:
+                engine.queue.set_counters(values)
+
+
+def make_dispatcher(config: GatewayConfig, clock: Callable[[], float],
+                    store: StateStore | None) -> Dispatcher:
+    """The in-process dispatcher for one replica, the shared one with a shared store."""
+    return Dispatcher(config, clock) if store is None else SharedDispatcher(config, clock, store)
