@@ -166,9 +166,11 @@ def test_open_admits_under_fallback_budgets_while_redis_is_down(
             post(gw)  # the next call after the probe interval finds Redis again
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        # Shared again: Redis's budget saw none of the fallback's requests.
+        # Shared again: Redis's budget saw none of the fallback's requests, and this one is
+        # decided there, not in the fallback (whose budget the loop above kept exhausted).
+        fallbacks = gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve")
         assert post(gw).status_code == 200
-        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") <= 10
+        assert gw.metric("tokenpace_gateway_state_fallbacks_total", operation="reserve") == fallbacks
     finally:
         gw.stop()
 
