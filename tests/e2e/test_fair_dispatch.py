@@ -24,9 +24,8 @@ import pytest
 
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
 from tests.e2e._timing import expect
-from tests.gateway.conftest import GatewayProcess
+from tests.gateway.conftest import GatewayProcess, pinned_engine
 from tokenpace.bench._load import percentile, stream_completion
-from tokenpace.gateway._dispatch import _score
 
 pytestmark = pytest.mark.vllm
 
@@ -36,7 +35,7 @@ SAMPLES = 50
 
 
 def pinned(tenant: str, urls: list[str]) -> str:
-    return max(urls, key=lambda url: _score(url, tenant))
+    return urls[pinned_engine(urls, tenant)]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import yaml
 
 from tests._servers import Server, free_port
 from tests.gateway._engine import EngineServer
+from tokenpace.gateway import parse_config
+from tokenpace.gateway._dispatch import Dispatcher
 from tokenpace.gateway._ledger import UsageRecord, open_ledger
 
 KEY_A = "sk-team-a"
@@ -34,6 +36,16 @@ def base_config(engine_url: str, ledger: Path, **tenant_a: Any) -> dict[str, Any
             {"id": "team-b", "api_keys": [KEY_B], "lane": "batch"},
         ],
     }
+
+
+def pinned_engine(urls: list[str], tenant: str) -> int:
+    """The index in ``urls`` of the engine a gateway in front of ``urls`` pins ``tenant``
+    to (all healthy), asked of the gateway's own router: tests pick tenant names per engine
+    before the gateway starts, without a copy of its hash."""
+    config = parse_config({"engines": urls, "tenants": [{"id": tenant, "api_keys": ["sk-x"]}],
+                           "ledger": "sqlite:///unused.db"})
+    dispatcher = Dispatcher(config, time.monotonic)
+    return dispatcher.engines.index(dispatcher.engine_for(tenant))
 
 
 class GatewayProcess:

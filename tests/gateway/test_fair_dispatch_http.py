@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from tests.gateway._engine import EngineServer
-from tests.gateway.conftest import GatewayProcess
-from tokenpace.gateway._dispatch import _score
+from tests.gateway.conftest import GatewayProcess, pinned_engine
 
 
 def config(urls: list[str], ledger: Path, **extra: Any) -> dict[str, Any]:
@@ -144,7 +143,7 @@ def test_tenants_stay_pinned_and_repin_after_the_drain_period(make_gateway: Any,
         urls = [e.url for e in engines]
         cfg = config(urls, tmp_path / "u.db", repin_after="2s")
         gw = make_gateway(cfg)
-        pinned = {t: max(range(2), key=lambda i: _score(urls[i], t)) for t in ("hog", "polite", "vip")}
+        pinned = {t: pinned_engine(urls, t) for t in ("hog", "polite", "vip")}
         for _ in range(3):
             for tenant in pinned:
                 send(gw, f"sk-{tenant}", "hi", tokens=2).join()

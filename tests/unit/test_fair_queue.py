@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit._fair_simulation import SimTenant, always_backlogged, on_off, simulate
 from tokenpace.fairness import CostModel, FairQueue, LaneSpec
-from tokenpace.fairness._simulation import SimTenant, always_backlogged, on_off, simulate
 
 COST = CostModel(prompt=1.0, completion=2.0)
 BATCH, PROMPT, OUTPUT = 8, 64, 32

@@ -1,6 +1,7 @@
 """Per-tenant caches on the request path (issue 13): bound Prometheus children and the
 rendezvous ranking. Each must give what the uncached call gave, and forget a tenant that a
-reload removed."""
+reload removed. Routing itself is checked by what rendezvous hashing promises, through
+``Dispatcher.engine_for``, not by recomputing the gateway's hash."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from tokenpace.gateway import _metrics as metrics
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher, _score
+from tokenpace.gateway._dispatch import Dispatcher
 
 
 def series(name: str, tenant: str) -> list[float]:
@@ -32,23 +33,39 @@ def test_a_bound_child_is_reused_and_a_removed_tenant_gets_a_live_one_back() -> 
     metrics.forget_tenant("gone-tenant")
 
 
-def config(repin: str | None = None) -> Any:
+TENANTS = [f"t{i}" for i in range(20)]
+
+
+def config(repin: str | None = None, ports: tuple[int, ...] = (1, 2, 3, 4)) -> Any:
     extra = {"repin_after": repin} if repin else {}
     return parse_config({
-        "engines": [f"http://127.0.0.1:{p}" for p in (1, 2, 3, 4)],
-        "tenants": [{"id": f"t{i}", "api_keys": [f"k{i}"]} for i in range(20)],
+        "engines": [f"http://127.0.0.1:{p}" for p in ports],
+        "tenants": [{"id": t, "api_keys": [f"k-{t}"]} for t in TENANTS],
         "ledger": "sqlite:///unused.db", **extra,
     })
 
 
-def test_cached_routing_is_the_rendezvous_choice_and_follows_health() -> None:
+def routes(dispatcher: Dispatcher) -> dict[str, str]:
+    return {t: dispatcher.engine_for(t).url for t in TENANTS}
+
+
+def test_routing_is_rendezvous_hashing() -> None:
+    """What rendezvous hashing promises: the tenants spread over the engines, and an added
+    engine takes tenants from the others without moving any between the old ones."""
+    before = routes(Dispatcher(config(), lambda: 0.0))
+    assert len(set(before.values())) == 4
+    after = routes(Dispatcher(config(ports=(1, 2, 3, 4, 5)), lambda: 0.0))
+    moved = {t for t in TENANTS if after[t] != before[t]}
+    assert moved and all(after[t] == "http://127.0.0.1:5" for t in moved)
+
+
+def test_cached_routing_is_the_uncached_choice_and_follows_health() -> None:
     now = [0.0]
     dispatcher = Dispatcher(config("10s"), lambda: now[0])
-    for i in range(20):
-        tenant = f"t{i}"
-        best = max(dispatcher.engines, key=lambda e: _score(e.url, tenant))
-        assert dispatcher.engine_for(tenant) is best
-        assert dispatcher.engine_for(tenant) is best  # from the cache
+    cached = routes(dispatcher)
+    assert routes(dispatcher) == cached  # from the cache, every tenant's ranking filled
+    for tenant in TENANTS:  # a new dispatcher's first answer is computed, not cached
+        assert cached[tenant] == Dispatcher(config("10s"), lambda: now[0]).engine_for(tenant).url
     tenant = "t0"
     pinned = dispatcher.engine_for(tenant)
     dispatcher.set_health(pinned, False)

@@ -10,6 +10,7 @@ deploy/ read them by name, and tests/monitoring fails when a name they use is go
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from typing import Any
 
 from prometheus_client import (
@@ -179,27 +180,30 @@ def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
 
 def forget_tenant(tenant: str) -> None:
     """Drop every series of a tenant that a reload removed, so labels stay bounded."""
-    for key in [k for k in _CHILDREN if k[1][_LABELS[k[0]].index("tenant")] == tenant]:
-        del _CHILDREN[key]  # a removed series' child no longer exports: never reuse it
     for metric, names in _LABELS.items():
-        seen = set()
-        for family in metric.collect():
-            for sample in family.samples:
-                if sample.labels.get("tenant") == tenant:
-                    seen.add(tuple(sample.labels[n] for n in names))
-        for values in seen:
-            try:
+        for values in _series_of(metric, names, tenant):
+            _CHILDREN.pop((metric, values), None)  # a removed series' child no longer exports
+            with suppress(KeyError):
                 metric.remove(*values)
-            except KeyError:
-                pass
+
+
+def _series_of(metric: Counter | Gauge | Histogram, names: tuple[str, ...],
+               tenant: str) -> set[tuple[str, ...]]:
+    """The label values of ``tenant``'s series of ``metric``: those it exports and those
+    bound in the child cache (the same ones, unless a series was removed elsewhere)."""
+    at = names.index("tenant")
+    found = {values for m, values in _CHILDREN if m is metric and values[at] == tenant}
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.labels.get("tenant") == tenant:
+                found.add(tuple(sample.labels[n] for n in names))
+    return found
 
 
 def publish_output_rate(tenant: str, rate: float | None) -> None:
     """Set (or, without a rate, remove) a tenant's configured-rate series."""
     if rate is None:
-        try:
+        with suppress(KeyError):
             OUTPUT_RATE.remove(tenant)
-        except KeyError:
-            pass
     else:
         OUTPUT_RATE.labels(tenant).set(rate)

@@ -5,6 +5,7 @@ token, and a request leaves when it has generated its output. Waiting requests a
 dispatched by a ``FairQueue`` whenever a batch slot is free, and service is metered as the
 VTC paper does: ``cost.prompt x prompt`` at dispatch, ``cost.completion`` per generated
 token. Tests reproduce the paper's cases with it; ``fair=False`` is the FCFS baseline.
+It lives with the tests because nothing in the product runs it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._cost import CostModel
-from ._vtc import FairQueue, LaneSpec
+from tokenpace.fairness import CostModel, FairQueue, LaneSpec
 
 # step -> requests arriving at that step, as (prompt_tokens, output_tokens)
 Arrivals = Callable[[int], Sequence[tuple[int, int]]]

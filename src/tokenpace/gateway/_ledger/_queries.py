@@ -1,0 +1,65 @@
+"""The ledger's reads: saved budget levels at start-up, rows, and the totals of
+``tokenpace usage``.
+
+Each takes the ledger's locked ``query`` function and the driver's placeholder rather than
+a connection, so that every read goes through the one lock the writer thread also takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._records import BudgetState, UsageRecord, UsageTotal
+from ._schema import RECORD_COLUMNS, record_from_row
+
+Query = Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]
+"""Runs one SELECT with its parameters and returns every row."""
+
+_GROUP_COLUMNS = ("tenant", "model", "lane")
+
+
+def load_budgets(query: Query) -> list[BudgetState]:
+    """The budget levels saved by the last run."""
+    saved = query("SELECT tenant, budget, level, at FROM budgets ORDER BY tenant, budget", ())
+    return [BudgetState(str(t), str(b), float(lv), float(at)) for t, b, lv, at in saved]
+
+
+def rows(query: Query, placeholder: str, since: float | None) -> list[UsageRecord]:
+    """Rows that ended at or after ``since`` (unix seconds), oldest first."""
+    where, params = _since(placeholder, since)
+    selected = query(
+        f"SELECT {', '.join(RECORD_COLUMNS)} FROM requests{where} "
+        "ORDER BY ended_at, started_at, request_id",
+        params,
+    )
+    return [record_from_row(r) for r in selected]
+
+
+def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[UsageTotal]:
+    """Totals per tenant, model or lane (``by``) for rows that ended at or after ``since``,
+    ordered by key."""
+    if by not in _GROUP_COLUMNS:
+        raise ValueError(f"by must be one of {', '.join(_GROUP_COLUMNS)}, got {by!r}")
+    where, params = _since(placeholder, since)
+    # substr rather than LIKE 'rejected:%': a literal % would need escaping for psycopg.
+    selected = query(
+        f"SELECT {by}, COUNT(*), SUM(CASE WHEN served = 1 THEN prompt_tokens ELSE 0 END), "
+        "SUM(completion_tokens), SUM(cost), "
+        "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END), "
+        "SUM(CASE WHEN served = 1 THEN 0 ELSE prompt_tokens END) "
+        f"FROM requests{where} GROUP BY {by} ORDER BY {by}",
+        params,
+    )
+    # Postgres returns SUM over BIGINT as numeric (Decimal): normalise the types.
+    return [
+        UsageTotal(str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0),
+                   int(unserved or 0))
+        for k, n, p, c, cost, rej, unserved in selected
+    ]
+
+
+def _since(placeholder: str, since: float | None) -> tuple[str, tuple[Any, ...]]:
+    if since is None:
+        return "", ()
+    return f" WHERE ended_at >= {placeholder}", (float(since),)

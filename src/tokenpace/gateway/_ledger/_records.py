@@ -1,0 +1,63 @@
+"""The values the ledger stores and returns, and its one error.
+
+The URL parser, the schema, both databases, the writer and the queries all use them; kept
+in a module of their own, none of those has to import another for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LedgerError(RuntimeError):
+    """The ledger URL is malformed, or its database cannot be opened, created or written."""
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """What one request used and how long it took; one row of the ``requests`` table."""
+
+    request_id: str
+    tenant: str
+    model: str
+    lane: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+    queue_ms: float | None
+    ttft_ms: float | None
+    e2e_ms: float
+    finish_reason: str
+    started_at: float
+    ended_at: float
+    # Whether the request reached the engine and is charged: the same rule as the
+    # gateway's token metrics. A refused request, or one cancelled while queued, keeps
+    # its counted prompt size in ``prompt_tokens`` but is not served.
+    served: bool = True
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """A tenant's bucket level for one budget (e.g. ``"20000/10s"``) at unix time ``at``."""
+
+    tenant: str
+    budget: str
+    level: float
+    at: float
+
+
+@dataclass(frozen=True)
+class UsageTotal:
+    """Totals for one tenant, model or lane. ``requests`` counts every row, rejected ones
+    included; ``rejected`` counts the rows whose finish reason starts with ``rejected:``.
+    ``prompt_tokens`` are those of served requests only (what the gateway's
+    ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens`` those
+    counted for requests that never ran (refused, cancelled while queued, engine error)."""
+
+    key: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+    rejected: int
+    unserved_prompt_tokens: int = 0

@@ -1,0 +1,140 @@
+"""The ledger's tables, for SQLite and Postgres alike, and the one column order of a row.
+
+Both databases get the same DDL, migrations and statements; only column type names,
+placeholders and the two migration statements that need dialect features differ, and each
+backend passes those in. So the two ledgers cannot drift apart, and a row is laid out (for
+writing) and read back (for queries) in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._records import UsageRecord
+
+RECORD_COLUMNS = (
+    "request_id",
+    "tenant",
+    "model",
+    "lane",
+    "prompt_tokens",
+    "completion_tokens",
+    "cost",
+    "queue_ms",
+    "ttft_ms",
+    "e2e_ms",
+    "finish_reason",
+    "started_at",
+    "ended_at",
+    "served",
+)
+
+
+def schema(text: str, integer: str, real: str) -> list[str]:
+    """DDL for both databases; only the column type names differ."""
+    return [
+        f"""CREATE TABLE IF NOT EXISTS requests (
+            request_id {text} NOT NULL,
+            tenant {text} NOT NULL,
+            model {text} NOT NULL,
+            lane {text} NOT NULL,
+            prompt_tokens {integer} NOT NULL,
+            completion_tokens {integer} NOT NULL,
+            cost {real} NOT NULL,
+            queue_ms {real},
+            ttft_ms {real},
+            e2e_ms {real} NOT NULL,
+            finish_reason {text} NOT NULL,
+            started_at {real} NOT NULL,
+            ended_at {real} NOT NULL,
+            served {integer} NOT NULL DEFAULT 1
+        )""",
+        "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
+        "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
+        f"""CREATE TABLE IF NOT EXISTS budgets (
+            tenant {text} NOT NULL,
+            budget {text} NOT NULL,
+            level {real} NOT NULL,
+            at {real} NOT NULL,
+            PRIMARY KEY (tenant, budget)
+        )""",
+    ]
+
+
+_UNIQUE_ID_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS requests_request_id ON requests (request_id)"
+# Rows of ledgers written before ``served`` existed: a refusal, or a row that was charged
+# nothing at all, was not served (the best the old columns can tell).
+_BACKFILL_SERVED = (
+    "UPDATE requests SET served = 0 WHERE substr(finish_reason, 1, 9) = 'rejected:' "
+    "OR (cost = 0 AND completion_tokens = 0)"
+)
+
+
+def migrations(has_served: bool, dedupe: str, add_served: str) -> list[str]:
+    """Statements that bring a ledger of an older version up to this schema.
+
+    ``requests.request_id`` became unique, so that a batch written again after its commit
+    was lost in transit (the connection dropped before the acknowledgement) adds nothing;
+    older ledgers may already hold such duplicates, which are removed first.
+    """
+    out = [] if has_served else [add_served, _BACKFILL_SERVED]
+    return out + [dedupe, _UNIQUE_ID_INDEX]
+
+
+def insert_sql(placeholder: str) -> str:
+    """Idempotent on the request id: writing a row again is a no-op."""
+    marks = ", ".join([placeholder] * len(RECORD_COLUMNS))
+    return (f"INSERT INTO requests ({', '.join(RECORD_COLUMNS)}) VALUES ({marks}) "
+            "ON CONFLICT (request_id) DO NOTHING")
+
+
+def upsert_sql(placeholder: str) -> str:
+    """One row per (tenant, budget): only the latest level is kept."""
+    p = placeholder
+    return (
+        f"INSERT INTO budgets (tenant, budget, level, at) VALUES ({p}, {p}, {p}, {p}) "
+        "ON CONFLICT (tenant, budget) DO UPDATE SET level = excluded.level, at = excluded.at"
+    )
+
+
+def record_row(rec: UsageRecord) -> tuple[Any, ...]:
+    """``rec`` as a ``requests`` row in :data:`RECORD_COLUMNS` order, in the types the
+    columns hold whatever numeric types the caller passed (``served`` as 0/1: Postgres
+    does not cast a boolean to BIGINT)."""
+    return (
+        rec.request_id,
+        rec.tenant,
+        rec.model,
+        rec.lane,
+        int(rec.prompt_tokens),
+        int(rec.completion_tokens),
+        float(rec.cost),
+        None if rec.queue_ms is None else float(rec.queue_ms),
+        None if rec.ttft_ms is None else float(rec.ttft_ms),
+        float(rec.e2e_ms),
+        rec.finish_reason,
+        float(rec.started_at),
+        float(rec.ended_at),
+        int(bool(rec.served)),
+    )
+
+
+def record_from_row(r: tuple[Any, ...]) -> UsageRecord:
+    """The inverse of :func:`record_row`, for a row selected in :data:`RECORD_COLUMNS`
+    order (``served`` comes back as 0/1)."""
+    return UsageRecord(
+        request_id=r[0],
+        tenant=r[1],
+        model=r[2],
+        lane=r[3],
+        prompt_tokens=int(r[4]),
+        completion_tokens=int(r[5]),
+        cost=float(r[6]),
+        queue_ms=None if r[7] is None else float(r[7]),
+        ttft_ms=None if r[8] is None else float(r[8]),
+        e2e_ms=float(r[9]),
+        finish_reason=r[10],
+        started_at=float(r[11]),
+        ended_at=float(r[12]),
+        served=bool(r[13]),
+    )
