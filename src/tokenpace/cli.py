@@ -123,8 +123,11 @@ def _cmd_bench_fairness(args: argparse.Namespace) -> int:
         args.max_inflight = 4
     if args.window > args.duration:
         raise SystemExit("tokenpace bench fairness: error: --window must not exceed --duration")
+    if len(set(args.replicas)) > 8:
+        raise SystemExit("tokenpace bench fairness: error: --replicas takes at most 8 counts")
     result = fairness.run(_bench_model(args), args.duration, args.period, args.window,
-                          args.max_inflight, args.calibration, args.seed)
+                          args.max_inflight, args.calibration, args.seed,
+                          replicas=args.replicas)
     return _bench_outputs(args, fairness, result)
 
 
@@ -270,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the VTC paper's workloads through the gateway: FCFS against VTC",
         description="Two tenants per workload (overloaded at request rates 1:2; a flood "
         "beside an on/off tenant; short against long requests) through two gateways that "
-        "differ only in dispatch_order (fcfs, vtc), in front of one engine.",
+        "differ only in dispatch_order (fcfs, vtc), in front of one engine; with --replicas "
+        "each gateway also runs as N replicas sharing a redis-server.",
     )
     _bench_common(fair)
     fair.add_argument("--duration", type=_positive_float, default=90.0,
@@ -284,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     fair.add_argument("--calibration", type=_positive_float, default=15.0,
                       help="seconds of the capacity measurement (default 15)")
     fair.add_argument("--seed", type=int, default=1, help="seed of the arrival times")
+    fair.add_argument("--replicas", type=_int_list, default=[1], metavar="N[,N...]",
+                      help="run each policy's gateway as N replicas sharing a redis-server "
+                      "started for the run, the requests spread round robin; several counts "
+                      "(e.g. 1,2) each run every workload (default 1: one in-process gateway)")
     fair.set_defaults(func=_cmd_bench_fairness)
 
     stb = bench_sub.add_parser(

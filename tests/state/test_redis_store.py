@@ -338,6 +338,43 @@ def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
     run(body)
 
 
+def test_lane_costs_batched_and_read_with_the_counters(redis_server: RedisServer) -> None:
+    """An uncontended dispatch's cost goes out with the next flush (its own replica counts
+    it at once); one ``read_fairness`` returns the counters and every replica's lane costs,
+    also after Redis lost its script cache (a restart); seconds older than the window drop
+    out (Redis's own clock, whole seconds: a 2 s window holds the current and the previous
+    second, and the older writes are 2.2 s old)."""
+    async def body() -> None:
+        one, two = (RedisStore(redis_server.url, timeout_s=SLACK_S) for _ in range(2))
+        try:
+            one.count_dispatch("batch@e1", 40.0)
+            one.count_dispatch("batch@e1", 60.0)
+            one.charge("batch", "a", 5.0)
+            assert await one.lane_costs(["batch@e1"], 30.0) == {"batch@e1": 100.0}
+            assert await two.lane_costs(["batch@e1"], 30.0) == {"batch@e1": 0.0}
+            await one.flush()
+            await two.record_dispatch("interactive@e1", 300.0)
+            await two._redis.script_flush()  # as after a restart: the pipeline's EVALSHA fails
+            view = await two.read_fairness({"batch": ["a", "b"]},
+                                           ["batch@e1", "interactive@e1", "batch@e2"], 30.0)
+            assert view.counters == {"batch": {"a": 5.0, "b": 0.0}}
+            assert view.lane_costs == {"batch@e1": 100.0, "interactive@e1": 300.0,
+                                       "batch@e2": 0.0}
+            await two._redis.script_flush()
+            one.count_dispatch("batch@e1", 1.0)
+            await one.flush()  # the flush's script runs again on its own: nothing lost
+            await asyncio.sleep(2.2)
+            one.count_dispatch("batch@e1", 7.0)
+            await one.flush()
+            assert (await two.lane_costs(["batch@e1"], 2.0)) == {"batch@e1": 7.0}
+            assert (await one.read_fairness({}, [], 30.0)).lane_costs is None
+        finally:
+            await one.close()
+            await two.close()
+
+    run(body)
+
+
 @pytest.mark.parametrize("kind", ["redis", "memory"])
 def test_stage_calls_admit_dispatch_finish(redis_server: RedisServer, kind: str) -> None:
     """The three per-request calls (one script each with Redis) decide the same on both

@@ -122,6 +122,39 @@ def test_remove_and_queued_cost() -> None:
     assert queue.pop() == "a2"
 
 
+def test_adopted_lane_costs_decide_the_lane_and_own_dispatches_add_to_them() -> None:
+    """Replicas hand in every replica's lane costs (set_lane_costs): the lane choice goes by
+    them plus this queue's dispatches since, and by its own window again after None."""
+    lanes = [LaneSpec("interactive", 0, 0.0), LaneSpec("batch", 10, 0.25)]
+    queue: FairQueue[str] = FairQueue(lanes, clock=lambda: 0.0)
+    queue.set_tenant("i", "interactive", 1.0)
+    queue.set_tenant("b", "batch", 1.0)
+    queue.push("b0", "b", 1, 100)
+    assert not queue.shares_matter()  # one lane waiting: no choice between lanes
+    assert queue.pop() == "b0"  # own window: batch 100 of 100
+    for n in range(4):
+        queue.push(f"i{n}", "i", 1, 10)
+        queue.push(f"b{n + 1}", "b", 1, 10)
+    assert queue.shares_matter()
+    assert queue.pop() == "i0"  # batch 100 of 110 here: strict priority
+    queue.set_lane_costs({"interactive": 300.0, "batch": 90.0})  # everyone's: batch 0.23
+    assert queue.pop() == "b1"  # promoted
+    # 100 of 400 now, counting b1: not below 0.25 (on the adopted figures alone, 90 of
+    # 390 would promote batch again).
+    assert queue.pop() == "i1"
+    assert queue.lane_costs() == {"interactive": 20.0, "batch": 110.0}  # still its own
+    queue.set_lane_costs(None)
+    assert [queue.pop(), queue.pop()] == ["i2", "i3"]  # own window: batch 110 of 130
+    # A lower lane without a min_share never needs the shares.
+    plain = FairQueue[str]([LaneSpec("interactive", 0, 0.0), LaneSpec("batch", 10, 0.0)],
+                           clock=lambda: 0.0)
+    plain.set_tenant("i", "interactive", 1.0)
+    plain.set_tenant("b", "batch", 1.0)
+    plain.push("i0", "i", 1, 10)
+    plain.push("b0", "b", 1, 10)
+    assert not plain.shares_matter()
+
+
 def test_peek_then_take_dispatches_as_pop_does() -> None:
     """A dispatcher that asks a shared store first peeks, then takes once it may: the same
     choice and the same accounting as pop; an item removed meanwhile is not taken."""

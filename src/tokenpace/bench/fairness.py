@@ -14,6 +14,14 @@ arrivals from a fixed seed, so both policies see the same requests at the same t
 - ``short_long``: equal request rates, one tenant with short requests, one with long
   ones (both above their share in cost units).
 
+With ``replicas`` (``--replicas 1,2``) each policy's gateway also runs as N replicas (N
+processes on their own ports) sharing a ``redis-server`` started for the run (``state:
+redis://...``, one database per policy and N, so that no run inherits another's counters);
+the load is spread over the replicas round robin, request by request, and the engine's
+``max_inflight`` is global. One replica is the in-process gateway (no ``state``). Each
+workload runs under every N and policy, so the shares of 1 and 2 replicas are measured in
+the same invocation.
+
 Capacity is measured first, through the gateway with ``max_inflight`` streams back to back,
 so the loads scale with the machine. Service is the gateway's cost (1 per prompt token, 2
 per output token), timed at the client (see ``_service``). Reported per policy and
@@ -28,6 +36,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ import httpx
 
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_completion
+from ._redis import start_redis, stop_redis
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ._service import Request, service_difference, service_windows
 
@@ -135,15 +145,23 @@ def _key(tenant_id: str) -> str:
 
 
 def _gateway_config(engine_url: str, policy: str, max_inflight: int, ledger: Path,
-                    tenant_ids: list[str]) -> str:
+                    tenant_ids: list[str], state: tuple[str, int] | None = None) -> str:
+    """``state``: (Redis URL, replicas) for a replica of a shared set, None in process."""
     tenants = "\n".join(
         f'  - {{id: "{t}", api_keys: ["{_key(t)}"], queue_timeout: 1h}}' for t in tenant_ids
     )
+    # A generous Redis timeout: this measures fairness, not outages. With the default
+    # 100 ms, the replicas' own event loops, hundreds of waiting requests each on a
+    # 2-core box beside the engine, let calls pass the deadline, and closed mode then
+    # answered 503 to every request for the next 0.5 s (most of a first run failed).
+    shared = "" if state is None else \
+        f'state: {{url: "{state[0]}", replicas: {state[1]}, timeout: 2s}}\n'
     return (
         f'engines: [{{url: "{engine_url}", max_inflight: {max_inflight}}}]\n'
         f"dispatch_order: {policy}\n"
         f"cost: {{prompt: {PROMPT_COST}, completion: {COMPLETION_COST}}}\n"
         f'ledger: "sqlite:///{ledger}"\n'
+        f"{shared}"
         f"tenants:\n{tenants}\n"
     )
 
@@ -193,21 +211,23 @@ class _Clients:
             await pool.aclose()
 
 
-async def _open_loop(url: str, plan: list[Planned],
+async def _open_loop(urls: list[str], plan: list[Planned],
                      duration: float) -> tuple[float, list[Sent], list[str]]:
-    """Send ``plan`` on time; at ``duration`` cancel what is still running or waiting (the
+    """Send ``plan`` on time, request by request to the next of ``urls`` (the replicas of
+    one gateway, round robin); at ``duration`` cancel what is still running or waiting (the
     gateway drops queued requests and aborts the engine's)."""
     sent: list[Sent] = []
     errors: list[str] = []
     tasks: list[asyncio.Task[None]] = []
     async with _Clients() as clients:
         t0 = time.monotonic()
-        for item in plan:
+        for n, item in enumerate(plan):
             delay = t0 + item.at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             record = StreamRecord(user=item.tenant_id, start=time.monotonic())
             sent.append((item, record))
+            url = urls[n % len(urls)]
             tasks.append(asyncio.create_task(_one(clients.pick(), url, item, record, errors)))
         await asyncio.sleep(max(0.0, t0 + duration - time.monotonic()))
         for task in tasks:
@@ -216,14 +236,15 @@ async def _open_loop(url: str, plan: list[Planned],
     return t0, sent, errors
 
 
-async def _closed_loop(url: str, tenant_id: str, streams: int, shape: Shape,
+async def _closed_loop(urls: list[str], tenant_id: str, streams: int, shape: Shape,
                        duration: float) -> tuple[float, list[Sent]]:
-    """``streams`` workers sending ``shape`` back to back for ``duration`` seconds."""
+    """``streams`` workers sending ``shape`` back to back for ``duration`` seconds (worker
+    k to ``urls[k % len(urls)]``)."""
     rng = random.Random(0)
     sent: list[Sent] = []
     errors: list[str] = []
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: httpx.AsyncClient, url: str) -> None:
         while True:
             item = Planned(0.0, tenant_id, *shape.draw(rng))
             record = StreamRecord(user=tenant_id, start=time.monotonic())
@@ -234,7 +255,8 @@ async def _closed_loop(url: str, tenant_id: str, streams: int, shape: Shape,
 
     async with _Clients() as clients:
         t0 = time.monotonic()
-        tasks = [asyncio.create_task(worker(clients.pick())) for _ in range(streams)]
+        tasks = [asyncio.create_task(worker(clients.pick(), urls[k % len(urls)]))
+                 for k in range(streams)]
         await asyncio.wait(tasks, timeout=duration)
         for task in tasks:
             task.cancel()
@@ -277,10 +299,10 @@ def _wait_idle(engine: Server, gateways: list[Server], timeout_s: float = 120.0)
     raise RuntimeError(f"engine or gateway still busy {timeout_s:.0f} s after a run was cancelled")
 
 
-def _calibrate(url: str, streams: int, duration: float) -> dict[str, float]:
+def _calibrate(urls: list[str], streams: int, duration: float) -> dict[str, float]:
     """Cost units per second the engine delivers through the gateway at ``streams`` in flight
     (the first third of the run, while the batch fills, is left out)."""
-    t0, sent = asyncio.run(_closed_loop(url, "calibration", streams, STANDARD, duration))
+    t0, sent = asyncio.run(_closed_loop(urls, "calibration", streams, STANDARD, duration))
     reqs = _requests(t0, sent)
     start = duration / 3
     window = service_windows(reqs, ["calibration"], start, duration, duration - start,
@@ -348,64 +370,123 @@ def _analyse(workload: Workload, t0: float, sent: list[Sent],
 
 def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: float = 5.0,
         max_inflight: int = 16, calibration_s: float = 15.0, seed: int = 1,
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, replicas: Sequence[int] = (1,)) -> dict[str, Any]:
+    """``replicas``: the replica counts to run each policy's gateway as (1: in process).
+    Each workload entry's ``policies`` holds the results of ``replicas[0]``, and with more
+    counts ``by_replicas`` those of the others (keyed by the count)."""
+    counts = list(dict.fromkeys(replicas))
+    if not counts or min(counts) < 1 or 2 * len(counts) > 16:
+        raise ValueError(f"replicas: 1 to 8 distinct positive counts, got {replicas!r}")
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fairness-"))
     chosen = workloads(period_s)
     tenant_ids = ["calibration"] + [_tenant_id(w.name, load.tenant) for w in chosen for load in w.loads]
+    redis, redis_url = None, ""  # first: a missing redis-server stops nothing else
+    if max(counts) > 1:
+        redis, redis_url = start_redis(home, "tokenpace bench fairness")
     engine_port = free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
                                          "--allow-unauthenticated-trusted-gateway",
                                          "--max-num-seqs", str(max(max_inflight, 16))),
                     engine_port, home / "engine.log")
-    gateways: dict[str, Server] = {}
-    for policy in POLICIES:
-        port = free_port()
-        config = home / f"gateway-{policy}.yaml"
-        config.write_text(_gateway_config(engine.base_url, policy, max_inflight,
-                                          home / f"usage-{policy}.db", tenant_ids))
-        gateways[policy] = Server(
-            [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
-             "--port", str(port), "--log-level", "warning"],
-            port, home / f"gateway-{policy}.log")
-    start_all([engine, *gateways.values()])
-    results: list[dict[str, Any]] = []
+    gateways: dict[tuple[int, str], list[Server]] = {}
     try:
-        calibration = _calibrate(gateways["vtc"].base_url, max_inflight, calibration_s)
-        print(f"capacity through the gateway at {max_inflight} in flight: "
-              f"{calibration['cost_per_s']:.0f} cost units/s "
-              f"({calibration['output_tokens_per_s']:.0f} output tok/s)", flush=True)
-        _wait_idle(engine, list(gateways.values()))
-        for i, workload in enumerate(chosen):
-            plan = _plan(workload, calibration["cost_per_s"], duration, seed + i)
-            entry: dict[str, Any] = {"name": workload.name, "title": workload.title,
-                                     "requests_sent": len(plan), "policies": {},
-                                     "loads": [_describe(load) for load in workload.loads]}
-            order = POLICIES if i % 2 == 0 else POLICIES[::-1]
-            for policy in order:
-                t0, sent, errors = asyncio.run(_open_loop(gateways[policy].base_url, plan, duration))
-                if len(errors) > 0.01 * len(plan):
-                    raise RuntimeError(f"{len(errors)} requests failed in {workload.name}/{policy}: "
-                                       + "; ".join(errors[:3]))
-                for error in errors:
-                    print(f"request failed ({workload.name}/{policy}): {error}", flush=True)
-                _wait_idle(engine, list(gateways.values()))
-                entry["policies"][policy] = _analyse(workload, t0, sent, duration, window_s)
-                entry["policies"][policy]["failed_requests"] = errors
-                _print(workload.name, policy, entry["policies"][policy])
-            results.append(entry)
+        for n in counts:
+            for policy in POLICIES:
+                state = None
+                if n > 1:  # a database of its own: no run sees another's counters or slots
+                    state = (f"{redis_url.rsplit('/', 1)[0]}/{len(gateways)}", n)
+                gateways[(n, policy)] = [
+                    _gateway(home, f"{policy}-{n}x{k}", engine.base_url, policy, max_inflight,
+                             tenant_ids, state)
+                    for k in range(n)]
+        everyone = [g for group in gateways.values() for g in group]
+        start_all([engine, *everyone])
+        results = _run_workloads(engine, gateways, counts, chosen, duration, window_s,
+                                 max_inflight, calibration_s, seed)
     finally:
-        for server in (*gateways.values(), engine):
+        for server in (*(g for group in gateways.values() for g in group), engine):
             server.stop()
+        if redis is not None:
+            stop_redis(redis)
+    calibration, rows = results
     return {
         "benchmark": "fairness",
         "parameters": {"duration_s": duration, "on_off_period_s": period_s, "window_s": window_s,
                        "max_inflight": max_inflight, "calibration_s": calibration_s,
                        "seed": seed, "cost": {"prompt": PROMPT_COST, "completion": COMPLETION_COST},
-                       "min_backlogged": 0.9},
+                       "min_backlogged": 0.9, "replicas": counts},
         "capacity": {k: round(v, 2) for k, v in calibration.items()},
-        "workloads": results,
+        "workloads": rows,
+        "replica_summary": _replica_summary(rows, counts),
         **environment(),
     }
+
+
+def _gateway(home: Path, name: str, engine_url: str, policy: str, max_inflight: int,
+             tenant_ids: list[str], state: tuple[str, int] | None) -> Server:
+    port = free_port()
+    config = home / f"gateway-{name}.yaml"
+    config.write_text(_gateway_config(engine_url, policy, max_inflight,
+                                      home / f"usage-{name}.db", tenant_ids, state))
+    return Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
+                   "--port", str(port), "--log-level", "warning"],
+                  port, home / f"gateway-{name}.log")
+
+
+def _run_workloads(engine: Server, gateways: dict[tuple[int, str], list[Server]],
+                   counts: list[int], chosen: list[Workload], duration: float, window_s: float,
+                   max_inflight: int, calibration_s: float,
+                   seed: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    everyone = [g for group in gateways.values() for g in group]
+    urls = {key: [g.base_url for g in group] for key, group in gateways.items()}
+    calibration = _calibrate(urls[(counts[0], "vtc")], max_inflight, calibration_s)
+    print(f"capacity through the gateway at {max_inflight} in flight: "
+          f"{calibration['cost_per_s']:.0f} cost units/s "
+          f"({calibration['output_tokens_per_s']:.0f} output tok/s)", flush=True)
+    _wait_idle(engine, everyone)
+    results: list[dict[str, Any]] = []
+    for i, workload in enumerate(chosen):
+        plan = _plan(workload, calibration["cost_per_s"], duration, seed + i)
+        entry: dict[str, Any] = {"name": workload.name, "title": workload.title,
+                                 "requests_sent": len(plan), "policies": {},
+                                 "loads": [_describe(load) for load in workload.loads]}
+        by_count: dict[int, dict[str, Any]] = {n: {} for n in counts}
+        # The order alternates between workloads, so that neither a policy nor a replica
+        # count always runs first (the machine drifts).
+        runs = [(n, policy) for n in counts for policy in POLICIES]
+        for n, policy in (runs if i % 2 == 0 else runs[::-1]):
+            label = policy if n == 1 else f"{policy} x{n}"
+            t0, sent, errors = asyncio.run(_open_loop(urls[(n, policy)], plan, duration))
+            if len(errors) > 0.01 * len(plan):
+                raise RuntimeError(f"{len(errors)} requests failed in {workload.name}/{label}: "
+                                   + "; ".join(errors[:3]))
+            for error in errors:
+                print(f"request failed ({workload.name}/{label}): {error}", flush=True)
+            _wait_idle(engine, everyone)
+            by_count[n][policy] = _analyse(workload, t0, sent, duration, window_s)
+            by_count[n][policy]["failed_requests"] = errors
+            _print(workload.name, label, by_count[n][policy])
+        entry["policies"] = {p: by_count[counts[0]][p] for p in POLICIES}
+        if len(counts) > 1:
+            entry["by_replicas"] = {str(n): {p: by_count[n][p] for p in POLICIES}
+                                    for n in counts[1:]}
+        results.append(entry)
+    return calibration, results
+
+
+def _replica_summary(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
+    """Per workload, replica count and policy: tenant a's share and the service gap."""
+    out = []
+    for row in rows:
+        for n in counts:
+            policies = row["policies"] if n == counts[0] else row["by_replicas"][str(n)]
+            for policy in POLICIES:
+                data = policies[policy]
+                out.append({"workload": row["name"], "replicas": n, "policy": policy,
+                            "share_a": data["tenants"]["a"]["service_share"],
+                            "gap_max_relative": data["difference"].get("max_relative"),
+                            "gap_mean_relative": data["difference"].get("mean_relative")})
+    return out
 
 
 def _describe(load: Load) -> dict[str, Any]:
@@ -432,6 +513,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rows = result["workloads"]
     fig, axes = plt.subplots(len(rows), 3, figsize=(14, 3.4 * len(rows)), squeeze=False)
     colours = {"a": "tab:blue", "b": "tab:orange"}
+    first = result["parameters"].get("replicas", [1])[0]  # the counts after it: JSON only
+    suffix = "" if first == 1 else f" x{first} replicas"
     for row, workload in zip(axes, rows):
         top = max(max(t["service_per_window"]) for p in workload["policies"].values()
                   for t in p["tenants"].values())
@@ -443,7 +526,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                         label=f"tenant {name}")
             _shade_on_phases(ax, workload["loads"], result["parameters"]["duration_s"])
             ax.set_ylim(0, top * 1.1)
-            ax.set_title(f"{workload['name']}: {policy.upper()}")
+            ax.set_title(f"{workload['name']}: {policy.upper()}{suffix}")
             ax.set_xlabel("time (s)")
             ax.set_ylabel("service (cost units/s)")
             ax.legend(loc="lower right", fontsize=8)

@@ -24,8 +24,6 @@ Budgets are not part of it (their reserve and settle are one script each, above)
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -45,6 +43,7 @@ from ..gateway._state import (
 )
 from ._environment import environment
 from ._load import percentile
+from ._redis import start_redis
 from .overhead import median_interval
 
 BUDGET = BudgetSpec(1e15, 86400)
@@ -89,27 +88,7 @@ async def _throughput(store: StateStore, requests: int, concurrency: int) -> tup
 
 
 def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("tokenpace bench state: error: redis-server is not installed "
-                         "(apt-get install redis-server), or pass --redis URL")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # The set-up docs/gateway.md recommends: an append-only file, fsync every second.
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home),
-                             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                             "--daemonize", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("tokenpace bench state: error: redis-server did not start")
+    return start_redis(home, "tokenpace bench state", ", or pass --redis URL")
 
 
 async def _dispatch_path(url: str | None, requests: int, concurrency: int,

@@ -20,6 +20,11 @@ the last tenant that left the backlog), so time spent idle banks no credit. Coun
 already divided by the weight, so a weight change applies to future service only (smooth).
 The queue is work-conserving: it never holds back an eligible request. Within a tenant it
 is first in, first out.
+
+Several gateway replicas each keep a queue of the requests that reached them; they share
+the counters (``set_counters``) and the lane costs (``set_lane_costs``) through a store,
+so that service and dispatches on every replica count. The queue itself knows nothing of
+the store: the dispatcher reads it and hands the values in.
 """
 
 from __future__ import annotations
@@ -80,6 +85,10 @@ class FairQueue(Generic[T]):
         self._last_left: dict[str, float] = {}
         self._window: deque[tuple[float, str, float]] = deque()
         self._window_cost: dict[str, float] = {}
+        # Lane costs measured elsewhere (set_lane_costs), and what this queue dispatched
+        # since they were handed in; None: the lane shares are this queue's own window.
+        self._adopted: dict[str, float] | None = None
+        self._since_adopted: dict[str, float] = {}
         self.set_lanes(lanes)
 
     # -- configuration ---------------------------------------------------------------
@@ -144,8 +153,7 @@ class FairQueue(Generic[T]):
         state.counter += entry.prompt_cost / state.weight
         if not state.queue:
             self._last_left[lane] = state.counter
-        self._window.append((now, lane, entry.estimate))
-        self._window_cost[lane] = self._window_cost.get(lane, 0.0) + entry.estimate
+        self._count(now, lane, entry.estimate)
         return entry.item
 
     def peek(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
@@ -174,9 +182,7 @@ class FairQueue(Generic[T]):
         state.counter += entry.prompt_cost / state.weight
         if not state.queue:
             self._last_left[state.lane] = state.counter
-        now = self._clock()
-        self._window.append((now, state.lane, entry.estimate))
-        self._window_cost[state.lane] = self._window_cost.get(state.lane, 0.0) + entry.estimate
+        self._count(self._clock(), state.lane, entry.estimate)
         return True
 
     def charge(self, tenant: str, cost: float) -> None:
@@ -196,6 +202,28 @@ class FairQueue(Generic[T]):
             state = self._tenants.get(tenant)
             if state is not None:
                 state.counter = value
+
+    def set_lane_costs(self, costs: Mapping[str, float] | None) -> None:
+        """Adopt each lane's cost dispatched within the window as measured elsewhere
+        (several gateway replicas count every replica's dispatches in a store), or with
+        None go back to this queue's own window.
+
+        Until the next call the lane choice uses these costs plus what this queue
+        dispatches meanwhile, so that several dispatches between two readings still move
+        the shares. Lanes missing from ``costs`` count 0. ``lane_costs`` keeps reporting
+        this queue's own window. O(lanes).
+        """
+        self._adopted = None if costs is None else dict(costs)
+        self._since_adopted = {}
+
+    def shares_matter(self) -> bool:
+        """Whether the next choice may depend on the lane shares: two or more lanes have
+        waiting requests and one below the first has a ``min_share``. Otherwise the
+        lane costs need not be fresh (a dispatcher reads shared ones only then).
+        O(tenants)."""
+        waiting = {s.lane for s in self._tenants.values() if s.queue}
+        ready = [lane for lane in self._lanes if lane.name in waiting]
+        return len(ready) >= 2 and any(lane.min_share > 0 for lane in ready[1:])
 
     # -- observation -----------------------------------------------------------------
 
@@ -239,6 +267,22 @@ class FairQueue(Generic[T]):
             return min(backlogged)
         return self._last_left.get(lane)
 
+    def _count(self, now: float, lane: str, estimate: float) -> None:
+        """A dispatch's estimate in the lane shares: own window and, with adopted costs,
+        on top of those."""
+        self._window.append((now, lane, estimate))
+        self._window_cost[lane] = self._window_cost.get(lane, 0.0) + estimate
+        if self._adopted is not None:
+            self._since_adopted[lane] = self._since_adopted.get(lane, 0.0) + estimate
+
+    def _share_costs(self) -> Mapping[str, float]:
+        """The lane costs the lane choice goes by (adopted plus dispatched since, or own)."""
+        if self._adopted is None:
+            return self._window_cost
+        since = self._since_adopted
+        return {lane: self._adopted.get(lane, 0.0) + since.get(lane, 0.0)
+                for lane in self._lane_names}
+
     def _trim(self, now: float) -> None:
         horizon = now - self.share_window_s
         while self._window and self._window[0][0] < horizon:
@@ -252,9 +296,10 @@ class FairQueue(Generic[T]):
         ready = [lane for lane in self._lanes if self._has_work(lane.name, eligible)]
         if not ready:
             return None
-        total = sum(self._window_cost.values())
+        costs = self._share_costs()
+        total = sum(costs.values())
         for lane in ready[1:]:  # the first ready lane needs no protection
-            if self._window_cost.get(lane.name, 0.0) < lane.min_share * total:
+            if costs.get(lane.name, 0.0) < lane.min_share * total:
                 return lane.name
         return ready[0].name
 

@@ -262,16 +262,21 @@ class Dispatcher:
             self._remove(waiter)
             raise QueueFull()
         metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+        with anyio.fail_after(timeout_s):
+            await self._wait(waiter)
+        return waiter
+
+    async def _wait(self, waiter: Waiter) -> None:
+        """Wait for ``waiter``'s grant. If the wait ends otherwise (timeout, cancellation),
+        give back the slot granted in the same instant, or leave the queue: nothing leaks."""
         try:
-            with anyio.fail_after(timeout_s):
-                await waiter.future
+            await waiter.future
         except BaseException:
             if waiter.granted:
                 self.release(waiter)
             else:
                 self._remove(waiter)
             raise
-        return waiter
 
     def lease(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
               prompt_cost: float, estimate: float) -> Lease:

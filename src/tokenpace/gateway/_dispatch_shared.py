@@ -24,10 +24,18 @@ How a request gets its slot (round trips to the store in brackets):
   Releases on other replicas are therefore seen within 25 ms (plus one round trip).
 
 Fairness: service (prompt cost at dispatch, output tokens as they stream) is charged to the
-local queue and to the store (batched: the store sends charges every 50 ms); before a
-dispatch the local queues adopt the store's counters of the tenants waiting here, at most
-every ``COUNTER_REFRESH_S`` (one read per lane with two or more waiting tenants). Lane
-shares (``min_share``) are measured per replica from its own dispatches.
+local queue and to the store (batched: the store sends charges every 50 ms). Every
+dispatch's estimate counts in the store's lane shares, per engine and lane: in the
+dispatch script for a request that waited, with the next 50 ms flush for one that went
+uncontended (only with two or more lanes configured). Before a dispatch choice the local
+queues adopt, in one pipeline [1] at most every ``COUNTER_REFRESH_S``, the store's counters
+of the tenants waiting here (lanes where two or more wait) and, for an engine where two
+lanes wait and the lower one has a ``min_share``, every replica's lane costs on that engine
+over ``lane_share_window``; between two reads a queue adds its own dispatches to what it
+adopted. So a lane starved on all replicas together is promoted on each, also where its
+share of that replica's own dispatches looks fine. With one lane, or one lane waiting,
+nothing more is read than the counters. If the store does not answer, each queue goes by
+its own counters and its own window until it does.
 
 Store calls that may return a slot are shielded from the request's cancellation: a lease
 granted to a request that was cancelled meanwhile is released as soon as it arrives.
@@ -59,6 +67,7 @@ from ._state import (
     StateStore,
     StateUnavailable,
     engine_slot,
+    lane_share_key,
     queued_slot,
     running_slot,
 )
@@ -74,8 +83,8 @@ SHARED_POLL_S = 0.025
 often it does: one dispatch round per engine per interval while requests wait)."""
 
 COUNTER_REFRESH_S = 0.05
-"""Longest age of the shared VTC counters a dispatch decision uses (the store's charge
-flush interval: fresher reads would see nothing new)."""
+"""Longest age of the shared VTC counters and lane costs a dispatch decision uses (the
+store's flush interval: fresher reads would see little new)."""
 
 
 @dataclass(eq=False)
@@ -95,6 +104,8 @@ class SharedDispatcher(Dispatcher):
                  store: StateStore) -> None:
         self.store = store
         self._lane_tenants: dict[str, list[str]] = {}
+        self._lane_names: list[str] = []
+        self._share_window_s = config.lane_share_window_s
         super().__init__(config, clock)
         self._blocked: dict[str, float] = {}  # tenant -> until when its global slots are full
         self._pumping: set[EngineSlots] = set()
@@ -102,6 +113,7 @@ class SharedDispatcher(Dispatcher):
         self._polls: dict[EngineSlots, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._counters_at = -math.inf
+        self._shares_at: dict[EngineSlots, float] = {}  # when each queue adopted shared costs
 
     def configure(self, config: GatewayConfig) -> None:
         super().configure(config)
@@ -109,6 +121,8 @@ class SharedDispatcher(Dispatcher):
         for tenant in config.tenants:
             lanes.setdefault(tenant.lane, []).append(tenant.id)
         self._lane_tenants = lanes
+        self._lane_names = [lane.name for lane in config.lanes]
+        self._share_window_s = config.lane_share_window_s
         for engine in self.engines:
             engine.queue.lift = False  # the store lifts, over every replica's backlog
 
@@ -146,9 +160,13 @@ class SharedDispatcher(Dispatcher):
                 result = await self._call(self.store.acquire(self._claims(tenant, engine)))
                 if isinstance(result, StoreLease):
                     # Through the queue's books as if popped: the prompt's charge on the
-                    # tenant's counter, the estimate in the lane's share.
+                    # tenant's counter, the estimate in the lane's share; in the store's
+                    # lane shares with its next flush (no round trip; one lane: no shares).
                     engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
                     engine.queue.take(waiter)
+                    if len(self._lane_names) > 1:
+                        self.store.count_dispatch(
+                            lane_share_key(engine.url, tenant.config.lane), estimate)
                     self._grant(waiter, result)
                     return waiter
                 self._refused(result, tenant)
@@ -166,14 +184,7 @@ class SharedDispatcher(Dispatcher):
             tenant.queued += 1
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             self._kick(engine)
-            try:
-                await waiter.future
-            except BaseException:
-                if waiter.granted:
-                    self.release(waiter)
-                else:
-                    self._remove(waiter)
-                raise
+            await self._wait(waiter)
         return waiter
 
     async def _call(self, call: Awaitable[T]) -> T:
@@ -320,16 +331,17 @@ class SharedDispatcher(Dispatcher):
     async def _round(self, engine: EngineSlots) -> None:
         """Dispatch the fair queue's choices while the store grants their slots."""
         while engine.has_room():
-            if self._clock() - self._counters_at >= COUNTER_REFRESH_S:
-                await self._refresh_counters()
+            if self._stale(engine):
+                await self._refresh()
             waiter = engine.queue.peek(self._may_dispatch)
             if waiter is None:
                 break
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
             tenant = waiter.tenant
             try:
-                result = await self.store.dispatch(self._claims(tenant, engine), waiter.queued,
-                                                   tenant.config.lane, waiter.estimate)
+                result = await self.store.dispatch(
+                    self._claims(tenant, engine), waiter.queued,
+                    lane_share_key(engine.url, tenant.config.lane), waiter.estimate)
             except StateUnavailable as exc:
                 # on_state_failure: closed: this request cannot get its slots; 503.
                 if engine.queue.remove(waiter):
@@ -349,23 +361,53 @@ class SharedDispatcher(Dispatcher):
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             self._grant(waiter, result)
 
-    async def _refresh_counters(self) -> None:
-        """Adopt the shared counters of the tenants waiting here: one read per lane where
-        two or more tenants wait (with one there is no choice to make)."""
-        self._counters_at = self._clock()
+    def _stale(self, engine: EngineSlots) -> bool:
+        """Whether the next choice for ``engine`` needs a fresher reading of the store:
+        the counters are older than ``COUNTER_REFRESH_S``, or the lane shares matter for
+        this queue and its adopted lane costs are that old (or there are none)."""
+        now = self._clock()
+        if now - self._counters_at >= COUNTER_REFRESH_S:
+            return True
+        return now - self._shares_at.get(engine, -math.inf) >= COUNTER_REFRESH_S \
+            and engine.queue.shares_matter()
+
+    async def _refresh(self) -> None:
+        """Adopt what every replica did, in one pipeline [1]: the shared counters of the
+        tenants waiting here (in each lane where two or more wait: with one there is no
+        choice), and, for each engine whose next choice may depend on the lane shares (two
+        lanes waiting, one below the first with a ``min_share``), every replica's
+        dispatched cost per lane on that engine. At most once per ``COUNTER_REFRESH_S``,
+        twice when lanes start to compete in between; none while nothing waits. Redis
+        sums the window's seconds per lane: O(lanes x window seconds) per read."""
+        now = self._clock()
+        self._counters_at = now
         waiting: dict[str, list[str]] = {}
         for tenant_id, state in self._states.items():
             if state.queued:
                 waiting.setdefault(state.config.lane, []).append(tenant_id)
-        for lane, tenants in waiting.items():
-            if len(tenants) < 2:
+        reads = {lane: tenants for lane, tenants in waiting.items() if len(tenants) >= 2}
+        contended = {engine: {lane_share_key(engine.url, lane): lane for lane in self._lane_names}
+                     for engine in self.engines if engine.queue.shares_matter()}
+        keys = [key for names in contended.values() for key in names]
+        try:
+            view = await self.store.read_fairness(reads, keys, self._share_window_s)
+        except StateUnavailable:
+            view = None  # decide on this replica's own counters and shares until it answers
+        for engine in self.engines:
+            if view is not None:
+                for values in view.counters.values():
+                    engine.queue.set_counters(values)
+            names = contended.get(engine)
+            if names is None:
+                engine.queue.set_lane_costs(None)  # no lane choice to make: its own window
+                self._shares_at.pop(engine, None)
                 continue
-            try:
-                values = await self.store.counters(lane, tenants)
-            except StateUnavailable:
-                return  # decide on the local counters until the store answers
-            for engine in self.engines:
-                engine.queue.set_counters(values)
+            self._shares_at[engine] = now  # also after a failure: no retry before the interval
+            if view is not None and view.lane_costs is not None:
+                engine.queue.set_lane_costs({lane: view.lane_costs.get(key, 0.0)
+                                             for key, lane in names.items()})
+            else:
+                engine.queue.set_lane_costs(None)
 
 
 def make_dispatcher(config: GatewayConfig, clock: Callable[[], float],

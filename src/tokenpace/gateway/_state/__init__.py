@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ._base import (
     Admission,
+    FairnessView,
     Lease,
     Reservation,
     SlotClaim,
@@ -21,6 +22,7 @@ from ._base import (
     StateStore,
     StateUnavailable,
     engine_slot,
+    lane_share_key,
     queued_slot,
     running_slot,
 )
@@ -45,6 +47,7 @@ def open_store(config: StateConfig, workers: int = 1,
 
 __all__ = [
     "Admission",
+    "FairnessView",
     "Lease",
     "LocalStore",
     "Reservation",
@@ -56,6 +59,7 @@ __all__ = [
     "StateUnavailable",
     "check_workers",
     "engine_slot",
+    "lane_share_key",
     "open_store",
     "parse_state",
     "queued_slot",

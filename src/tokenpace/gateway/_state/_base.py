@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...fairness import BudgetRefusal, BudgetSpec
@@ -58,7 +58,22 @@ class Admission:
     counter: float
 
 
+@dataclass(frozen=True)
+class FairnessView:
+    """What a replica's dispatch choice reads from the store, in one call: the virtual
+    counters (lane -> tenant -> counter) and the cost dispatched per lane share key over
+    the window (None: not read, or the store could not answer; the replica then goes by
+    its own dispatches)."""
+
+    counters: dict[str, dict[str, float]]
+    lane_costs: dict[str, float] | None
+
+
 _ids = itertools.count()
+
+LANE_KEEP_S = 3600
+"""Longest a dispatch is kept for the lane shares when nobody reads them (a read trims to
+its own window)."""
 
 
 @dataclass(eq=False)
@@ -132,13 +147,31 @@ class StateStore(ABC):
         replicas do not see who left last, and the largest counter of an idle lane is that
         counter or above it, which forfeits the same banked credit.)"""
 
+    # Lane shares: ``lane`` here is the name the shares are counted under, opaque to the
+    # store; the dispatcher counts each engine's lanes apart (``lane_share_key``), as the
+    # in-process fair queue of each engine does.
+
     @abstractmethod
     async def record_dispatch(self, lane: str, cost: float) -> None:
         """Count ``cost`` dispatched in ``lane`` for the lane shares."""
 
     @abstractmethod
+    def count_dispatch(self, lane: str, cost: float) -> None:
+        """``record_dispatch`` not awaited: a shared store sends it with its next flush
+        (for a dispatch that made no other store call to carry it)."""
+
+    @abstractmethod
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
         """Each lane's cost dispatched in the last ``window_s`` seconds, by every replica."""
+
+    async def read_fairness(self, counters: Mapping[str, Sequence[str]], lanes: Sequence[str],
+                            window_s: float) -> FairnessView:
+        """The counters of ``counters[lane]``'s tenants per lane and, when ``lanes`` is not
+        empty, their ``lane_costs`` over ``window_s``: one round trip in the shared store.
+        This default composes the primitives."""
+        values = {lane: await self.counters(lane, tenants) for lane, tenants in counters.items()}
+        costs = await self.lane_costs(lanes, window_s) if lanes else None
+        return FairnessView(values, costs)
 
     # -- one call per gateway stage ------------------------------------------------------
     # Each is one round trip in the shared store; these defaults compose the primitives.
@@ -203,6 +236,13 @@ def engine_slot(url: str, max_inflight: int) -> SlotClaim:
 def running_slot(tenant: str, max_concurrency: int | None) -> SlotClaim:
     """A request of ``tenant`` running on any engine (``max_concurrency``)."""
     return SlotClaim(f"running:{tenant}", max_concurrency)
+
+
+def lane_share_key(engine_url: str, lane: str) -> str:
+    """The name ``lane``'s dispatches on engine ``engine_url`` count under: lane shares are
+    per engine, because strict priority starves a lane on the engine it shares with a
+    busier one, whatever other engines do."""
+    return f"{lane}@{engine_url}"
 
 
 def queued_slot(tenant: str, max_queued: int | None) -> SlotClaim:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from ...fairness import BudgetRefusal, BudgetSpec
 from ._base import (
     Admission,
+    FairnessView,
     Lease,
     Reservation,
     SlotClaim,
@@ -133,9 +134,25 @@ class FailoverStore(StateStore):
         except StateUnavailable:
             pass  # lane shares only steer; a missed second is not worth a refusal
 
+    def count_dispatch(self, lane: str, cost: float) -> None:
+        # Not in the fallback: without Redis a dispatcher goes by its own queue's window.
+        self.primary.count_dispatch(lane, cost)
+
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
         return await self._decide("lane_costs", lambda: self.primary.lane_costs(lanes, window_s),
                                   lambda: self.fallback.lane_costs(lanes, window_s))
+
+    async def read_fairness(self, counters: Mapping[str, Sequence[str]], lanes: Sequence[str],
+                            window_s: float) -> FairnessView:
+        """Open: the fallback's counters and no lane costs (the dispatcher then goes by
+        its own queues' windows, which hold every dispatch of this replica)."""
+        async def local() -> FairnessView:
+            values = {lane: await self.fallback.counters(lane, tenants)
+                      for lane, tenants in counters.items()}
+            return FairnessView(values, None)
+        return await self._decide("counters",
+                                  lambda: self.primary.read_fairness(counters, lanes, window_s),
+                                  local)
 
     # -- one call per gateway stage ------------------------------------------------------
 

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ...fairness import BudgetRefusal, BudgetSpec, TenantBudgets, TokenBucket
-from ._base import Lease, Reservation, SlotClaim, SlotRefusal, StateStore
+from ._base import LANE_KEEP_S, Lease, Reservation, SlotClaim, SlotRefusal, StateStore
 
 
 class LocalStore(StateStore):
@@ -130,7 +130,14 @@ class LocalStore(StateStore):
         return current
 
     async def record_dispatch(self, lane: str, cost: float) -> None:
-        self._dispatched.setdefault(lane, deque()).append((self._clock(), cost))
+        self.count_dispatch(lane, cost)
+
+    def count_dispatch(self, lane: str, cost: float) -> None:
+        now = self._clock()
+        events = self._dispatched.setdefault(lane, deque())
+        while events and events[0][0] < now - LANE_KEEP_S:  # bounded even if never read
+            events.popleft()
+        events.append((now, cost))
 
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
         horizon = self._clock() - window_s

@@ -4,8 +4,9 @@ Round trips per request: one to reserve the budgets, one to take a queued place,
 trade it for the running slots (tenant concurrency and engine ``max_inflight`` together),
 one to release, one to settle. Fair-queue charges are not sent per token: they collect in
 process and go out in one pipeline per flush interval (default 50 ms), together with the
+dispatch costs of requests that took their slots without queueing (lane shares) and the
 renewal of every lease this replica holds (one script for all of them, every third of the
-lease time).
+lease time). A dispatcher's read of the shared counters and lane costs is one pipeline.
 
 Failure handling, in one place (:meth:`RedisStore._run`): every call is bounded by
 ``timeout_s`` (socket timeouts and an outer deadline, no client retries), so no request
@@ -21,15 +22,17 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ...fairness import BudgetRefusal, BudgetSpec
 from . import _scripts
 from ._base import (
+    LANE_KEEP_S,
     Admission,
+    FairnessView,
     Lease,
     Reservation,
     SlotClaim,
@@ -79,6 +82,7 @@ class RedisStore(StateStore):
         self.lost_leases = 0
         self._leases: dict[str, Lease] = {}
         self._charges: dict[tuple[str, str], float] = {}
+        self._dispatches: dict[str, float] = {}  # lane share key -> cost not yet sent
         self._task: asyncio.Task[None] | None = None
         self._last_renew = 0.0
 
@@ -215,24 +219,61 @@ class RedisStore(StateStore):
         key = (lane, tenant)
         self._charges[key] = self._charges.get(key, 0.0) + amount
 
+    def count_dispatch(self, lane: str, cost: float) -> None:
+        self._dispatches[lane] = self._dispatches.get(lane, 0.0) + cost
+
     async def flush(self) -> None:
-        """Send the charges collected since the last flush (one pipeline)."""
-        if not self._charges:
+        """Send the charges and dispatch costs collected since the last flush (one
+        pipeline)."""
+        if not self._charges and not self._dispatches:
             return
         charges, self._charges = self._charges, {}
+        dispatches, self._dispatches = self._dispatches, {}
 
-        async def send() -> None:
+        async def send() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
             for (lane, tenant), amount in charges.items():
                 pipe.hincrbyfloat(self._k("v", lane), tenant, amount)
-            await pipe.execute()
+            if dispatches:
+                self._lanes(pipe, list(dispatches), [LANE_KEEP_S, *map(repr, dispatches.values())])
+            return await pipe.execute(raise_on_error=False)
 
         try:
-            await self._run(send)
+            out = await self._run(send)
         except StateUnavailable:
             for key, amount in charges.items():  # keep them for the next try
                 self._charges[key] = self._charges.get(key, 0.0) + amount
+            self._keep_dispatches(dispatches)
             raise
+        for result in out[:len(charges)]:
+            if isinstance(result, Exception):
+                raise result  # a wrong type under a counter key: a bug, not an outage
+        if dispatches:
+            try:
+                await self._lanes_result(out[-1], list(dispatches),
+                                         [LANE_KEEP_S, *map(repr, dispatches.values())])
+            except StateUnavailable:
+                self._keep_dispatches(dispatches)
+                raise
+
+    def _keep_dispatches(self, dispatches: dict[str, float]) -> None:
+        for lane, cost in dispatches.items():  # for the next flush
+            self._dispatches[lane] = self._dispatches.get(lane, 0.0) + cost
+
+    def _lanes(self, pipe: Any, lanes: Sequence[str], args: Sequence[Any]) -> None:
+        """Queue the LANES script on ``pipe`` by its hash (a registered script on a
+        pipeline would cost a SCRIPT EXISTS round trip on every execute)."""
+        pipe.evalsha(self._scripts["LANES"].sha, len(lanes),
+                     *(self._k("d", lane) for lane in lanes), *args)
+
+    async def _lanes_result(self, result: Any, lanes: Sequence[str], args: Sequence[Any]) -> Any:
+        """LANES's answer from a pipeline; after a Redis restart (script cache empty) it
+        runs once more on its own, which loads it."""
+        if isinstance(result, NoScriptError):
+            return await self._script("LANES", [self._k("d", lane) for lane in lanes], args)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
         if not tenants:
@@ -247,11 +288,47 @@ class RedisStore(StateStore):
         return float(await self._script("LIFT", keys, [tenant, *others]))
 
     async def record_dispatch(self, lane: str, cost: float) -> None:
-        await self._script("LANES", [self._k("d", lane)], [1e9, repr(float(cost))])
+        await self._script("LANES", [self._k("d", lane)], [LANE_KEEP_S, repr(float(cost))])
 
     async def lane_costs(self, lanes: Sequence[str], window_s: float) -> dict[str, float]:
+        if not lanes:
+            return {}
         out = await self._script("LANES", [self._k("d", lane) for lane in lanes], [repr(window_s)])
-        return {lane: float(v) for lane, v in zip(lanes, out)}
+        return self._with_pending(lanes, out)
+
+    def _with_pending(self, lanes: Sequence[str], out: Sequence[Any]) -> dict[str, float]:
+        pending = self._dispatches  # this replica's, not yet flushed (as counters adds)
+        return {lane: float(v) + pending.get(lane, 0.0) for lane, v in zip(lanes, out)}
+
+    async def read_fairness(self, counters: Mapping[str, Sequence[str]], lanes: Sequence[str],
+                            window_s: float) -> FairnessView:
+        """One pipeline: an HMGET per lane of counters, the LANES script over ``lanes``.
+        Redis's work: O(tenants read + seconds in the window x lanes)."""
+        reads = [(lane, list(tenants)) for lane, tenants in counters.items() if tenants]
+        if not reads and not lanes:
+            return FairnessView({}, None)
+        args = [repr(window_s)]
+
+        async def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for lane, tenants in reads:
+                pipe.hmget(self._k("v", lane), tenants)
+            if lanes:
+                self._lanes(pipe, lanes, args)
+            return await pipe.execute(raise_on_error=False)
+
+        out = await self._run(read)
+        pending = self._charges
+        values: dict[str, dict[str, float]] = {}
+        for (lane, tenants), got in zip(reads, out):
+            if isinstance(got, Exception):
+                raise got
+            values[lane] = {t: float(v or 0.0) + pending.get((lane, t), 0.0)
+                            for t, v in zip(tenants, got)}
+        costs = None
+        if lanes:
+            costs = self._with_pending(lanes, await self._lanes_result(out[-1], lanes, args))
+        return FairnessView(values, costs)
 
     # -- one script per gateway stage ------------------------------------------------------
 
@@ -274,7 +351,7 @@ class RedisStore(StateStore):
         return Admission(Reservation(tenant, tuple(budgets), cost, self), place, float(out[1]))
 
     async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
-                       cost: float, window_s: float = 3600.0) -> Lease | SlotRefusal:
+                       cost: float, keep_s: float = LANE_KEEP_S) -> Lease | SlotRefusal:
         if queued.store is not self:
             return await super().dispatch(claims, queued, lane, cost)
         lease = Lease(tuple(c.key for c in claims), self)
@@ -282,7 +359,7 @@ class RedisStore(StateStore):
                 self._k("d", lane), self._k("r", queued.id)]
         args = [lease.id, self.lease_ms, len(claims),
                 *(-1 if c.limit is None else c.limit for c in claims),
-                queued.id, repr(float(cost)), repr(window_s)]
+                queued.id, repr(float(cost)), repr(keep_s)]
         out = await self._script("DISPATCH", keys, args)
         if int(out[0]) != 0:
             return SlotRefusal(claims[int(out[0]) - 1], int(out[1]))

@@ -11,7 +11,8 @@ Key layout under a prefix ``P`` (default ``tokenpace:``):
 - ``P s:<slot key>`` sorted set lease id -> expiry in ms; expired members are purged
   whenever the set is counted, and the set itself expires after twice the lease time.
 - ``P v:<lane>`` hash tenant -> virtual counter.
-- ``P d:<lane>`` hash second -> cost dispatched in that second (lane shares).
+- ``P d:<lane share key>`` hash second -> cost dispatched in that second (lane shares;
+  the dispatcher's key is ``<lane>@<engine url>``).
 - ``P r:<lease id>`` a released lease's tombstone (for two lease times): a renewal that
   was already on its way when the lease was released must not bring it back.
 """
@@ -78,15 +79,24 @@ local function lift(vkey, tenant, others, qkeys)
 end
 """
 
-# Lane shares: add cost to this second's field of hash key, drop fields older than the window,
-# return the total over the window.
+# Lane shares: a hash per lane share key, field = Redis second, value = cost dispatched in
+# that second. lane_add counts a dispatch: O(1), except that the first dispatch of a new
+# second drops the seconds older than keep (O(fields), once a second, so a hash nobody
+# reads stays bounded). lane_total sums the last window seconds and drops older ones.
 _LANE = """
-local function lane_total(key, window, cost)
+local function lane_add(key, cost, keep)
   local second = math.floor(now)
-  if cost > 0 then
-    redis.call('HINCRBYFLOAT', key, second, num(cost))
-    redis.call('EXPIRE', key, 3600)
+  if redis.call('HEXISTS', key, second) == 0 then
+    local fields = redis.call('HKEYS', key)
+    for j = 1, #fields do
+      if tonumber(fields[j]) <= second - keep then redis.call('HDEL', key, fields[j]) end
+    end
   end
+  redis.call('HINCRBYFLOAT', key, second, num(cost))
+  redis.call('EXPIRE', key, math.ceil(keep))
+end
+local function lane_total(key, window)
+  local second = math.floor(now)
   local total = 0
   local fields = redis.call('HGETALL', key)
   for j = 1, #fields, 2 do
@@ -160,7 +170,7 @@ return {'ok', num(counter)}
 # Dispatch: trade a queued place for running slots and count the lane's dispatched cost.
 # KEYS: n claimed slot sets, the queued set given back, the lane's dispatch hash, the
 # queued lease's tombstone. ARGV: lease id, lease ms, n, n limits, queued lease id, cost,
-# lane window s.
+# seconds the lane hash keeps.
 # Returns {0} or {index, held} of the first full claim.
 DISPATCH = _NOW + _SLOTS + _LANE + """
 local id, ttl, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -174,7 +184,7 @@ end
 for i = 1, n do take(KEYS[i], id, ttl) end
 redis.call('ZREM', KEYS[n + 1], ARGV[4 + n])
 redis.call('SET', KEYS[n + 3], '1', 'PX', 2 * ttl)
-lane_total(KEYS[n + 2], tonumber(ARGV[6 + n]), tonumber(ARGV[5 + n]))
+lane_add(KEYS[n + 2], tonumber(ARGV[5 + n]), tonumber(ARGV[6 + n]))
 return {0}
 """
 
@@ -302,10 +312,14 @@ return num(lift(KEYS[1], ARGV[1], others, qkeys))
 """
 
 # KEYS: one dispatch hash per lane. ARGV: window s, then a cost per lane (or nothing to only
-# read). Returns each lane's total over the window.
+# read). With costs: adds them (the hashes keep window s) and returns nothing; without:
+# returns each lane's total over the window.
 LANES = _NOW + _LANE + """
 local window = tonumber(ARGV[1])
 local out = {}
-for i = 1, #KEYS do out[i] = num(lane_total(KEYS[i], window, tonumber(ARGV[1 + i] or '0'))) end
+for i = 1, #KEYS do
+  if ARGV[1 + i] then lane_add(KEYS[i], tonumber(ARGV[1 + i]), window)
+  else out[i] = num(lane_total(KEYS[i], window)) end
+end
 return out
 """
