@@ -99,7 +99,10 @@ class RedisStore(StateStore):
             async with asyncio.timeout(self.timeout_s):
                 result = await call()
         except (RedisError, OSError, TimeoutError) as exc:  # all mean "no answer"
-            if isinstance(exc, ResponseError) and not str(exc).startswith(("NOSCRIPT", "BUSY")):
+            # redis-py strips a known error code from the message (NoScriptError says "No
+            # matching script"), so NOSCRIPT is matched by type; BUSY keeps its word.
+            outage = isinstance(exc, NoScriptError) or str(exc).startswith(("NOSCRIPT", "BUSY"))
+            if isinstance(exc, ResponseError) and not outage:
                 raise  # a bug in a script, not an outage
             self.failures += 1
             self._retry_at = self._clock() + self.probe_s
