@@ -208,3 +208,34 @@ async def _level(url: str, tokens: int, per: str = "1h") -> float:
         return (await store.budget_levels("team-a", [spec]))[spec.key]
     finally:
         await store.close()
+
+
+def test_budget_gauge_shows_the_shared_level_on_every_replica(
+        engine: EngineServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    """A request spent on one replica shows in the other's ``budget_remaining_tokens``:
+    the gauge publishes the shared bucket (read in the background), not the process's own
+    unused one, which would stay full."""
+    gws = replicas(engine, tmp_path, redis_server.url, 2)
+    try:
+        assert post(gws[0]).status_code == 200
+        spent = BUDGET - COST
+        deadline = time.monotonic() + 10.0  # the gauge is refreshed every 2 s
+        levels: list[float | None] = []
+        while time.monotonic() < deadline:
+            levels = [gw.metric("tokenpace_gateway_budget_remaining_tokens", tenant="team-a")
+                      for gw in gws]
+            if all(level is not None and level < BUDGET - COST / 2 for level in levels):
+                break
+            time.sleep(0.1)
+        # refill over the test's seconds is 0.28 a second: well under 2 units
+        assert all(level is not None and abs(level - spent) <= 2 for level in levels), levels
+        redis_server.kill()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and gws[1].metric(
+                "tokenpace_gateway_budget_remaining_tokens", tenant="team-a") is not None:
+            time.sleep(0.1)
+        # no reading, no series: a stale level is not published while the store is down
+        assert gws[1].metric("tokenpace_gateway_budget_remaining_tokens", tenant="team-a") is None
+    finally:
+        for gw in gws:
+            gw.stop()

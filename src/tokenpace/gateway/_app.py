@@ -31,6 +31,7 @@ from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, Ledger, open_ledger
 from ._proxy import handle
 from ._runtime import Runtime
+from ._shared_budgets import SharedBudgetLevels
 from ._state import StateStore, open_store
 from ._tenants import Tenants
 from ._upstream import Upstream
@@ -104,11 +105,16 @@ class Gateway:
             self.rt = Runtime(self.config, tenants, make_dispatcher(self.config, self.clock, store),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
                               store=store)
-            # With shared state the process's own buckets are unused: publish nothing rather
-            # than full buckets (reading Redis at scrape time is not wired yet).
-            metrics.BUDGET_REMAINING.source = tenants.budget_samples if store is None else None
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
+            if store is None:
+                metrics.BUDGET_REMAINING.source = tenants.budget_samples
+            else:
+                # The process's own buckets are unused: publish the shared levels, read in
+                # the background (a scrape never waits on the store).
+                shared_levels = SharedBudgetLevels(tenants, store)
+                metrics.BUDGET_REMAINING.source = shared_levels.samples
+                tasks.append(asyncio.create_task(shared_levels.run()))
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.config.engines), self.config.ledger)
