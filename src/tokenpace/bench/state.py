@@ -24,10 +24,7 @@ Budgets are not part of it (their reserve and settle are one script each, above)
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +42,7 @@ from ..gateway._state import (
 )
 from ._environment import environment
 from ._load import percentile
+from ._redis_server import SETUP, RedisServer
 from .overhead import median_interval
 
 BUDGET = BudgetSpec(1e15, 86400)
@@ -86,30 +84,6 @@ async def _throughput(store: StateStore, requests: int, concurrency: int) -> tup
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     return requests / elapsed, cpu / requests
-
-
-def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("tokenpace bench state: error: redis-server is not installed "
-                         "(apt-get install redis-server), or pass --redis URL")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # The set-up docs/gateway.md recommends: an append-only file, fsync every second.
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home),
-                             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                             "--daemonize", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("tokenpace bench state: error: redis-server did not start")
 
 
 async def _dispatch_path(url: str | None, requests: int, concurrency: int,
@@ -229,20 +203,17 @@ async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> d
 
 def run(requests: int, concurrency: int, repeats: int, redis_url: str | None = None) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="tokenpace-bench-state-"))
-    proc = None
-    if redis_url is None:
-        proc, redis_url = _start_redis(home)
+    server = (RedisServer.given(redis_url, "tokenpace bench state") if redis_url is not None
+              else RedisServer.start(home, "tokenpace bench state", "this benchmark"))
     try:
-        result = asyncio.run(_measure(redis_url, requests, concurrency, repeats))
-        result["dispatcher"] = asyncio.run(_measure_dispatch(redis_url, requests, concurrency))
+        result = asyncio.run(_measure(server.url, requests, concurrency, repeats))
+        result["dispatcher"] = asyncio.run(_measure_dispatch(server.url, requests, concurrency))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        server.stop()
     result.update({
         "benchmark": "state", "requests": requests, "concurrency": concurrency,
         "repeats": repeats, "round_trips_per_request": ROUND_TRIPS,
-        "redis_server": "started by the bench (appendonly, fsync everysec)" if proc else "given",
+        "redis_server": SETUP if server.proc is not None else "given",
         "environment": environment(),
     })
     _print(result)
