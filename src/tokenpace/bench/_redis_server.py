@@ -5,8 +5,9 @@ given by URL), and its CPU time.
 docs/gateway.md recommends (an append-only file, fsync every second), and ``bench gateway``
 also counts what the store costs beyond the gateway process: the server's own CPU time
 (``INFO``'s ``used_cpu_*``: ``getrusage`` of the server, main and background threads) and
-the commands it ran (``total_commands_processed``: a pipelined command counts once), read
-alike from a server the bench started and from one it was given.
+the commands it ran (``total_commands_processed``: every command, those a Lua script
+calls included, so a script of three calls counts 4; not round trips), read alike from a
+server the bench started and from one it was given.
 """
 
 from __future__ import annotations

@@ -481,6 +481,7 @@ def _store_figures(seq: dict[str, list[StreamRecord]], bursts: _Bursts, cpu: _Cp
         "redis_server_cpu_us_per_chunk_gross": _interval(
             [u.cpu_s / chunks * 1e6 for u, chunks in bursts.store], 2),
         "redis_server_cpu_ms_per_s_idle": _interval([v * 1000 for v in cpu.store_idle_per_s]),
+        # Commands Redis ran, the scripts' inner calls included: its work, not round trips.
         "redis_commands_per_request": _interval([u.commands / n for u, n in cpu.store], 2),
         "redis_commands_per_request_fast_upstream": _interval(
             [u.commands / n for u, n in cpu.store_fast], 2),
