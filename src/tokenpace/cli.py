@@ -105,10 +105,21 @@ def _cmd_bench_idle(args: argparse.Namespace) -> int:
 def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     from .bench import gateway
 
+    if args.redis is not None:
+        args.state = "redis"
+    if args.state == "redis":
+        from .bench._redis_server import RedisServer, redis_server_binary
+
+        # Before the engine starts (a minute on the CPU), not after.
+        if args.redis is None:
+            redis_server_binary("tokenpace bench gateway", "--state redis")
+        else:
+            RedisServer.given(args.redis, "tokenpace bench gateway").stop()
     if args.quick:
         args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
     result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
-                         args.stream_tokens, args.rounds)
+                         args.stream_tokens, args.rounds, state=args.state,
+                         redis_url=args.redis)
     return _bench_outputs(args, gateway, result)
 
 
@@ -266,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per concurrent stream (default 128)")
     gwb.add_argument("--rounds", type=_positive_int, default=24,
                      help="pairs of burst rounds (direct, gateway; default 24)")
+    gwb.add_argument("--state", choices=("memory", "redis"), default="memory",
+                     help="redis: also measure the same gateway with its state in Redis, as a "
+                     "third path in the same pairs (starts a redis-server for the run unless "
+                     "--redis is given; default memory: the in-process gateway only)")
+    gwb.add_argument("--redis", metavar="URL", default=None,
+                     help="an existing Redis for --state redis (implies it); its CPU is read "
+                     "with INFO, so it should serve nothing else meanwhile")
     gwb.set_defaults(func=_cmd_bench_gateway)
 
     fair = bench_sub.add_parser(

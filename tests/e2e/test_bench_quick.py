@@ -4,6 +4,8 @@ report numbers that make sense (so the benchmarks cannot rot)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +80,27 @@ def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
            logs=[tmp_path / "idle.json"], cases=cases)
 
 
+def _redis_for_bench() -> bool:
+    """Whether the gateway bench also runs its Redis path: always in CI (a missing
+    redis-server fails there, tests/_redis.py); elsewhere when redis-server is installed."""
+    if os.environ.get("CI", "").lower() == "true" or shutil.which("redis-server"):
+        from tests._redis import redis_server_binary
+
+        redis_server_binary()
+        return True
+    return False
+
+
 def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("gateway", tiny_model, tmp_path)
+    # With the Redis path when there is a redis-server: one engine start for both gateways
+    # (the quick run's third path adds about 15 s).
+    with_redis = _redis_for_bench()
+    result = _bench("gateway", tiny_model, tmp_path,
+                    *(("--quick", "--state", "redis") if with_redis else ()))
     pairs, rounds = result["parameters"]["requests"], result["parameters"]["rounds"]
-    for path in ("direct", "gateway"):
+    paths = ("direct", "gateway", "gateway_redis") if with_redis else ("direct", "gateway")
+    assert set(result["ttft_ms"]) == set(paths)
+    for path in paths:
         assert len(result["ttft_ms"][path]) == pairs
         assert 0 < result["latency"][path]["ttft_ms_median"] <= result["latency"][path]["ttft_ms_p99"]
     # Both paths sent the engine the same work: greedy decoding of the same prompt gave the
@@ -103,6 +122,48 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
            0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
+    if with_redis:
+        _check_redis_path(result, pairs, rounds)
+
+
+def _check_redis_path(result: dict, pairs: int, rounds: int) -> None:
+    """The Redis gateway's figures: the same as the in-process gateway's, taken in the same
+    pairs, plus what Redis adds and the Redis server's own CPU (sanity, not timing bounds)."""
+    assert result["parameters"]["state"] == "redis"
+    redis = result["redis"]
+    assert redis["state"]["redis_server"].startswith("started by the bench")
+    assert redis["same_output_pairs"] == pairs  # the Redis gateway relays the same tokens
+    for key in ("added_ttft_ms", "added_total_ms", "redis_adds_ttft_ms", "redis_adds_total_ms"):
+        figure = redis[key]
+        assert figure["pairs"] == pairs and len(figure["values"]) == pairs, key
+        assert figure["p1"] <= figure["p50"]["value"] <= figure["p99"]["value"], key
+    # Redis adds to the in-process gateway exactly the difference of the two, pair by pair
+    for adds, memory, shared in zip(redis["redis_adds_ttft_ms"]["values"],
+                                    result["added_ttft_ms"]["values"],
+                                    redis["added_ttft_ms"]["values"]):
+        assert adds == pytest.approx(shared - memory, abs=0.002)
+    for key in ("throughput_ratio", "burst_ttft_ratio", "throughput_ratio_to_gateway",
+                "burst_ttft_ratio_to_gateway"):
+        assert redis[key]["pairs"] == rounds and redis[key]["median"] > 0, key
+    assert len(redis["burst_in_gateway"]["queue_ms_max"]) == rounds
+    assert all(t is not None and t > 0 for t in redis["burst_in_gateway"]["ttft_ms_median"])
+    assert redis["gateway_cpu_ms_per_request"]["median"] > 0
+    assert redis["gateway_cpu_ms_per_request_fast_upstream"]["median"] > 0
+    assert redis["requests_per_gateway_cpu_second"]["median"] > 0
+    assert redis["gateway_cpu_us_per_chunk"]["median"] >= 0
+    # the Redis server worked for the Redis gateway: its CPU per request is counted, and
+    # each of the 3 CPU rounds has its reading
+    for key in ("redis_server_cpu_ms_per_request",
+                "redis_server_cpu_ms_per_request_fast_upstream"):
+        assert len(redis[key]["values"]) == 3 and redis[key]["median"] > 0, key
+    # ... and it took its slots there: at least one command per request (Redis counts the
+    # scripts' inner calls too: ~13 per request in a full run), which a gateway keeping its
+    # slots in process would not
+    for key in ("redis_commands_per_request", "redis_commands_per_request_fast_upstream",
+                "redis_commands_per_request_burst"):
+        assert redis[key]["median"] >= 1, (key, redis[key])
+    assert len(redis["redis_server_cpu_us_per_chunk_gross"]["values"]) == rounds
+    assert len(redis["redis_server_cpu_ms_per_s_idle"]["values"]) == 3
 
 
 def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:

@@ -49,6 +49,37 @@ def test_pairs_alternate_order_and_share_their_index() -> None:
     assert firsts.count("direct") == firsts.count("gateway") == 50
 
 
+def test_three_paths_take_every_position_and_precede_each_other_equally_often() -> None:
+    # direct, gateway and the gateway with Redis: reversing alone would keep the middle
+    # path in the middle, so whatever the first call leaves behind would never fall on it.
+    names = ["direct", "gateway", "gateway_redis"]
+    orders = [pair_order(names, i) for i in range(60)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    for name in names:
+        for position in range(3):
+            assert sum(o[position] == name for o in orders) == 20, (name, position)
+    for a in names:
+        for b in names:
+            if a != b:
+                assert sum(o.index(a) < o.index(b) for o in orders) == 30, (a, b)
+    engine = FakeEngine([0.0] * 6, {n: 0.0 for n in names})
+    out = asyncio.run(run_pairs({n: engine.path(n) for n in names}, 6))
+    assert all(len(v) == 6 for v in out.values())
+    assert [i for _, i in engine.calls] == [i for i in range(6) for _ in names]  # per pair
+
+
+def test_three_paths_paired_two_by_two_recover_each_cost() -> None:
+    # The engine's phases cancel in every comparison within a pair: the Redis gateway's
+    # 3 ms against direct and its 2 ms against the in-process gateway.
+    phases = [5.0] * 45 + [21.0] * 55
+    engine = FakeEngine(phases, {"direct": 0.0, "gateway": 1.0, "gateway_redis": 3.0})
+    out = asyncio.run(run_pairs({n: engine.path(n) for n in ("direct", "gateway",
+                                                              "gateway_redis")}, len(phases)))
+    assert difference_summary(out["gateway_redis"], out["direct"])["p50"]["value"] == 3.0
+    adds = difference_summary(out["gateway_redis"], out["gateway"])
+    assert adds["p50"]["value"] == 2.0 and adds["p99"]["value"] == 2.0
+
+
 def test_paired_difference_recovers_the_cost_that_independent_medians_get_wrong() -> None:
     # The last run's shape: the engine flips between ~5 ms and ~21 ms phases, and the two
     # paths' own medians land on different phases. The gateway costs 1 ms in every pair.

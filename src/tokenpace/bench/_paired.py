@@ -1,19 +1,21 @@
-"""Paired comparisons of two paths to one engine: run them in alternating pairs, compare
-within each pair.
+"""Paired comparisons of paths to one engine: run them in pairs (one call per path, the
+order changing from pair to pair), compare within each pair.
 
 On a small shared machine the engine's own latency moves in phases (tens of requests at
 one level, then tens at another: CPU contention, the engine's idle naps), shared by both
 paths. Comparing the medians of two independent distributions then measures the phases,
 and can even give a proxy a negative cost. Within one pair both calls meet the same phase,
 so the pair's difference (or ratio) keeps the proxy's cost and drops most of the machine's.
-The order within a pair alternates, so whatever the first call leaves behind (a warm
-engine, a busy one) falls on each path equally often.
+The order within a pair changes from pair to pair, so whatever an earlier call leaves
+behind (a warm engine, a busy one) falls on each path equally often. A "pair" of three
+paths (direct, gateway, gateway with Redis) is three calls, compared two by two.
 
 Pure code (no HTTP): the calls are injected, so it is tested with fake ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,13 +25,19 @@ T = TypeVar("T")
 
 
 def pair_order(names: Sequence[str], index: int) -> list[str]:
-    """The order of the calls in pair ``index``: as given for even pairs, reversed for odd."""
-    return list(names) if index % 2 == 0 else list(reversed(names))
+    """The order of the calls in pair ``index``: every ordering of ``names`` in turn.
+
+    Two paths: as given for even pairs, reversed for odd. Three: the 6 orderings, so over
+    each 6 pairs every path is first, second and last twice and comes before each other
+    path 3 times (reversing alone would leave the middle path always in the middle).
+    """
+    orders = list(itertools.permutations(names))
+    return list(orders[index % len(orders)])
 
 
 async def run_pairs(calls: Mapping[str, Callable[[int], Awaitable[T]]],
                     pairs: int) -> dict[str, list[T]]:
-    """Call each path once per pair, one after the other, alternating the order.
+    """Call each path once per pair, one after the other, the order per ``pair_order``.
 
     Each call gets the pair's index, so both calls of a pair can send the same work (the
     same prompt). Results are per path, in pair order: ``out[a][i]`` and ``out[b][i]`` are

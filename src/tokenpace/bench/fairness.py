@@ -45,7 +45,7 @@ import httpx
 
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_completion
-from ._redis import start_redis, stop_redis
+from ._redis_server import RedisServer
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ._service import Request, service_difference, service_windows
 
@@ -382,7 +382,9 @@ def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: f
     tenant_ids = ["calibration"] + [_tenant_id(w.name, load.tenant) for w in chosen for load in w.loads]
     redis, redis_url = None, ""  # first: a missing redis-server stops nothing else
     if max(counts) > 1:
-        redis, redis_url = start_redis(home, "tokenpace bench fairness")
+        redis = RedisServer.start(home, "tokenpace bench fairness", "--replicas above 1",
+                                   url_flag=False)
+        redis_url = redis.url
     engine_port = free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
                                          "--allow-unauthenticated-trusted-gateway",
@@ -407,7 +409,7 @@ def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: f
         for server in (*(g for group in gateways.values() for g in group), engine):
             server.stop()
         if redis is not None:
-            stop_redis(redis)
+            redis.stop()
     calibration, rows = results
     return {
         "benchmark": "fairness",

@@ -11,8 +11,8 @@ Time to first token is the same on both paths: from just before the request is s
 the first chunk that carries a generated token id.
 
 - latency: sequential streamed completions in pairs (direct and gateway, the order
-  alternating from pair to pair); what the gateway adds is the per-pair difference, its
-  median and 99th percentile with bootstrap intervals over pairs (``_paired``): the
+  alternating from pair to pair, ``pair_order``); what the gateway adds is the per-pair
+  difference, its median and 99th percentile with bootstrap intervals over pairs (``_paired``): the
   engine's own latency moves in phases on a busy machine, which independent medians of
   the two paths would measure instead of the gateway;
 - burst and throughput: ``streams`` streams sent at once, direct and through the gateway
@@ -30,6 +30,17 @@ the first chunk that carries a generated token id.
 - requests per second at 100% of one core: a second gateway in front of an upstream that
   answers from canned bytes (``_fast_upstream``, its own process), so the gateway is the
   limit; requests per gateway CPU-second.
+
+With ``state="redis"`` (``--state redis``) the run has a third path: the same gateway
+configured with ``state`` in a Redis (a ``redis-server`` started for the run, or
+``--redis URL``), and its own twin in front of the fast upstream. Every pair then holds
+three calls (``pair_order`` cycles through their 6 orders), so the in-process and the Redis
+gateway meet the same engine phases; the Redis gateway's figures carry the same names
+under ``redis``, beside what Redis adds to the in-process gateway pair by pair and the
+Redis server's own CPU time and commands per request and per chunk (``INFO``, read
+around the Redis gateway's phases only), which the gateway process's CPU does not include.
+The tenant has no budget, so a request costs the Redis gateway two store calls (take the
+slots; release them, after the response) and batched fair-queue charges.
 """
 
 from __future__ import annotations
@@ -53,26 +64,55 @@ import httpx
 
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_aiohttp
-from ._paired import difference_summary, pair_order, ratio_summary, run_pairs
+from ._paired import (
+    difference_summary,
+    pair_order,
+    paired_differences,
+    ratio_summary,
+    run_pairs,
+)
+from ._redis_server import RedisServer, Usage
+from ..gateway._state import StateConfig
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from .overhead import median_interval
 
 KEY = "sk-bench"
+SALT_KEY = "sk-bench-redis-salt"
+"""A second key of the Redis gateway's tenant, never sent: it changes the tenant's salt."""
 TENANT = "bench"
 DIRECT_SALT = hashlib.sha256(b"tokenpace-bench-direct").hexdigest()
 """The direct path's ``cache_salt``: as long as the gateway's per-tenant salt (64 hex
 digits), and different from it, so the engine hashes the same amount and neither path
 reuses the other's cached prefix."""
 CPU_ROUNDS = 3
+REDIS_PATH = "gateway_redis"
+"""The path of the gateway with ``state`` in Redis (``--state redis``)."""
+SETTLE_S = 0.05
+"""How long after the Redis gateway's last response its CPU and Redis's counters are read:
+it gives the slots back after each response (a store call off the request's path), and
+the last ones would otherwise fall outside the reading."""
+STATE_TIMEOUT = "2s"
+"""The Redis gateway's ``state.timeout``: generous, so that a stall of the loaded machine
+costs time in the figures rather than a 503 that aborts the run (the default, 100 ms,
+bounds only how long a request may wait; it costs nothing while Redis answers)."""
 _WORDS = ("river", "stone", "lamp", "orbit", "maple", "quartz", "harbor", "cedar", "ember",
           "violet", "tundra", "signal", "meadow", "copper", "lantern", "glacier")
 
 
-def _gateway_config(engine_url: str, ledger: Path) -> str:
+def _gateway_config(engine_url: str, ledger: Path, state_url: str | None = None) -> str:
+    """The gateway under test; with ``state_url`` the same one keeping its state in Redis.
+
+    The Redis gateway's tenant also holds ``SALT_KEY``, which no call uses: the tenant's
+    ``cache_salt`` is derived from its keys, so the two gateways salt the same prompt
+    differently and neither finds the other's blocks in the engine's cache (the client
+    and the identity the gateways write are the same).
+    """
+    state = f'state: {{url: "{state_url}", timeout: {STATE_TIMEOUT}}}\n' if state_url else ""
+    keys = f'["{KEY}", "{SALT_KEY}"]' if state_url else f'["{KEY}"]'
     return (
         f'engines: [{{url: "{engine_url}", max_inflight: 256}}]\n'
         f'ledger: "sqlite:///{ledger}"\n'
-        f'tenants: [{{id: {TENANT}, api_keys: ["{KEY}"]}}]\n'
+        f'tenants: [{{id: {TENANT}, api_keys: {keys}}}]\n' + state
     )
 
 
@@ -142,37 +182,57 @@ async def _burst(session: aiohttp.ClientSession, url: str, path: str, streams: i
 
 @dataclass
 class _Bursts:
-    rates: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
-    ttft: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
-    cpu_gross: list[tuple[float, int]] = field(default_factory=list)
-    """Gateway CPU seconds and chunks relayed, per gateway round."""
-    windows: list[tuple[float, float]] = field(default_factory=list)
-    """Wall-clock span of each gateway round (to find its requests in the ledger)."""
+    """Per path, one entry per burst round (pair order); gateway figures per gateway path."""
+
+    rates: dict[str, list[float]]
+    ttft: dict[str, list[float]]
+    cpu_gross: dict[str, list[tuple[float, int]]]
+    """Gateway CPU seconds and chunks relayed, per round of that gateway."""
+    windows: dict[str, list[tuple[float, float]]]
+    """Wall-clock span of each round of that gateway (to find its requests in its ledger)."""
+    store: list[tuple[Usage, int]] = field(default_factory=list)
+    """What Redis did and the chunks relayed, per round of the Redis gateway."""
     client_cpu: list[float] = field(default_factory=list)
-    """The load generator's own CPU seconds per round (both paths, in round order)."""
+    """The load generator's own CPU seconds per round (all paths, in round order)."""
+
+    @classmethod
+    def empty(cls, paths: list[str], gateways: list[str]) -> _Bursts:
+        return cls({p: [] for p in paths}, {p: [] for p in paths}, {g: [] for g in gateways},
+                   {g: [] for g in gateways})
 
 
-async def _bursts(urls: dict[str, str], gateway: Server, rounds: int, streams: int, tokens: int,
-                  nonce: str) -> _Bursts:
-    """``rounds`` pairs of burst rounds, the order alternating, the same prompts in both
-    rounds of a pair; one warm-up round per path first opens the connections."""
-    out = _Bursts()
+async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: RedisServer | None,
+                  rounds: int, streams: int, tokens: int, nonce: str) -> _Bursts:
+    """``rounds`` pairs of burst rounds, the order changing (``pair_order``), the same
+    prompts in every round of a pair; one warm-up round per path first opens the
+    connections. Redis's counters are read (``INFO``, outside the timed span) around the
+    Redis gateway's rounds only."""
+    out = _Bursts.empty(list(urls), list(gateways))
     async with _session(streams) as session:
         for path in urls:
             await _burst(session, urls[path], path, streams, 8, f"{nonce}w")
         for i in range(rounds):
             for path in pair_order(list(urls), i):
-                cpu0, wall0, own0 = gateway.cpu_seconds(), time.time(), time.process_time()
+                gateway = gateways.get(path)
+                store = redis if path == REDIS_PATH else None
+                store0 = store.usage() if store is not None else None
+                cpu0 = gateway.cpu_seconds() if gateway is not None else 0.0
+                wall0, own0 = time.time(), time.process_time()
                 rate, records = await _burst(session, urls[path], path, streams, tokens,
                                              f"{nonce}b{i}")
                 out.client_cpu.append(time.process_time() - own0)
+                wall1 = time.time()
+                if store is not None:
+                    await asyncio.sleep(SETTLE_S)
                 out.rates[path].append(rate)
                 out.ttft[path].append(statistics.median(r.ttft for r in records))
-                if path == "gateway":
-                    out.windows.append((wall0, time.time()))
-                    out.cpu_gross.append((gateway.cpu_seconds() - cpu0,
-                                          sum(len(r.token_times) for r in records)))
-                print(f"burst pair {i + 1} {path:7s}: {rate:.0f} tok/s, TTFT median "
+                chunks = sum(len(r.token_times) for r in records)
+                if gateway is not None:
+                    out.windows[path].append((wall0, wall1))
+                    out.cpu_gross[path].append((gateway.cpu_seconds() - cpu0, chunks))
+                if store is not None and store0 is not None:
+                    out.store.append((store.usage().since(store0), chunks))
+                print(f"burst pair {i + 1} {path:13s}: {rate:.0f} tok/s, TTFT median "
                       f"{out.ttft[path][-1] * 1000:.0f} ms", flush=True)
     return out
 
@@ -235,82 +295,231 @@ def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str
     return {"queue_ms_max": queue_max, "queue_ms_median": queue_p50, "ttft_ms_median": ttft_p50}
 
 
+@dataclass
+class _Arm:
+    """A gateway under test (a path of the pairs) and its twin with the same configuration in
+    front of the fast upstream, each with its own ledger."""
+
+    gateway: Server
+    fast: Server
+    ledger: Path
+
+
+@dataclass
+class _Cpu:
+    """The CPU phases, one entry per round, per gateway path; Redis's figures for the Redis
+    gateway's phases, and its idle rate during the in-process gateway's."""
+
+    per_request: dict[str, list[float]]
+    """Gateway CPU seconds per sequential non-streamed request against the engine."""
+    per_core: dict[str, list[float]]
+    """Requests per gateway CPU-second against the fast upstream."""
+    store: list[tuple[Usage, int]] = field(default_factory=list)
+    """What Redis did and the requests sent, per engine phase of the Redis gateway."""
+    store_fast: list[tuple[Usage, int]] = field(default_factory=list)
+    """The same, per fast-upstream phase of the Redis gateway."""
+    store_idle_per_s: list[float] = field(default_factory=list)
+    """Redis's CPU seconds per second while only the in-process gateway was called."""
+
+
+def _phase(gateway: Server, requests: int, concurrency: int, redis: RedisServer | None,
+           settle_s: float = 0.0) -> tuple[float, Usage | None, float]:
+    """``requests`` non-streamed 1-token requests through ``gateway`` alone: its CPU
+    seconds, what Redis did meanwhile (when there is one), and the wall time; the CPU and
+    Redis are read ``settle_s`` after the last response (``SETTLE_S``)."""
+    before = redis.usage() if redis is not None else None
+    cpu0, t0 = gateway.cpu_seconds(), time.monotonic()
+    asyncio.run(_plain(gateway.base_url, requests, concurrency))
+    wall = time.monotonic() - t0
+    time.sleep(settle_s)
+    cpu = gateway.cpu_seconds() - cpu0
+    used = redis.usage().since(before) if redis is not None and before is not None else None
+    return cpu, used, wall
+
+
+def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None) -> _Cpu:
+    """``CPU_ROUNDS`` rounds, each measuring every gateway alone, the order changing."""
+    out = _Cpu({name: [] for name in arms}, {name: [] for name in arms})
+    for i in range(CPU_ROUNDS):
+        for name in pair_order(list(arms), i):
+            arm = arms[name]
+            settle = SETTLE_S if name == REDIS_PATH else 0.0
+            cpu, used, _ = _phase(arm.gateway, requests, 1, redis, settle)
+            out.per_request[name].append(cpu / requests)
+            asyncio.run(_plain(arm.fast.base_url, 50, 16))  # warm-up
+            n = 20 * requests
+            cpu, used_fast, wall = _phase(arm.fast, n, 16, redis, settle)
+            out.per_core[name].append(n / cpu)
+            if used is not None and used_fast is not None:
+                if name == REDIS_PATH:
+                    out.store.append((used, requests))
+                    out.store_fast.append((used_fast, n))
+                else:  # nobody calls Redis: its own timers and the Redis gateways' idle work
+                    out.store_idle_per_s.append(used_fast.cpu_s / wall)
+            print(f"round {i + 1} {name} fast upstream: {n / wall:.0f} req/s at "
+                  f"{cpu / wall * 100:.0f}% of a core: {n / cpu:.0f} "
+                  "requests per gateway CPU-second", flush=True)
+    return out
+
+
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
-        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None) -> dict[str, Any]:
+        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None,
+        state: str = "memory", redis_url: str | None = None) -> dict[str, Any]:
+    """Measure; ``state="redis"`` adds a third path, the same gateway with ``state`` in a
+    Redis (``redis_url``, or a ``redis-server`` started for the run)."""
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
+    redis = None
+    if state == "redis":
+        command = "tokenpace bench gateway"
+        redis = (RedisServer.given(redis_url, command) if redis_url is not None
+                 else RedisServer.start(home, command, "--state redis"))
+    try:
+        return _run(model, home, requests, tokens, streams, stream_tokens, rounds, redis)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stream_tokens: int,
+         rounds: int, redis: RedisServer | None) -> dict[str, Any]:
     nonce = f"{random.getrandbits(32):08x}"
-    engine_port, gateway_port = free_port(), free_port()
-    fast_port, fast_gateway_port = free_port(), free_port()
+    engine_port, fast_port = free_port(), free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
                                          "--allow-unauthenticated-trusted-gateway"), engine_port,
                     home / "engine.log")
     fast = Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(fast_port)],
                   fast_port, home / "fast-upstream.log")
     servers = [engine, fast]
-    for port, upstream, name in ((gateway_port, engine.base_url, "gateway"),
-                                 (fast_gateway_port, fast.base_url, "fast-gateway")):
-        config = home / f"{name}.yaml"
-        config.write_text(_gateway_config(upstream, home / f"{name}.db"))
-        servers.append(Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
-                               str(config), "--port", str(port), "--log-level", "warning"],
-                              port, home / f"{name}.log"))
-    gateway, fast_gateway = servers[2], servers[3]
+    arms: dict[str, _Arm] = {}
+    states = {"gateway": None, **({REDIS_PATH: redis.url} if redis is not None else {})}
+    for path, state_url in states.items():
+        pair = []
+        for upstream, name in ((engine.base_url, path), (fast.base_url, f"fast-{path}")):
+            port, config = free_port(), home / f"{name}.yaml"
+            config.write_text(_gateway_config(upstream, home / f"{name}.db", state_url))
+            pair.append(Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
+                                str(config), "--port", str(port), "--log-level", "warning"],
+                               port, home / f"{name}.log"))
+        servers += pair
+        arms[path] = _Arm(pair[0], pair[1], home / f"{path}.db")
     start_all(servers)
-    urls = {"direct": engine.base_url, "gateway": gateway.base_url}
-    cpu_per_request: list[float] = []
-    per_core: list[float] = []
+    urls = {"direct": engine.base_url, **{path: arm.gateway.base_url for path, arm in arms.items()}}
     try:
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
-        bursts = asyncio.run(_bursts(urls, gateway, rounds, streams, stream_tokens, nonce))
-        for i in range(CPU_ROUNDS):
-            cpu0 = gateway.cpu_seconds()
-            asyncio.run(_plain(gateway.base_url, requests, 1))
-            cpu_per_request.append((gateway.cpu_seconds() - cpu0) / requests)
-            asyncio.run(_plain(fast_gateway.base_url, 50, 16))  # warm-up
-            cpu0, t0 = fast_gateway.cpu_seconds(), time.monotonic()
-            n = 20 * requests
-            asyncio.run(_plain(fast_gateway.base_url, n, 16))
-            cpu = fast_gateway.cpu_seconds() - cpu0
-            per_core.append(n / cpu)
-            print(f"round {i + 1} fast upstream: {n / (time.monotonic() - t0):.0f} req/s at "
-                  f"{cpu / (time.monotonic() - t0) * 100:.0f}% of a core: {n / cpu:.0f} "
-                  "requests per gateway CPU-second", flush=True)
+        bursts = asyncio.run(_bursts(urls, {p: a.gateway for p, a in arms.items()}, redis,
+                                     rounds, streams, stream_tokens, nonce))
+        cpu = _cpu_rounds(arms, requests, redis)
     finally:
         for srv in reversed(servers):
             srv.stop()
-    in_gateway = _ledger_rounds(home / "gateway.db", bursts.windows)
-    rates, burst, cpu_gross = bursts.rates, bursts.ttft, bursts.cpu_gross
-    request_cpu = statistics.median(cpu_per_request)
-    cpu_per_chunk = [max(0.0, gross - streams * request_cpu) / chunks for gross, chunks in cpu_gross]
-    cpu_per_chunk_gross = [gross / chunks for gross, chunks in cpu_gross]
-    latency = {name: _summary(records) for name, records in seq.items()}
+    in_gateway = {path: _ledger_rounds(arm.ledger, bursts.windows[path])
+                  for path, arm in arms.items()}
+    result = figures(seq, bursts, cpu, in_gateway, streams)
+    result["parameters"] = {"requests": requests, "tokens": tokens, "streams": streams,
+                            "stream_tokens": stream_tokens, "rounds": rounds,
+                            "state": "redis" if redis else "memory"}
+    if redis is not None:
+        result["redis"]["state"] = {
+            "url": StateConfig(url=redis.url).redacted_url(), "timeout": STATE_TIMEOUT,
+            "redis_server": redis.setup}
+    result.update(environment())
+    _print(result)
+    return result
+
+
+def _arm_figures(path: str, seq: dict[str, list[StreamRecord]], bursts: _Bursts, cpu: _Cpu,
+                 in_gateway: dict[str, Any], streams: int) -> dict[str, Any]:
+    """The figures of one gateway path against direct (the same keys for every gateway)."""
     ttft = {name: [r.ttft * 1000 for r in records] for name, records in seq.items()}
     total = {name: [(r.last - r.start) * 1000 for r in records] for name, records in seq.items()}
-    same = sum(d.token_ids == g.token_ids for d, g in zip(seq["direct"], seq["gateway"]))
-    result = {
-        "benchmark": "gateway",
-        "parameters": {"requests": requests, "tokens": tokens, "streams": streams,
-                       "stream_tokens": stream_tokens, "rounds": rounds},
-        "latency": latency,
-        "added_ttft_ms": difference_summary(ttft["gateway"], ttft["direct"]),
-        "added_total_ms": difference_summary(total["gateway"], total["direct"]),
-        "same_output_pairs": same,
-        "gateway_cpu_ms_per_request": _interval([v * 1000 for v in cpu_per_request]),
+    request_cpu = statistics.median(cpu.per_request[path])
+    gross = bursts.cpu_gross[path]
+    cpu_per_chunk = [max(0.0, g - streams * request_cpu) / chunks for g, chunks in gross]
+    rates, burst = bursts.rates, bursts.ttft
+    return {
+        "added_ttft_ms": difference_summary(ttft[path], ttft["direct"]),
+        "added_total_ms": difference_summary(total[path], total["direct"]),
+        "same_output_pairs": sum(d.token_ids == g.token_ids
+                                 for d, g in zip(seq["direct"], seq[path])),
+        "gateway_cpu_ms_per_request": _interval([v * 1000 for v in cpu.per_request[path]]),
         "gateway_cpu_us_per_chunk": _interval([v * 1e6 for v in cpu_per_chunk], 1),
-        "gateway_cpu_us_per_chunk_gross": _interval([v * 1e6 for v in cpu_per_chunk_gross], 1),
-        "gateway_cpu_ms_per_request_fast_upstream": _interval([1000 / v for v in per_core]),
-        "throughput_tok_s": {k: [round(v, 1) for v in vals] for k, vals in rates.items()},
-        "throughput_ratio": ratio_summary(rates["gateway"], rates["direct"], 4),
-        "burst_ttft_ms_median": {k: [round(v * 1000, 1) for v in vals] for k, vals in burst.items()},
-        "burst_ttft_ratio": ratio_summary(burst["gateway"], burst["direct"]),
-        "burst_in_gateway": in_gateway,
-        "load_generator_cpu_s_per_round": _interval(bursts.client_cpu),
-        "requests_per_gateway_cpu_second": _interval(per_core, 0),
-        "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
-        **environment(),
+        "gateway_cpu_us_per_chunk_gross": _interval([g / c * 1e6 for g, c in gross], 1),
+        "gateway_cpu_ms_per_request_fast_upstream": _interval(
+            [1000 / v for v in cpu.per_core[path]]),
+        "throughput_ratio": ratio_summary(rates[path], rates["direct"], 4),
+        "burst_ttft_ratio": ratio_summary(burst[path], burst["direct"]),
+        "burst_in_gateway": in_gateway[path],
+        "requests_per_gateway_cpu_second": _interval(cpu.per_core[path], 0),
     }
-    added = result["added_ttft_ms"]
-    print(f"added by the gateway (paired, {requests} pairs, {same} with identical output): "
+
+
+def _store_figures(seq: dict[str, list[StreamRecord]], bursts: _Bursts, cpu: _Cpu,
+                   streams: int) -> dict[str, Any]:
+    """What Redis adds to the in-process gateway, within the same pairs and rounds, and
+    what the Redis server itself spends (its CPU is not in the gateway process's)."""
+    ttft = {name: [r.ttft * 1000 for r in seq[name]] for name in ("gateway", REDIS_PATH)}
+    total = {name: [(r.last - r.start) * 1000 for r in seq[name]]
+             for name in ("gateway", REDIS_PATH)}
+    per_request = {name: [v * 1000 for v in cpu.per_request[name]]
+                   for name in ("gateway", REDIS_PATH)}
+    fast = {name: [1000 / v for v in cpu.per_core[name]] for name in ("gateway", REDIS_PATH)}
+    return {
+        "redis_adds_ttft_ms": difference_summary(ttft[REDIS_PATH], ttft["gateway"]),
+        "redis_adds_total_ms": difference_summary(total[REDIS_PATH], total["gateway"]),
+        "throughput_ratio_to_gateway": ratio_summary(bursts.rates[REDIS_PATH],
+                                                     bursts.rates["gateway"], 4),
+        "burst_ttft_ratio_to_gateway": ratio_summary(bursts.ttft[REDIS_PATH],
+                                                     bursts.ttft["gateway"]),
+        "gateway_cpu_ms_added_per_request": _interval(
+            paired_differences(per_request[REDIS_PATH], per_request["gateway"])),
+        "gateway_cpu_ms_added_per_request_fast_upstream": _interval(
+            paired_differences(fast[REDIS_PATH], fast["gateway"])),
+        "redis_server_cpu_ms_per_request": _interval(
+            [u.cpu_s / n * 1000 for u, n in cpu.store]),
+        "redis_server_cpu_ms_per_request_fast_upstream": _interval(
+            [u.cpu_s / n * 1000 for u, n in cpu.store_fast]),
+        "redis_server_cpu_us_per_chunk_gross": _interval(
+            [u.cpu_s / chunks * 1e6 for u, chunks in bursts.store], 2),
+        "redis_server_cpu_ms_per_s_idle": _interval([v * 1000 for v in cpu.store_idle_per_s]),
+        # Commands Redis ran, the scripts' inner calls included: its work, not round trips.
+        "redis_commands_per_request": _interval([u.commands / n for u, n in cpu.store], 2),
+        "redis_commands_per_request_fast_upstream": _interval(
+            [u.commands / n for u, n in cpu.store_fast], 2),
+        "redis_commands_per_request_burst": _interval(
+            [u.commands / streams for u, _ in bursts.store], 2),
+    }
+
+
+def figures(seq: dict[str, list[StreamRecord]], bursts: _Bursts, cpu: _Cpu,
+            in_gateway: dict[str, Any], streams: int) -> dict[str, Any]:
+    """The result's figures from the measurements (pure: no server, no clock).
+
+    The in-process gateway's keep their top-level keys; with the Redis path the same
+    figures for the Redis gateway are under ``redis``, beside what Redis adds to the
+    in-process gateway, pair by pair, and the Redis server's own CPU.
+    """
+    ttft = {name: [r.ttft * 1000 for r in records] for name, records in seq.items()}
+    result: dict[str, Any] = {
+        "benchmark": "gateway",
+        "latency": {name: _summary(records) for name, records in seq.items()},
+        **_arm_figures("gateway", seq, bursts, cpu, in_gateway, streams),
+        "throughput_tok_s": {k: [round(v, 1) for v in vals] for k, vals in bursts.rates.items()},
+        "burst_ttft_ms_median": {k: [round(v * 1000, 1) for v in vals]
+                                 for k, vals in bursts.ttft.items()},
+        "load_generator_cpu_s_per_round": _interval(bursts.client_cpu),
+        "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
+    }
+    if REDIS_PATH in seq:
+        result["redis"] = {**_arm_figures(REDIS_PATH, seq, bursts, cpu, in_gateway, streams),
+                           **_store_figures(seq, bursts, cpu, streams)}
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    added, requests = result["added_ttft_ms"], result["parameters"]["requests"]
+    in_gateway, rounds = result["burst_in_gateway"], result["parameters"]["rounds"]
+    print(f"added by the gateway (paired, {requests} pairs, {result['same_output_pairs']} with "
+          f"identical output): "
           f"TTFT p50 {added['p50']['value']:+.2f} ms {added['p50']['interval95']}, p99 "
           f"{added['p99']['value']:+.2f} ms {added['p99']['interval95']} (p1 {added['p1']:+.2f}),"
           f" p99 shift {added['p99_shift']['value']:+.2f} ms {added['p99_shift']['interval95']};"
@@ -324,7 +533,25 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
           f"{result['gateway_cpu_us_per_chunk_gross']['median']:.1f} us gross; "
           f"{result['requests_per_gateway_cpu_second']['median']:.0f} requests per gateway "
           "CPU-second against a fast upstream", flush=True)
-    return result
+    redis = result.get("redis")
+    if redis is None:
+        return
+    adds, to_direct = redis["redis_adds_ttft_ms"], redis["added_ttft_ms"]["p50"]["value"]
+    fast, added = (redis["gateway_cpu_ms_per_request_fast_upstream"]["median"],
+                   redis["gateway_cpu_ms_added_per_request_fast_upstream"]["median"])
+    ratio = redis["throughput_ratio_to_gateway"]
+    print(f"with state in Redis: TTFT added to direct p50 {to_direct:+.2f} ms, to the "
+          f"in-process gateway p50 {adds['p50']['value']:+.2f} ms {adds['p50']['interval95']}, "
+          f"p99 {adds['p99']['value']:+.2f} ms (p1 {adds['p1']:+.2f}); throughput / in-process "
+          f"gateway {ratio['median']:.3f} {ratio['interval95']}; gateway CPU {fast:.3f} ms per "
+          f"request against the fast upstream ({added:+.3f} ms), "
+          f"{redis['gateway_cpu_us_per_chunk']['median']:.1f} us per chunk net; redis-server CPU "
+          f"{redis['redis_server_cpu_ms_per_request_fast_upstream']['median']:.3f} ms per request "
+          f"({redis['redis_server_cpu_ms_per_request']['median']:.3f} against the engine), "
+          f"{redis['redis_server_cpu_us_per_chunk_gross']['median']:.2f} us per chunk, "
+          f"{redis['redis_commands_per_request_fast_upstream']['median']:.2f} commands per "
+          f"request; {redis['requests_per_gateway_cpu_second']['median']:.0f} requests per "
+          "gateway CPU-second", flush=True)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -334,16 +561,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, values in result["ttft_ms"].items():
         left.plot(range(len(values)), values, ".", markersize=3, label=name)
-    left.set_xlabel("pair (direct and gateway, one after the other)")
+    left.set_xlabel("pair (direct and each gateway, one after the other)")
     left.set_ylabel("time to first token at the client (ms)")
     left.set_yscale("log")
     added = result["added_ttft_ms"]
-    left.set_title(f"Sequential streamed requests: added p50 {added['p50']['value']:+.2f} ms")
+    title = f"Sequential streamed requests: added p50 {added['p50']['value']:+.2f} ms"
+    if "redis" in result:
+        title += f", Redis {result['redis']['added_ttft_ms']['p50']['value']:+.2f} ms"
+    left.set_title(title)
     left.legend()
-    for key, label in (("throughput_ratio", "output tok/s"), ("burst_ttft_ratio", "median TTFT")):
-        values = result[key]["values"]
-        right.plot(range(1, len(values) + 1), values, "o-", label=f"{label}, median "
-                   f"{result[key]['median']:.2f} {result[key]['interval95']}")
+    arms = [("", result)] + ([("Redis ", result["redis"])] if "redis" in result else [])
+    for prefix, figures in arms:
+        for key, label in (("throughput_ratio", "output tok/s"),
+                           ("burst_ttft_ratio", "median TTFT")):
+            values = figures[key]["values"]
+            right.plot(range(1, len(values) + 1), values, "o-" if not prefix else "s--",
+                       label=f"{prefix}{label}, median {figures[key]['median']:.2f} "
+                       f"{figures[key]['interval95']}")
     right.axhline(1.0, color="grey", linewidth=0.8)
     right.set_xlabel("burst pair")
     right.set_ylabel("gateway / direct, same pair")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from ..gateway._state import (
 )
 from ._environment import environment
 from ._load import percentile
-from ._redis import start_redis
+from ._redis_server import SETUP, RedisServer
 from .overhead import median_interval
 
 BUDGET = BudgetSpec(1e15, 86400)
@@ -85,10 +84,6 @@ async def _throughput(store: StateStore, requests: int, concurrency: int) -> tup
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     return requests / elapsed, cpu / requests
-
-
-def _start_redis(home: Path) -> tuple[subprocess.Popen[bytes], str]:
-    return start_redis(home, "tokenpace bench state", ", or pass --redis URL")
 
 
 async def _dispatch_path(url: str | None, requests: int, concurrency: int,
@@ -208,20 +203,17 @@ async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> d
 
 def run(requests: int, concurrency: int, repeats: int, redis_url: str | None = None) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="tokenpace-bench-state-"))
-    proc = None
-    if redis_url is None:
-        proc, redis_url = _start_redis(home)
+    server = (RedisServer.given(redis_url, "tokenpace bench state") if redis_url is not None
+              else RedisServer.start(home, "tokenpace bench state", "this benchmark"))
     try:
-        result = asyncio.run(_measure(redis_url, requests, concurrency, repeats))
-        result["dispatcher"] = asyncio.run(_measure_dispatch(redis_url, requests, concurrency))
+        result = asyncio.run(_measure(server.url, requests, concurrency, repeats))
+        result["dispatcher"] = asyncio.run(_measure_dispatch(server.url, requests, concurrency))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        server.stop()
     result.update({
         "benchmark": "state", "requests": requests, "concurrency": concurrency,
         "repeats": repeats, "round_trips_per_request": ROUND_TRIPS,
-        "redis_server": "started by the bench (appendonly, fsync everysec)" if proc else "given",
+        "redis_server": SETUP if server.proc is not None else "given",
         "environment": environment(),
     })
     _print(result)
