@@ -108,7 +108,7 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     if args.quick:
         args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
     result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
-                         args.stream_tokens, args.rounds)
+                         args.stream_tokens, args.rounds, control=args.control)
     return _bench_outputs(args, gateway, result)
 
 
@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per concurrent stream (default 128)")
     gwb.add_argument("--rounds", type=_positive_int, default=24,
                      help="pairs of burst rounds (direct, gateway; default 24)")
+    gwb.add_argument("--control", choices=["byte-proxy"], default=None,
+                     help="add a control path to every pair: the engine behind a byte relay "
+                          "in its own process (what any second process on the path costs)")
     gwb.set_defaults(func=_cmd_bench_gateway)
 
     fair = bench_sub.add_parser(

@@ -79,7 +79,9 @@ def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("gateway", tiny_model, tmp_path)
+    # with the control arm (a byte relay in front of the same engine: a third call in every
+    # pair, a few seconds more than without)
+    result = _bench("gateway", tiny_model, tmp_path, "--quick", "--control", "byte-proxy")
     pairs, rounds = result["parameters"]["requests"], result["parameters"]["rounds"]
     for path in ("direct", "gateway"):
         assert len(result["ttft_ms"][path]) == pairs
@@ -103,6 +105,21 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
            0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
+    # The control arm ran in every pair and burst pair, with the same work (identical output
+    # in every pair: a relay that dropped or changed bytes would not give it), and its
+    # figures are reported against direct and under the gateway's; no timing is asserted.
+    control = result["control"]
+    assert result["parameters"]["control"] == "byte-proxy" and control["kind"] == "byte-proxy"
+    assert len(result["ttft_ms"]["byte_proxy"]) == pairs
+    assert control["same_output_pairs"] == pairs
+    assert control["added_ttft_ms"]["pairs"] == control["added_total_ms"]["pairs"] == pairs
+    assert len(result["burst_ttft_ms_median"]["byte_proxy"]) == rounds
+    assert len(result["throughput_tok_s"]["byte_proxy"]) == rounds
+    assert len(control["cpu_s_per_round"]) == rounds and all(
+        c > 0 for c in control["cpu_s_per_round"])  # the relay's own process did the relaying
+    for key in ("throughput_ratio", "burst_ttft_ratio"):
+        assert control[key]["pairs"] == control["gateway_over_control"][key]["pairs"] == rounds
+    assert control["gateway_over_control"]["added_ttft_ms"]["pairs"] == pairs
 
 
 def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from tokenpace.bench import _control
 from tokenpace.bench._load import StreamRecord, record_chunk
 from tokenpace.bench._paired import (
     bootstrap_interval,
@@ -47,6 +48,18 @@ def test_pairs_alternate_order_and_share_their_index() -> None:
                             ("direct", 4), ("gateway", 4), ("gateway", 5), ("direct", 5)]
     firsts = [pair_order(["direct", "gateway"], i)[0] for i in range(100)]
     assert firsts.count("direct") == firsts.count("gateway") == 50
+
+
+def test_three_paths_take_every_place_equally_often() -> None:
+    # With a control arm, a "pair" has three calls: over every 6 pairs each path is first,
+    # second and third twice (reversing alone would keep the middle one in the middle).
+    names = ["direct", "gateway", "byte_proxy"]
+    orders = [pair_order(names, i) for i in range(60)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    for place in range(3):
+        column = [o[place] for o in orders]
+        assert [column.count(n) for n in names] == [20, 20, 20]
+    assert len({tuple(o) for o in orders[:6]}) == 6
 
 
 def test_paired_difference_recovers_the_cost_that_independent_medians_get_wrong() -> None:
@@ -133,6 +146,9 @@ def test_both_paths_send_the_same_work() -> None:
     # the same fields but the salt, which the gateway adds (64 hex digits, like the direct one)
     assert {k: v for k, v in direct.items() if k != "cache_salt"} == gateway
     assert len(DIRECT_SALT) == 64 and "cache_salt" not in gateway
+    control = work(_control.PATH)  # the byte proxy's calls reach the engine as they are
+    assert {k: v for k, v in control.items() if k != "cache_salt"} == gateway
+    assert len(control["cache_salt"]) == 64 and control["cache_salt"] != DIRECT_SALT
     assert gateway["temperature"] == 0
     assert gateway["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     whole = body("gateway", "p", 16)

@@ -17,19 +17,24 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from itertools import permutations
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 def pair_order(names: Sequence[str], index: int) -> list[str]:
-    """The order of the calls in pair ``index``: as given for even pairs, reversed for odd."""
-    return list(names) if index % 2 == 0 else list(reversed(names))
+    """The order of the calls in pair ``index``: for two paths, as given for even pairs and
+    reversed for odd; for more (a control arm), the ``index``-th of all their orders in
+    turn, so over every ``n!`` pairs each path takes each place equally often."""
+    orders = list(permutations(names))
+    return list(orders[index % len(orders)])
 
 
 async def run_pairs(calls: Mapping[str, Callable[[int], Awaitable[T]]],
                     pairs: int) -> dict[str, list[T]]:
-    """Call each path once per pair, one after the other, alternating the order.
+    """Call each path once per pair (a "pair" of three with a control arm), one after the
+    other, alternating the order (``pair_order``).
 
     Each call gets the pair's index, so both calls of a pair can send the same work (the
     same prompt). Results are per path, in pair order: ``out[a][i]`` and ``out[b][i]`` are

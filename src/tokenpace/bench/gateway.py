@@ -29,7 +29,10 @@ the first chunk that carries a generated token id.
   where only the gateway is called;
 - requests per second at 100% of one core: a second gateway in front of an upstream that
   answers from canned bytes (``_fast_upstream``, its own process), so the gateway is the
-  limit; requests per gateway CPU-second.
+  limit; requests per gateway CPU-second;
+- with ``control="byte-proxy"``, a third path in every pair and burst pair: the engine
+  behind a byte relay in its own process (``_control``), which tells what any second
+  process on the path costs this machine from what the gateway's own work costs.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from . import _control
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_aiohttp
 from ._paired import difference_summary, pair_order, ratio_summary, run_pairs
@@ -95,6 +99,8 @@ def work(path: str) -> dict[str, object]:
     }
     if path == "direct":
         fields["cache_salt"] = DIRECT_SALT
+    elif path == _control.PATH:
+        fields["cache_salt"] = _control.SALT
     return fields
 
 
@@ -110,8 +116,11 @@ def _session(connections: int) -> aiohttp.ClientSession:
     """The load generator's client: keep-alive connections for both paths (the gateway
     keeps its own to the engine), created once and warmed up before anything is timed."""
     return aiohttp.ClientSession(
+        # Idle connections are dropped after 4 s, before vLLM's server closes them (5 s):
+        # a connection reused just as the engine closes it fails its request (a byte
+        # proxy's arm met this once in a burst round on a loaded machine).
         connector=aiohttp.TCPConnector(limit=0, limit_per_host=connections,
-                                       keepalive_timeout=300),
+                                       keepalive_timeout=4),
         timeout=aiohttp.ClientTimeout(total=600), headers={"authorization": f"Bearer {KEY}"})
 
 
@@ -142,37 +151,42 @@ async def _burst(session: aiohttp.ClientSession, url: str, path: str, streams: i
 
 @dataclass
 class _Bursts:
-    rates: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
-    ttft: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "gateway": []})
+    rates: dict[str, list[float]] = field(default_factory=dict)  # per path, per round
+    ttft: dict[str, list[float]] = field(default_factory=dict)
     cpu_gross: list[tuple[float, int]] = field(default_factory=list)
     """Gateway CPU seconds and chunks relayed, per gateway round."""
     windows: list[tuple[float, float]] = field(default_factory=list)
     """Wall-clock span of each gateway round (to find its requests in the ledger)."""
     client_cpu: list[float] = field(default_factory=list)
     """The load generator's own CPU seconds per round (both paths, in round order)."""
+    control_cpu: list[float] = field(default_factory=list)
+    """The control's (byte proxy's) CPU seconds per control round."""
 
 
 async def _bursts(urls: dict[str, str], gateway: Server, rounds: int, streams: int, tokens: int,
-                  nonce: str) -> _Bursts:
+                  nonce: str, control: Server | None = None) -> _Bursts:
     """``rounds`` pairs of burst rounds, the order alternating, the same prompts in both
     rounds of a pair; one warm-up round per path first opens the connections."""
-    out = _Bursts()
+    out = _Bursts(rates={p: [] for p in urls}, ttft={p: [] for p in urls})
     async with _session(streams) as session:
         for path in urls:
             await _burst(session, urls[path], path, streams, 8, f"{nonce}w")
         for i in range(rounds):
             for path in pair_order(list(urls), i):
                 cpu0, wall0, own0 = gateway.cpu_seconds(), time.time(), time.process_time()
+                control0 = control.cpu_seconds() if control is not None else 0.0
                 rate, records = await _burst(session, urls[path], path, streams, tokens,
                                              f"{nonce}b{i}")
                 out.client_cpu.append(time.process_time() - own0)
                 out.rates[path].append(rate)
                 out.ttft[path].append(statistics.median(r.ttft for r in records))
+                if control is not None and path == _control.PATH:
+                    out.control_cpu.append(control.cpu_seconds() - control0)
                 if path == "gateway":
                     out.windows.append((wall0, time.time()))
                     out.cpu_gross.append((gateway.cpu_seconds() - cpu0,
                                           sum(len(r.token_times) for r in records)))
-                print(f"burst pair {i + 1} {path:7s}: {rate:.0f} tok/s, TTFT median "
+                print(f"burst pair {i + 1} {path:10s}: {rate:.0f} tok/s, TTFT median "
                       f"{out.ttft[path][-1] * 1000:.0f} ms", flush=True)
     return out
 
@@ -236,7 +250,11 @@ def _ledger_rounds(ledger: Path, windows: list[tuple[float, float]]) -> dict[str
 
 
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
-        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None) -> dict[str, Any]:
+        stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None,
+        control: str | None = None) -> dict[str, Any]:
+    """``control``: None, or one of ``_control.CONTROLS`` for a control arm in every pair."""
+    if control is not None and control not in _control.CONTROLS:
+        raise ValueError(f"unknown control {control!r}; known: {', '.join(_control.CONTROLS)}")
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
     nonce = f"{random.getrandbits(32):08x}"
     engine_port, gateway_port = free_port(), free_port()
@@ -255,13 +273,17 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
                                str(config), "--port", str(port), "--log-level", "warning"],
                               port, home / f"{name}.log"))
     gateway, fast_gateway = servers[2], servers[3]
-    start_all(servers)
+    relay = _control.server(engine, home) if control is not None else None
+    start_all(servers + ([relay] if relay is not None else []))
     urls = {"direct": engine.base_url, "gateway": gateway.base_url}
+    if relay is not None:
+        servers.append(relay)
+        urls[_control.PATH] = relay.base_url
     cpu_per_request: list[float] = []
     per_core: list[float] = []
     try:
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
-        bursts = asyncio.run(_bursts(urls, gateway, rounds, streams, stream_tokens, nonce))
+        bursts = asyncio.run(_bursts(urls, gateway, rounds, streams, stream_tokens, nonce, relay))
         for i in range(CPU_ROUNDS):
             cpu0 = gateway.cpu_seconds()
             asyncio.run(_plain(gateway.base_url, requests, 1))
@@ -309,6 +331,9 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         "ttft_ms": {name: [round(v, 3) for v in values] for name, values in ttft.items()},
         **environment(),
     }
+    if relay is not None:
+        result["parameters"]["control"] = control
+        result["control"] = _control.summary(ttft, total, seq, rates, burst, bursts.control_cpu)
     added = result["added_ttft_ms"]
     print(f"added by the gateway (paired, {requests} pairs, {same} with identical output): "
           f"TTFT p50 {added['p50']['value']:+.2f} ms {added['p50']['interval95']}, p99 "
@@ -324,6 +349,8 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
           f"{result['gateway_cpu_us_per_chunk_gross']['median']:.1f} us gross; "
           f"{result['requests_per_gateway_cpu_second']['median']:.0f} requests per gateway "
           "CPU-second against a fast upstream", flush=True)
+    if relay is not None:
+        print(_control.line(result["control"]), flush=True)
     return result
 
 
@@ -340,13 +367,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     added = result["added_ttft_ms"]
     left.set_title(f"Sequential streamed requests: added p50 {added['p50']['value']:+.2f} ms")
     left.legend()
-    for key, label in (("throughput_ratio", "output tok/s"), ("burst_ttft_ratio", "median TTFT")):
-        values = result[key]["values"]
-        right.plot(range(1, len(values) + 1), values, "o-", label=f"{label}, median "
-                   f"{result[key]['median']:.2f} {result[key]['interval95']}")
+    arms = [("gateway", result, "o-")]
+    if "control" in result:  # the byte proxy's ratios against direct, dashed
+        arms.append(("byte proxy", result["control"], "s--"))
+    for arm, figures, style in arms:
+        for key, label in (("throughput_ratio", "output tok/s"), ("burst_ttft_ratio", "median TTFT")):
+            values = figures[key]["values"]
+            right.plot(range(1, len(values) + 1), values, style, label=f"{arm}: {label}, median "
+                       f"{figures[key]['median']:.2f} {figures[key]['interval95']}")
     right.axhline(1.0, color="grey", linewidth=0.8)
     right.set_xlabel("burst pair")
-    right.set_ylabel("gateway / direct, same pair")
+    right.set_ylabel("path / direct, same pair")
     right.set_title(f"{result['parameters']['streams']} streams sent at once")
     right.legend()
     save(fig, path)
