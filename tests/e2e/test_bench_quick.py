@@ -115,8 +115,8 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert control["added_ttft_ms"]["pairs"] == control["added_total_ms"]["pairs"] == pairs
     assert len(result["burst_ttft_ms_median"]["byte_proxy"]) == rounds
     assert len(result["throughput_tok_s"]["byte_proxy"]) == rounds
-    assert len(control["cpu_s_per_round"]) == rounds and all(
-        c > 0 for c in control["cpu_s_per_round"])  # the relay's own process did the relaying
+    # the relay's CPU per round (process CPU ticks of 10 ms: a quick round may show 0)
+    assert len(control["cpu_s_per_round"]) == rounds and min(control["cpu_s_per_round"]) >= 0
     for key in ("throughput_ratio", "burst_ttft_ratio"):
         assert control[key]["pairs"] == control["gateway_over_control"][key]["pairs"] == rounds
     assert control["gateway_over_control"]["added_ttft_ms"]["pairs"] == pairs
