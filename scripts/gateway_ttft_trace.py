@@ -45,6 +45,21 @@ def _gateway_child(argv: list[str]) -> int:
     from tokenpace.gateway import _app, _main, _settle, _upstream
 
     sink = open(out, "a", buffering=1)
+    import gc
+
+    gc_time = {"start": 0.0, "total": 0.0, "count": 0, "max": 0.0, "gen2": 0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the cyclic collector's pauses
+        if phase == "start":
+            gc_time["start"] = time.monotonic()
+        else:
+            pause = time.monotonic() - gc_time["start"]
+            gc_time["total"] += pause
+            gc_time["count"] += 1
+            gc_time["max"] = max(gc_time["max"], pause)
+            gc_time["gen2"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
     stamps: dict[str, dict[str, float]] = {}
     proto = httptools_impl.HttpToolsProtocol
     data_received, on_headers_complete = proto.data_received, proto.on_headers_complete
@@ -81,7 +96,9 @@ def _gateway_child(argv: list[str]) -> int:
     def traced_finish(self, outcome, detail=None):  # type: ignore[no-untyped-def]
         if not self.finished and self.ttft_s is not None:
             row = stamps.pop(self.id, {})
-            row.update(id=self.id, arrived=self.arrived, first_read=self.arrived + self.ttft_s)
+            row.update(id=self.id, arrived=self.arrived, first_read=self.arrived + self.ttft_s,
+                       gc_total=gc_time["total"], gc_count=gc_time["count"],
+                       gc_max=gc_time["max"], gc_gen2=gc_time["gen2"])
             sink.write(json.dumps(row) + "\n")
         finish(self, outcome, detail)
 
@@ -197,6 +214,11 @@ def main(argv: list[str]) -> int:
             parts["engine_from_gateway"][-1] - parts["ttft_direct"][-1])
     summary = {k: _median_ms(v) for k, v in parts.items() if v}
     summary["triples"] = len(parts["ttft_gateway"])
+    last = max(stamps.values(), key=lambda r: r["gc_count"], default=None)
+    if last is not None:  # the gateway's cyclic-GC pauses over the run (cumulative)
+        summary["gateway_gc"] = {"collections": last["gc_count"], "gen2": last["gc_gen2"],
+                                 "total_ms": round(last["gc_total"] * 1000, 2),
+                                 "max_pause_ms": round(last["gc_max"] * 1000, 3)}
     n = args.pairs + 4
     for name in procs:  # per request of that path (each served n, warm-up included)
         cpu, wait, slices = (a - b for a, b in zip(after[name], before[name]))
