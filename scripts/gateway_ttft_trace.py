@@ -19,6 +19,10 @@ gateway's timestamps subtract. For each gateway request, in order along its path
 - ``relay_to_client``: from that read to the client's arrival of the chunk (the relay's
   work on it, the write, the hop to the client, the client's wake-up).
 
+Also reported: the gateway's cyclic-GC pauses (``gc.callbacks``) and, per request, the
+CPU time and run-queue wait of the gateway's and the relay's processes (``schedstat``;
+on a machine shared with other work the waits include theirs: read with care).
+
 Their sum is the client's TTFT through the gateway; the direct call of the same triple
 gives the engine alone. Instrumentation costs a few ``time.monotonic`` calls and one
 dictionary write per request, and a line written after the request ended.
