@@ -119,7 +119,7 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
         args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
     result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
                          args.stream_tokens, args.rounds, state=args.state,
-                         redis_url=args.redis)
+                         redis_url=args.redis, control=args.control)
     return _bench_outputs(args, gateway, result)
 
 
@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     gwb.add_argument("--redis", metavar="URL", default=None,
                      help="an existing Redis for --state redis (implies it); its CPU is read "
                      "with INFO, so it should serve nothing else meanwhile")
+    gwb.add_argument("--control", choices=["byte-proxy"], default=None,
+                     help="add a control path to every pair: the engine behind a byte relay "
+                          "in its own process (what any second process on the path costs)")
     gwb.set_defaults(func=_cmd_bench_gateway)
 
     fair = bench_sub.add_parser(

@@ -92,13 +92,14 @@ def _redis_for_bench() -> bool:
 
 
 def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
-    # With the Redis path when there is a redis-server: one engine start for both gateways
-    # (the quick run's third path adds about 15 s).
+    # With the Redis path when there is a redis-server (one engine start for both gateways;
+    # the quick run's third path adds about 15 s) and the control arm (a byte relay in front
+    # of the same engine: one more call in every pair, a few seconds more).
     with_redis = _redis_for_bench()
-    result = _bench("gateway", tiny_model, tmp_path,
-                    *(("--quick", "--state", "redis") if with_redis else ()))
+    result = _bench("gateway", tiny_model, tmp_path, "--quick", "--control", "byte-proxy",
+                    *(("--state", "redis") if with_redis else ()))
     pairs, rounds = result["parameters"]["requests"], result["parameters"]["rounds"]
-    paths = ("direct", "gateway", "gateway_redis") if with_redis else ("direct", "gateway")
+    paths = ("direct", "gateway", "byte_proxy", *(("gateway_redis",) if with_redis else ()))
     assert set(result["ttft_ms"]) == set(paths)
     for path in paths:
         assert len(result["ttft_ms"][path]) == pairs
@@ -122,6 +123,7 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
            0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
+    _check_control_path(result, pairs, rounds)
     if with_redis:
         _check_redis_path(result, pairs, rounds)
 
@@ -164,6 +166,25 @@ def _check_redis_path(result: dict, pairs: int, rounds: int) -> None:
         assert redis[key]["median"] >= 1, (key, redis[key])
     assert len(redis["redis_server_cpu_us_per_chunk_gross"]["values"]) == rounds
     assert len(redis["redis_server_cpu_ms_per_s_idle"]["values"]) == 3
+
+
+def _check_control_path(result: dict, pairs: int, rounds: int) -> None:
+    """The control arm's figures (sanity, not timing bounds)."""
+    # The control arm ran in every pair and burst pair, with the same work (identical output
+    # in every pair: a relay that dropped or changed bytes would not give it), and its
+    # figures are reported against direct and under the gateway's; no timing is asserted.
+    control = result["control"]
+    assert result["parameters"]["control"] == "byte-proxy" and control["kind"] == "byte-proxy"
+    assert len(result["ttft_ms"]["byte_proxy"]) == pairs
+    assert control["same_output_pairs"] == pairs
+    assert control["added_ttft_ms"]["pairs"] == control["added_total_ms"]["pairs"] == pairs
+    assert len(result["burst_ttft_ms_median"]["byte_proxy"]) == rounds
+    assert len(result["throughput_tok_s"]["byte_proxy"]) == rounds
+    # the relay's CPU per round (process CPU ticks of 10 ms: a quick round may show 0)
+    assert len(control["cpu_s_per_round"]) == rounds and min(control["cpu_s_per_round"]) >= 0
+    for key in ("throughput_ratio", "burst_ttft_ratio"):
+        assert control[key]["pairs"] == control["gateway_over_control"][key]["pairs"] == rounds
+    assert control["gateway_over_control"]["added_ttft_ms"]["pairs"] == pairs
 
 
 def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from tokenpace.bench import _control
 from tokenpace.bench._load import StreamRecord, record_chunk
 from tokenpace.bench._paired import (
     bootstrap_interval,
@@ -164,6 +165,9 @@ def test_both_paths_send_the_same_work() -> None:
     # the same fields but the salt, which the gateway adds (64 hex digits, like the direct one)
     assert {k: v for k, v in direct.items() if k != "cache_salt"} == gateway
     assert len(DIRECT_SALT) == 64 and "cache_salt" not in gateway
+    control = work(_control.PATH)  # the byte proxy's calls reach the engine as they are
+    assert {k: v for k, v in control.items() if k != "cache_salt"} == gateway
+    assert len(control["cache_salt"]) == 64 and control["cache_salt"] != DIRECT_SALT
     assert gateway["temperature"] == 0
     assert gateway["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     whole = body("gateway", "p", 16)

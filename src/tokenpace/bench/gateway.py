@@ -29,7 +29,10 @@ the first chunk that carries a generated token id.
   where only the gateway is called;
 - requests per second at 100% of one core: a second gateway in front of an upstream that
   answers from canned bytes (``_fast_upstream``, its own process), so the gateway is the
-  limit; requests per gateway CPU-second.
+  limit; requests per gateway CPU-second;
+- with ``control="byte-proxy"``, one more path in every pair and burst pair: the engine
+  behind a byte relay in its own process (``_control``), which tells what any second
+  process on the path costs this machine from what the gateway's own work costs.
 
 With ``state="redis"`` (``--state redis``) the run has a third path: the same gateway
 configured with ``state`` in a Redis (a ``redis-server`` started for the run, or
@@ -62,6 +65,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from . import _control
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_aiohttp
 from ._paired import (
@@ -135,6 +139,8 @@ def work(path: str) -> dict[str, object]:
     }
     if path == "direct":
         fields["cache_salt"] = DIRECT_SALT
+    elif path == _control.PATH:
+        fields["cache_salt"] = _control.SALT
     return fields
 
 
@@ -150,8 +156,11 @@ def _session(connections: int) -> aiohttp.ClientSession:
     """The load generator's client: keep-alive connections for both paths (the gateway
     keeps its own to the engine), created once and warmed up before anything is timed."""
     return aiohttp.ClientSession(
+        # Idle connections are dropped after 4 s, before vLLM's server closes them (5 s):
+        # a connection reused just as the engine closes it fails its request (a byte
+        # proxy's arm met this once in a burst round on a loaded machine).
         connector=aiohttp.TCPConnector(limit=0, limit_per_host=connections,
-                                       keepalive_timeout=300),
+                                       keepalive_timeout=4),
         timeout=aiohttp.ClientTimeout(total=600), headers={"authorization": f"Bearer {KEY}"})
 
 
@@ -194,6 +203,8 @@ class _Bursts:
     """What Redis did and the chunks relayed, per round of the Redis gateway."""
     client_cpu: list[float] = field(default_factory=list)
     """The load generator's own CPU seconds per round (all paths, in round order)."""
+    control_cpu: list[float] = field(default_factory=list)
+    """The control's (byte proxy's) CPU seconds per control round."""
 
     @classmethod
     def empty(cls, paths: list[str], gateways: list[str]) -> _Bursts:
@@ -202,7 +213,8 @@ class _Bursts:
 
 
 async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: RedisServer | None,
-                  rounds: int, streams: int, tokens: int, nonce: str) -> _Bursts:
+                  rounds: int, streams: int, tokens: int, nonce: str,
+                  control: Server | None = None) -> _Bursts:
     """``rounds`` pairs of burst rounds, the order changing (``pair_order``), the same
     prompts in every round of a pair; one warm-up round per path first opens the
     connections. Redis's counters are read (``INFO``, outside the timed span) around the
@@ -218,6 +230,7 @@ async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: Redi
                 store0 = store.usage() if store is not None else None
                 cpu0 = gateway.cpu_seconds() if gateway is not None else 0.0
                 wall0, own0 = time.time(), time.process_time()
+                control0 = control.cpu_seconds() if control is not None else 0.0
                 rate, records = await _burst(session, urls[path], path, streams, tokens,
                                              f"{nonce}b{i}")
                 out.client_cpu.append(time.process_time() - own0)
@@ -226,6 +239,8 @@ async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: Redi
                     await asyncio.sleep(SETTLE_S)
                 out.rates[path].append(rate)
                 out.ttft[path].append(statistics.median(r.ttft for r in records))
+                if control is not None and path == _control.PATH:
+                    out.control_cpu.append(control.cpu_seconds() - control0)
                 chunks = sum(len(r.token_times) for r in records)
                 if gateway is not None:
                     out.windows[path].append((wall0, wall1))
@@ -364,9 +379,13 @@ def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None)
 
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None,
-        state: str = "memory", redis_url: str | None = None) -> dict[str, Any]:
-    """Measure; ``state="redis"`` adds a third path, the same gateway with ``state`` in a
-    Redis (``redis_url``, or a ``redis-server`` started for the run)."""
+        state: str = "memory", redis_url: str | None = None,
+        control: str | None = None) -> dict[str, Any]:
+    """Measure; ``state="redis"`` adds a path, the same gateway with ``state`` in a Redis
+    (``redis_url``, or a ``redis-server`` started for the run); ``control``: None, or one
+    of ``_control.CONTROLS`` for a control arm in every pair."""
+    if control is not None and control not in _control.CONTROLS:
+        raise ValueError(f"unknown control {control!r}; known: {', '.join(_control.CONTROLS)}")
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
     redis = None
     if state == "redis":
@@ -374,14 +393,15 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         redis = (RedisServer.given(redis_url, command) if redis_url is not None
                  else RedisServer.start(home, command, "--state redis"))
     try:
-        return _run(model, home, requests, tokens, streams, stream_tokens, rounds, redis)
+        return _run(model, home, requests, tokens, streams, stream_tokens, rounds, redis,
+                    control)
     finally:
         if redis is not None:
             redis.stop()
 
 
 def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stream_tokens: int,
-         rounds: int, redis: RedisServer | None) -> dict[str, Any]:
+         rounds: int, redis: RedisServer | None, control: str | None) -> dict[str, Any]:
     nonce = f"{random.getrandbits(32):08x}"
     engine_port, fast_port = free_port(), free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
@@ -402,12 +422,16 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
                                port, home / f"{name}.log"))
         servers += pair
         arms[path] = _Arm(pair[0], pair[1], home / f"{path}.db")
-    start_all(servers)
+    relay = _control.server(engine, home) if control is not None else None
+    start_all(servers + ([relay] if relay is not None else []))
     urls = {"direct": engine.base_url, **{path: arm.gateway.base_url for path, arm in arms.items()}}
+    if relay is not None:
+        servers.append(relay)
+        urls[_control.PATH] = relay.base_url
     try:
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
         bursts = asyncio.run(_bursts(urls, {p: a.gateway for p, a in arms.items()}, redis,
-                                     rounds, streams, stream_tokens, nonce))
+                                     rounds, streams, stream_tokens, nonce, relay))
         cpu = _cpu_rounds(arms, requests, redis)
     finally:
         for srv in reversed(servers):
@@ -418,6 +442,12 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
     result["parameters"] = {"requests": requests, "tokens": tokens, "streams": streams,
                             "stream_tokens": stream_tokens, "rounds": rounds,
                             "state": "redis" if redis else "memory"}
+    if relay is not None:
+        ttft = {name: [r.ttft * 1000 for r in records] for name, records in seq.items()}
+        total = {name: [(r.last - r.start) * 1000 for r in records] for name, records in seq.items()}
+        result["parameters"]["control"] = control
+        result["control"] = _control.summary(ttft, total, seq, bursts.rates, bursts.ttft,
+                                             bursts.control_cpu)
     if redis is not None:
         result["redis"]["state"] = {
             "url": StateConfig(url=redis.url).redacted_url(), "timeout": STATE_TIMEOUT,
@@ -533,6 +563,8 @@ def _print(result: dict[str, Any]) -> None:
           f"{result['gateway_cpu_us_per_chunk_gross']['median']:.1f} us gross; "
           f"{result['requests_per_gateway_cpu_second']['median']:.0f} requests per gateway "
           "CPU-second against a fast upstream", flush=True)
+    if "control" in result:
+        print(_control.line(result["control"]), flush=True)
     redis = result.get("redis")
     if redis is None:
         return
@@ -570,17 +602,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
         title += f", Redis {result['redis']['added_ttft_ms']['p50']['value']:+.2f} ms"
     left.set_title(title)
     left.legend()
-    arms = [("", result)] + ([("Redis ", result["redis"])] if "redis" in result else [])
-    for prefix, figures in arms:
-        for key, label in (("throughput_ratio", "output tok/s"),
-                           ("burst_ttft_ratio", "median TTFT")):
+    arms = [("gateway", result, "o-")]
+    if "redis" in result:
+        arms.append(("Redis gateway", result["redis"], "s--"))
+    if "control" in result:  # the byte proxy's ratios against direct, dotted
+        arms.append(("byte proxy", result["control"], "^:"))
+    for arm, figures, style in arms:
+        for key, label in (("throughput_ratio", "output tok/s"), ("burst_ttft_ratio", "median TTFT")):
             values = figures[key]["values"]
-            right.plot(range(1, len(values) + 1), values, "o-" if not prefix else "s--",
-                       label=f"{prefix}{label}, median {figures[key]['median']:.2f} "
-                       f"{figures[key]['interval95']}")
+            right.plot(range(1, len(values) + 1), values, style, label=f"{arm}: {label}, median "
+                       f"{figures[key]['median']:.2f} {figures[key]['interval95']}")
     right.axhline(1.0, color="grey", linewidth=0.8)
     right.set_xlabel("burst pair")
-    right.set_ylabel("gateway / direct, same pair")
+    right.set_ylabel("path / direct, same pair")
     right.set_title(f"{result['parameters']['streams']} streams sent at once")
     right.legend()
     save(fig, path)
