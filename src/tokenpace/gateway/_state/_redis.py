@@ -84,6 +84,7 @@ class RedisStore(StateStore):
         self._charges: dict[tuple[str, str], float] = {}
         self._dispatches: dict[str, float] = {}  # lane share key -> cost not yet sent
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._last_renew = 0.0
 
     # -- the one place that talks to Redis ----------------------------------------------
@@ -405,9 +406,15 @@ class RedisStore(StateStore):
             self._task = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
-        """Flush charges every ``flush_s``; renew leases every third of the lease time."""
-        while True:
+        """Flush charges every ``flush_s``; renew leases every third of the lease time.
+
+        Ends on cancellation or, at its next turn, once ``close`` has begun: a cancellation
+        that lands inside a redis-py call can be absorbed there (the call returns, the task
+        stays marked as cancelling), and a loop that only waited for it never ended."""
+        while not self._closing:
             await asyncio.sleep(self.flush_s)
+            if self._closing:
+                break
             try:
                 await self.flush()
                 if self._clock() - self._last_renew >= self.lease_ms / 3000:
@@ -421,12 +428,11 @@ class RedisStore(StateStore):
                 logger.exception("state store background work failed")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # Cancelled, or ended by the flag within one flush interval (see ``_keep``).
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         try:
             await self.flush()
