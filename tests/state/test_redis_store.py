@@ -516,3 +516,27 @@ def test_a_burst_beyond_the_connection_pool_waits_instead_of_failing(
         finally:
             await store.close()
     run(body)
+
+
+def test_a_script_missing_from_the_cache_counts_as_an_outage_and_a_script_error_does_not() -> None:
+    """After a Redis restart the script cache is empty: redis-py raises ``NoScriptError``
+    with the NOSCRIPT code stripped from its message. That is the store not answering the
+    request as asked (503, retried), not a bug in a script, which must surface as itself."""
+    from redis.exceptions import NoScriptError, ResponseError
+
+    async def body() -> None:
+        store = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.5)
+
+        async def missing() -> None:
+            raise NoScriptError("No matching script. Please use EVAL.")
+
+        async def broken() -> None:
+            raise ResponseError("ERR user_script:1: attempt to compare nil with number")
+
+        with pytest.raises(StateUnavailable):
+            await store._run(missing)
+        store.healthy, store._retry_at = True, 0.0
+        with pytest.raises(ResponseError):
+            await store._run(broken)
+        await store.close()
+    asyncio.run(body())
