@@ -540,3 +540,33 @@ def test_a_script_missing_from_the_cache_counts_as_an_outage_and_a_script_error_
             await store._run(broken)
         await store.close()
     asyncio.run(body())
+
+
+def test_close_returns_when_a_cancellation_is_absorbed_inside_a_call() -> None:
+    """redis-py can absorb a cancellation that lands inside one of its calls (the call
+    returns, the task goes on): ``close`` must still end the background loop, as it did
+    not when it only cancelled it (``bench state --quick`` then hung for ever)."""
+    async def body() -> None:
+        store = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.5, flush_s=0.01)
+        inside = asyncio.Event()
+        absorb = True
+
+        async def absorbing_flush() -> None:  # what such a call does with a cancellation
+            inside.set()
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                if not absorb:
+                    raise
+
+        store.flush = absorbing_flush  # type: ignore[method-assign]
+        await store.start()
+        await asyncio.wait_for(inside.wait(), 5)
+        closing = asyncio.ensure_future(store.close())
+        done, _ = await asyncio.wait({closing}, timeout=5)
+        absorb = False  # a failing store must not hang the test too: let it end now
+        if not done:
+            store._task.cancel()  # type: ignore[union-attr]
+            await closing
+        assert done, "close() still waiting for the background loop after 5 s"
+    asyncio.run(body())
