@@ -118,8 +118,17 @@ async def stream_aiohttp(session: aiohttp.ClientSession, base_url: str, body: di
     httpx, issue 13). With 32 streams of 128 tokens sharing 2 cores with the servers, a
     slow client's own backlog becomes part of the time to first token it measures.
     """
+    url = f"{base_url}/v1/completions"
     record = StreamRecord(user=user, start=time.monotonic())
-    async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+    try:
+        resp = await session.post(url, json=body)
+    except aiohttp.ServerDisconnectedError:
+        # The server closed a kept-alive connection just as it was reused (its idle
+        # timeout and the pool's cross): nothing was answered. Once more, on a new
+        # connection, timed from this send.
+        record = StreamRecord(user=user, start=time.monotonic())
+        resp = await session.post(url, json=body)
+    async with resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
         async for data in sse_payloads(resp.content.iter_any()):
