@@ -146,13 +146,9 @@ class FailoverStore(StateStore):
                             window_s: float) -> FairnessView:
         """Open: the fallback's counters and no lane costs (the dispatcher then goes by
         its own queues' windows, which hold every dispatch of this replica)."""
-        async def local() -> FairnessView:
-            values = {lane: await self.fallback.counters(lane, tenants)
-                      for lane, tenants in counters.items()}
-            return FairnessView(values, None)
         return await self._decide("counters",
                                   lambda: self.primary.read_fairness(counters, lanes, window_s),
-                                  local)
+                                  lambda: self.fallback.read_fairness(counters, (), window_s))
 
     # -- one call per gateway stage ------------------------------------------------------
 
