@@ -28,7 +28,7 @@ from ._dispatch import EngineSlots
 from ._dispatch_shared import make_dispatcher
 from ._engine_policy import UNKNOWN, policy_problem, reported_policy
 from ._errors import GatewayError, error_response
-from ._ledger import BudgetState, Ledger, open_ledger
+from ._ledger import BudgetState, open_ledger
 from ._proxy import handle
 from ._runtime import Runtime
 from ._shared_budgets import SharedBudgetLevels
