@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 
 import httpx
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 
 from ..fairness import BudgetRefusal
 from . import _metrics as metrics
@@ -39,14 +40,15 @@ class Admission:
     reserved: float  # cost units reserved: prompt + max_tokens x n
 
 
-def bearer_key(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
-    scheme, _, key = value.partition(" ")
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header value, else None."""
+    scheme, _, key = (authorization or "").partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
-def authenticate(rt: Runtime, request: Request) -> TenantState:
-    key = bearer_key(request)
+def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
+    """The tenant of the request's ``Authorization`` header value, or a 401."""
+    key = bearer_key(authorization)
     tenant = rt.config.tenant_for_key(key) if key else None
     state = rt.tenants.get(tenant.id) if tenant else None
     if state is None:
@@ -59,20 +61,30 @@ def authenticate(rt: Runtime, request: Request) -> TenantState:
     return state
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The request body from the ASGI ``receive`` channel, at most ``limit`` bytes
+    (``declared``: the ``Content-Length`` header, refused at once when over the limit).
+    Raises ``ClientDisconnect`` if the client leaves while sending it."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise GatewayError(413, f"request body larger than {limit} bytes", reason="body_too_large",
                            code="body_too_large")
     chunks = []
     size = 0
-    async for chunk in request.stream():  # raises ClientDisconnect if the client leaves
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise GatewayError(413, f"request body larger than {limit} bytes",
                                reason="body_too_large", code="body_too_large")
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk  # the usual case: the whole body in one message
+            chunks.append(chunk)
+            return b"".join(chunks)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def route(rt: Runtime, tenant: TenantState) -> EngineSlots:

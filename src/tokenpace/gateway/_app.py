@@ -20,9 +20,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from . import _metrics as metrics
 from ._admission import authenticate, bearer_key
+from ._body import Kind
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import EngineSlots
 from ._dispatch_shared import make_dispatcher
@@ -50,6 +52,10 @@ after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a connection reused just as the en
 it fails the request it carries. httpx's default expiry is that same 5 s."""
 
 
+_COMPLETION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
+                                     "/v1/completions": "completion"}
+
+
 class Gateway:
     """Owns the runtime; ``app`` is the ASGI application to serve."""
 
@@ -60,10 +66,11 @@ class Gateway:
         # Processes serving this port (--workers): open-mode fallback limits divide by it.
         self.workers = 1
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
-        self.app = Starlette(
+        self.app = self  # the ASGI application to serve (``__call__``)
+        self._routes = Starlette(
             routes=[
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._not_started, methods=["POST"]),
+                Route("/v1/completions", self._not_started, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -72,6 +79,24 @@ class Gateway:
             lifespan=self._lifespan,
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI application (``app`` is the gateway itself).
+
+        The two completion routes go straight to the proxy: per request that saves
+        Starlette's route matching, its ``Request`` and the two middleware layers that
+        wrap every ``send`` (once per streamed read, on the relay's path). The proxy
+        answers its own errors, including a bug's 500. Everything else (other routes,
+        other methods, 404s, the lifespan) goes through Starlette.
+        """
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _COMPLETION_PATHS.get(scope["path"])
+            rt = self.rt
+            if kind is not None and rt is not None:
+                response = await handle(rt, kind, scope, receive)
+                await response(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -233,19 +258,16 @@ class Gateway:
 
     # -- routes ----------------------------------------------------------------------
 
-    async def _chat(self, request: Request) -> Response:
-        assert self.rt is not None
-        return await handle(self.rt, "chat", request)  # type: ignore[return-value]
-
-    async def _completions(self, request: Request) -> Response:
-        assert self.rt is not None
-        return await handle(self.rt, "completion", request)  # type: ignore[return-value]
+    async def _not_started(self, request: Request) -> Response:
+        """A completion before start-up finished (``app`` serves them once it has)."""
+        return error_response(503, "the gateway is starting", code="engine_unavailable",
+                              headers={"retry-after": "1"})
 
     async def _models(self, request: Request) -> Response:
         rt = self.rt
         assert rt is not None
         try:
-            tenant = authenticate(rt, request)
+            tenant = authenticate(rt, request.headers.get("authorization"))
         except GatewayError as exc:
             return exc.response()
         engine = rt.dispatcher.engine_for(tenant.id)
@@ -285,7 +307,7 @@ class Gateway:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     async def _admin_reload(self, request: Request) -> Response:
-        key = bearer_key(request)
+        key = bearer_key(request.headers.get("authorization"))
         if not key or not self.config.is_admin_key(key):
             return error_response(401 if not key else 403, "an admin API key is required",
                                   code="invalid_api_key")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -19,6 +18,7 @@ from ._body import Kind, ParsedRequest
 from ._errors import GatewayError, error_body
 from ._settle import Exchange, Outcome
 from ._stream import ChunkRewriter, EventSplitter
+from ._upstream import Response as UpstreamResponse
 from ._upstream import Upstream, UpstreamError
 from ._watch import ClientWatch
 
@@ -93,7 +93,7 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
                       watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
     """Start the engine stream; its status decides between a pass-through error and SSE."""
     outcome = Outcome.CANCELLED
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
         with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
             try:
@@ -137,7 +137,7 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
 class StreamResponse:
     """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
 
-    def __init__(self, ex: Exchange, upstream: aiohttp.ClientResponse, req: ParsedRequest,
+    def __init__(self, ex: Exchange, upstream: UpstreamResponse, req: ParsedRequest,
                  watch: ClientWatch, deadline: float) -> None:
         self.ex = ex
         self.upstream = upstream
@@ -193,7 +193,10 @@ class StreamResponse:
         progress = rewriter.progress
         splitter = EventSplitter()
         try:
-            async for data in self.upstream.content.iter_any():
+            upstream = self.upstream
+            # Per read: one await on the connection; per event a few bytes operations
+            # (EventSplitter, ChunkRewriter); one send per read.
+            while data := await upstream.chunk():
                 out = []
                 for payload in splitter.feed(data):
                     event = rewriter.event(payload)

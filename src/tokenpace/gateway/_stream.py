@@ -17,8 +17,9 @@ Two rules keep the relay both correct and cheap:
   the client did not ask for it. Nothing is re-serialised, so a chunk reaches the client
   byte for byte as the engine would have sent it without usage.
 
-Cost per chunk: two ``bytes.find`` over the chunk, one ``json.loads`` of the usage object and
-one small int parse; a chunk without usage (not vLLM) falls back to a full ``json.loads``.
+Cost per chunk: two ``bytes.find`` over the chunk, one scan of the usage object by the JSON
+decoder's C scanner (~1 us) and one small int parse; a chunk without usage (not vLLM)
+falls back to a full ``json.loads``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ _FINISH_KEY = b'"finish_reason":"'
 _CHOICES_EMPTY = b'"choices":[]'
 _CHOICES_EMPTY_SPACED = b'"choices": []'
 _DONE = b"[DONE]"
+_scan = json.JSONDecoder().scan_once
+"""The JSON decoder's scanner (C): one value from a ``str`` at an index. ``json.loads``
+around it costs three times as much for a 60-byte object (it detects the encoding of
+bytes in Python and checks for trailing data, which ``_object_end`` already bounds)."""
 
 
 class EventSplitter:
@@ -128,8 +133,8 @@ class ChunkRewriter:
             self._slow(data)
             return data
         try:
-            usage = json.loads(data[start:end])
-        except ValueError:
+            usage = _scan(data[start:end].decode(), 0)[0]
+        except (ValueError, StopIteration):
             self._slow(data)
             return data
         progress = self.progress

@@ -1,72 +1,402 @@
-"""The hot-path client to the engines: completions, streamed and not.
+"""The hot-path client to the engines: completions over HTTP/1.1, streamed and not.
 
-aiohttp parses HTTP in C (its ``_http_parser`` extension) and hands the body over as bytes
-as they arrive; httpx, which the gateway's background calls (health, gauges, ``/tokenize``,
-``/v1/models``) still use, parses in pure Python and was the largest single cost per
-request and per streamed chunk (docs/benchmarks.md). One session per engine, with that
-engine's own headers (``headers``: e.g. the engine's ``Authorization``), and a pool as
-large as the engine's ``max_inflight``.
+A general HTTP client does much per call that this one call never needs: aiohttp built a
+request object, URL, header multidict, timer and payload writer for every completion and
+was a tenth of the gateway's CPU in a burst (py-spy, docs/benchmarks.md). Here one request
+is one pre-formatted ``bytes`` written to a kept-alive connection, and the answer is
+parsed in C by httptools (llhttp, the parser uvicorn uses for the client side), whose
+callbacks hand the body over as it arrives.
+
+One ``Upstream`` per engine: a pool of keep-alive connections (at most ``max_connections``,
+idle ones dropped after ``keepalive_s``, before the engine would close them), with that
+engine's own headers (its ``Authorization``). What the hot path relies on:
+
+- ``post`` returns once the response head arrived; the body is then read with ``read``
+  (all of it) or ``chunk`` (what arrived, as it arrives), and the response ends with
+  ``release`` (the connection goes back to the pool once the body is complete) or
+  ``close`` (the connection is closed: the engine sees the client go and aborts the
+  request).
+- A cancelled ``post`` closes its connection, so the engine aborts what it was sent.
+- A failed connect (nothing was sent) is retried once on a fresh connection.
+- Reading is paused while more than ``HIGH_WATER`` bytes wait unread (a slow client does
+  not make the gateway buffer an engine's whole answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import Mapping
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
 logger = logging.getLogger("tokenpace.gateway")
 
-UpstreamError = (aiohttp.ClientError, TimeoutError)
-"""What a failed engine call raises (connect, send, read)."""
+CONNECT_TIMEOUT_S = 5.0
+HIGH_WATER = 256 * 1024
+"""Unread body bytes at which a connection stops reading from the engine until the relay
+catches up (a completion's events are far smaller; a slow client is what reaches it)."""
+LINGER_S = 5.0
+"""How long a response released before its body ended (the relay saw ``[DONE]`` but not
+the chunked terminator yet) may take to end, so its connection can be reused, before the
+connection is closed."""
+
+
+class UpstreamError(Exception):
+    """A failed engine call: connect, send, or a read that ended before the answer did."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection to the engine could be opened (nothing was sent)."""
 
 
 class Upstream:
-    """One engine's completions endpoint."""
+    """One engine's completions endpoint: a keep-alive connection pool."""
 
     def __init__(self, base_url: str, max_connections: int, keepalive_s: float,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = dict(headers or {})
-        self._max_connections = max_connections
+        parts = urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"engine url {base_url!r}: the gateway reaches engines over "
+                             "plain http://host:port")
+        self._host = parts.hostname
+        self._port = parts.port or 80
+        self._prefix = parts.path.encode()  # an engine served under a path
+        # Per-engine headers, formatted once: every request writes them as they are.
+        self._static = _header_bytes({"host": parts.netloc, **(headers or {})})
+        self._max = max_connections
         self._keepalive_s = keepalive_s
-        self._session: aiohttp.ClientSession | None = None
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[_Connection] = []  # most recently used last (reused first)
+        self._open = 0  # connections counted against max_connections
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
 
-    def _open(self) -> aiohttp.ClientSession:
-        # created on first use, inside the running loop (aiohttp binds to it)
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=self._connector(),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                headers=self._headers, auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
-            )
-        return self._session
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+        """Send a POST; return once the response head arrived.
 
-    def _connector(self) -> aiohttp.TCPConnector:
-        return aiohttp.TCPConnector(limit=self._max_connections,
-                                    keepalive_timeout=self._keepalive_s)
-
-    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-        """Send a POST and return once the response head arrived (the body is the caller's
-        to read, then ``release`` or ``close``). A failed *connect* (the request never left)
-        is retried once on a fresh connection: the engine may just have closed an idle one,
-        or restarted."""
-        session = self._open()
-        url = self.base_url + path
+        A failed connect is retried once (the engine may have just restarted); a request
+        that was written is never sent twice.
+        """
+        # Cost: one bytes join and one write; the head is parsed in C on arrival.
+        request = b"".join((b"POST ", self._prefix, path.encode(), b" HTTP/1.1\r\n",
+                            self._static, _header_bytes(headers),
+                            b"content-length: %d\r\n\r\n" % len(body), body))
         try:
-            return await session.post(url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError:
+            conn = await self._acquire()
+        except ConnectFailed:
             logger.warning("engine %s: connect failed for %s; retrying once", self.base_url,
                            headers.get("x-request-id"))
-            return await session.post(url, data=body, headers=headers)
+            conn = await self._acquire()
+        return await conn.exchange(request)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        """Close every connection (in-flight responses see their read fail)."""
+        self._closed = True
+        for conn in list(self._idle):
+            conn.shut()
+        self._idle.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(UpstreamError("the upstream client is closed"))
+
+    # -- the pool ------------------------------------------------------------------
+
+    async def _acquire(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._closed:
+                raise UpstreamError("the upstream client is closed")
+            now = loop.time()
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.usable and now - conn.idle_since < self._keepalive_s:
+                    return conn
+                conn.shut()
+            if self._open < self._max:
+                break
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the turn goes to the next one
+                else:
+                    waiter.cancel()
+                    with _suppress_value_error():
+                        self._waiters.remove(waiter)
+                raise
+        self._open += 1
+        conn = _Connection(self)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await loop.create_connection(lambda: conn, self._host, self._port)
+        except (OSError, TimeoutError) as exc:
+            conn.forget()
+            raise ConnectFailed(f"cannot connect to {self.base_url}: {exc!r}") from exc
+        except BaseException:
+            conn.forget()
+            raise
+        return conn
+
+    def _reuse(self, conn: _Connection, now: float) -> None:
+        """A connection whose answer ended: idle in the pool, or closed when the pool is."""
+        if self._closed:
+            conn.shut()
+            return
+        conn.idle_since = now
+        self._idle.append(conn)
+        self._wake()
+
+    def _forgot(self) -> None:
+        self._open -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _discard_idle(self, conn: _Connection) -> None:
+        with _suppress_value_error():
+            self._idle.remove(conn)
 
 
-async def chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The response body as the network delivers it (one item per read)."""
-    async for data in resp.content.iter_any():
-        yield data
+class Response:
+    """An engine's answer whose head arrived; its body is read with ``read`` or ``chunk``."""
+
+    __slots__ = ("status", "_conn", "_headers", "_raw_headers")
+
+    def __init__(self, conn: _Connection, status: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self._conn = conn
+        self._raw_headers = raw_headers
+        self._headers: dict[str, str] | None = None
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Response headers, names in lower case (built when first asked for)."""
+        if self._headers is None:
+            self._headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                             for name, value in self._raw_headers}
+        return self._headers
+
+    async def chunk(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some), or ``b""``
+        once the body is complete. Raises ``UpstreamError`` when the connection ends first."""
+        return await self._conn.take()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while data := await self._conn.take():
+            parts.append(data)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the answer: its connection is reused once the body has ended."""
+        self._conn.release()
+
+    def close(self) -> None:
+        """Abandon the answer: the connection is closed (the engine aborts the request)."""
+        self._conn.shut()
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection to the engine and the answer it is receiving."""
+
+    def __init__(self, pool: Upstream) -> None:
+        self._pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[Response] | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._complete = False  # the current answer's body has ended
+        self._released = False  # ... and its reader is done with it
+        self._error: UpstreamError | None = None
+        self._paused = False
+        self._counted = True  # holds one of the pool's max_connections
+        self._linger: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self._transport is not None and self._error is None
+
+    # -- the reader's side -----------------------------------------------------------
+
+    async def exchange(self, request: bytes) -> Response:
+        """Write ``request`` and wait for the response head."""
+        assert self._transport is not None
+        self._headers = []
+        self._body = []
+        self._complete = self._released = False
+        head = self._head = self._loop.create_future()
+        self._transport.write(request)
+        try:
+            return await head
+        except BaseException:
+            self.shut()  # cancelled, or failed: the engine must not run what it got
+            raise
+
+    async def take(self) -> bytes:
+        while True:
+            if self._body:
+                body = self._body
+                data = body[0] if len(body) == 1 else b"".join(body)
+                self._body = []
+                self._buffered = 0
+                if self._paused and self._transport is not None:
+                    self._paused = False
+                    self._transport.resume_reading()
+                return data
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def release(self) -> None:
+        self._released = True
+        if self._linger is not None:
+            return
+        if self._complete:
+            self._reuse()
+        elif self.usable:
+            # The relay has what it needs ([DONE]); the chunked terminator is on its way.
+            self._linger = self._loop.call_later(LINGER_S, self.shut)
+        else:
+            self.shut()
+
+    def shut(self) -> None:
+        """Close the connection and give up its place in the pool."""
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        if self._error is None:
+            self._error = UpstreamError("the connection was closed")
+        self._wake()
+        if self._transport is not None:
+            transport, self._transport = self._transport, None
+            transport.close()
+        self.forget()
+
+    def forget(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._pool._forgot()
+
+    def _reuse(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        if self._keep_alive and self.usable:
+            self._pool._reuse(self, self._loop.time())
+        else:
+            self.shut()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed answer from the engine: {exc}"))
+            self.shut()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if not self._complete:
+            self._fail(UpstreamError("the engine closed the connection"
+                                     + (f" ({exc!r})" if exc else "")))
+        elif self._error is None:
+            self._error = UpstreamError("the engine closed the connection")
+        self._pool._discard_idle(self)
+        self.forget()
+
+    def pause_writing(self) -> None:  # a request body larger than the socket buffer
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(Response(self, self._parser.get_status_code(), self._headers))
+
+    def on_body(self, body: bytes) -> None:
+        if self._released:
+            return  # the reader has what it wanted; the rest is dropped
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()
+        self._wake()
+        if self._released:
+            self._reuse()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is None:
+            self._error = error
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(error)
+        self._wake()
+
+    _keep_alive = False
+
+
+def _header_bytes(headers: Mapping[str, str]) -> bytes:
+    """``name: value`` lines; a header that could split the request is refused."""
+    out = []
+    for name, value in headers.items():
+        if any(c in name or c in value for c in "\r\n\0"):
+            raise ValueError(f"header {name!r}: line breaks and NUL are not allowed")
+        out.append(f"{name}: {value}\r\n")
+    return "".join(out).encode("latin-1")
+
+
+class _suppress_value_error:
+    """``contextlib.suppress(ValueError)`` without its per-use cost."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, value: object, tb: object) -> bool:
+        return kind is ValueError

@@ -1,0 +1,336 @@
+"""The gateway's hot-path client to the engines (``_upstream``), against real sockets.
+
+The server is a scripted HTTP/1.1 server in the test's own event loop: each test says what
+it answers, and it records the connections it accepted, the requests it read and the
+connections its peer closed, which is what the client's pooling, aborts and retries are
+judged by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests._servers import free_port
+from tokenpace.gateway import _upstream
+from tokenpace.gateway._upstream import ConnectFailed, Upstream, UpstreamError
+
+Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
+HEADERS = {"content-type": "application/json", "x-request-id": "r1"}
+
+
+class Script:
+    """A real server: ``handler(request, writer)`` answers each request."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed_by_peer = 0
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.reader: asyncio.StreamReader | None = None  # the connection being answered
+
+    async def __aenter__(self) -> Script:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                request = head + await reader.readexactly(length)
+                self.requests.append(request)
+                self.reader = reader
+                await self.handler(request, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_peer += 1
+        finally:
+            writer.close()
+
+
+def chunked(*events: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def answer_json(request: bytes, writer: asyncio.StreamWriter) -> None:
+    body = b'{"ok": true}'
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    await writer.drain()
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())
+
+
+def test_a_request_is_sent_as_written_and_its_answer_read_whole() -> None:
+    async def main() -> None:
+        async with Script(answer_json) as server:
+            upstream = Upstream(server.url, 8, 2.0, headers={"authorization": "Bearer engine-key"})
+            resp = await upstream.post("/v1/completions", b'{"prompt": "hi"}', HEADERS)
+            assert resp.status == 200
+            assert resp.headers["content-type"] == "application/json"
+            assert await resp.read() == b'{"ok": true}'
+            resp.release()
+            request = server.requests[0]
+            assert request.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+            assert b"\r\nauthorization: Bearer engine-key\r\n" in request
+            assert b"\r\nx-request-id: r1\r\n" in request
+            assert b"\r\ncontent-length: 16\r\n" in request
+            assert request.endswith(b'\r\n\r\n{"prompt": "hi"}')
+            await upstream.close()
+    run(main)
+
+
+def test_connections_are_kept_alive_and_reused() -> None:
+    async def main() -> None:
+        async with Script(answer_json) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            for _ in range(5):
+                resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+                await resp.read()
+                resp.release()
+            assert server.connections == 1 and len(server.requests) == 5
+            await upstream.close()
+    run(main)
+
+
+def test_an_idle_connection_older_than_keepalive_is_not_reused() -> None:
+    async def main() -> None:
+        async with Script(answer_json) as server:
+            upstream = Upstream(server.url, 8, 0.05)
+            for _ in range(2):
+                resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+                await resp.read()
+                resp.release()
+                await asyncio.sleep(0.1)
+            assert server.connections == 2
+            await upstream.close()
+    run(main)
+
+
+def test_a_stream_is_read_as_it_arrives_and_the_connection_reused_after_its_end() -> None:
+    release_rest = asyncio.Event()
+
+    async def stream(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD + chunked(b"data: 1\n\n"))
+        await writer.drain()
+        await release_rest.wait()
+        writer.write(chunked(b"data: 2\n\n", b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the terminator comes after the reader is done
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with Script(stream) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert await resp.chunk() == b"data: 1\n\n"  # before the rest was written
+            release_rest.set()
+            got = b""
+            while b"[DONE]" not in got:
+                got += await resp.chunk()
+            assert got == b"data: 2\n\ndata: [DONE]\n\n"
+            resp.release()  # before the chunked terminator arrived
+            await asyncio.sleep(0.2)
+            release_rest.clear()
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert await resp.chunk() == b"data: 1\n\n"
+            assert server.connections == 1  # the released connection was reused
+            resp.close()
+            await upstream.close()
+    run(main)
+
+
+def test_close_mid_stream_closes_the_connection_so_the_engine_aborts() -> None:
+    async def endless(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD)
+        while True:
+            writer.write(chunked(b"data: x\n\n"))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        async with Script(endless) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            await resp.chunk()
+            resp.close()
+            for _ in range(100):
+                if server.closed_by_peer:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.closed_by_peer == 1
+            await upstream.close()
+    run(main)
+
+
+def test_a_post_cancelled_before_the_head_closes_its_connection() -> None:
+    async def main() -> None:
+        async def never(request: bytes, writer: asyncio.StreamWriter) -> None:
+            assert server.reader is not None
+            await server.reader.read()  # returns (b"") when the client closes
+            raise ConnectionResetError
+
+        async with Script(never) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await upstream.post("/v1/completions", b"{}", HEADERS)
+            for _ in range(100):
+                if server.closed_by_peer:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.closed_by_peer == 1 and len(server.requests) == 1
+            assert upstream._open == 0  # its place in the pool was given back
+            await upstream.close()
+    run(main)
+
+
+def test_an_engine_that_drops_the_connection_mid_body_fails_the_read() -> None:
+    async def drop(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD + chunked(b"data: 1\n\n"))
+        await writer.drain()
+        writer.transport.abort()
+
+    async def main() -> None:
+        async with Script(drop) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert await resp.chunk() == b"data: 1\n\n"
+            with pytest.raises(UpstreamError):
+                while await resp.chunk():
+                    pass
+            resp.close()
+            assert upstream._open == 0
+            await upstream.close()
+    run(main)
+
+
+def test_a_malformed_answer_is_an_upstream_error() -> None:
+    async def garbage(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with Script(garbage) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            with pytest.raises(UpstreamError):
+                await upstream.post("/v1/completions", b"{}", HEADERS)
+            await upstream.close()
+    run(main)
+
+
+def test_requests_beyond_max_connections_wait_for_a_free_one() -> None:
+    gate = asyncio.Event()
+
+    async def held(request: bytes, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        await answer_json(request, writer)
+
+    async def main() -> None:
+        async with Script(held) as server:
+            upstream = Upstream(server.url, 2, 2.0)
+
+            async def one() -> bytes:
+                resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+                body = await resp.read()
+                resp.release()
+                return body
+
+            tasks = [asyncio.create_task(one()) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            assert server.connections == 2 and len(server.requests) == 2
+            gate.set()
+            assert await asyncio.gather(*tasks) == [b'{"ok": true}'] * 3
+            assert server.connections == 2  # the third reused a released connection
+            await upstream.close()
+    run(main)
+
+
+def test_a_failed_connect_is_retried_once_and_never_sends_twice() -> None:
+    class FirstConnectRefused(Upstream):
+        """The first connect goes to a port nothing listens on: a real refusal."""
+
+        attempts = 0
+
+        async def _acquire(self) -> _upstream._Connection:
+            self.attempts += 1
+            if self.attempts == 1:
+                port, self._port = self._port, free_port()
+                try:
+                    return await super()._acquire()
+                finally:
+                    self._port = port
+            return await super()._acquire()
+
+    async def main() -> None:
+        async with Script(answer_json) as server:
+            upstream = FirstConnectRefused(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert await resp.read() == b'{"ok": true}'
+            resp.release()
+            assert upstream.attempts == 2 and len(server.requests) == 1
+            await upstream.close()
+    run(main)
+
+
+def test_no_engine_at_all_is_a_connect_failure() -> None:
+    async def main() -> None:
+        upstream = Upstream(f"http://127.0.0.1:{free_port()}", 8, 2.0)
+        with pytest.raises(ConnectFailed):
+            await upstream.post("/v1/completions", b"{}", HEADERS)
+        assert upstream._open == 0
+        await upstream.close()
+    run(main)
+
+
+def test_reading_pauses_while_the_relay_lags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_upstream, "HIGH_WATER", 64 * 1024)
+    piece = b"x" * 16384
+
+    async def big(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (64 * len(piece)))
+        for _ in range(64):
+            writer.write(piece)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Script(big) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            await asyncio.sleep(0.3)  # the server writes while nobody reads
+            conn = resp._conn
+            assert conn._paused and conn._buffered < 64 * len(piece)
+            assert len(await resp.read()) == 64 * len(piece)
+            resp.release()
+            await upstream.close()
+    run(main)
+
+
+def test_headers_that_would_split_the_request_are_refused() -> None:
+    with pytest.raises(ValueError, match="line breaks"):
+        Upstream("http://127.0.0.1:1", 8, 2.0, headers={"authorization": "Bearer x\r\nevil: 1"})
+    with pytest.raises(ValueError, match="plain http"):
+        Upstream("https://127.0.0.1:1", 8, 2.0)
