@@ -23,7 +23,6 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import anyio
 
 from ..fairness import FairQueue, LaneSpec
 from . import _metrics as metrics
@@ -262,7 +261,7 @@ class Dispatcher:
             self._remove(waiter)
             raise QueueFull()
         metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
-        with anyio.fail_after(timeout_s):
+        async with asyncio.timeout(timeout_s):
             await self._wait(waiter)
         return waiter
 

@@ -10,11 +10,11 @@ ends in: slot, budget, metrics, ledger).
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
-import anyio
+import asyncio
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope
@@ -46,7 +46,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
                  receive: Receive) -> Response | Callable[..., Awaitable[None]]:
     """One completion request, given as its ASGI ``scope`` and ``receive`` channel; the
     returned ASGI response is the caller's to send."""
-    request_id = f"tpg-{uuid.uuid4().hex}"
+    request_id = "tpg-" + os.urandom(16).hex()  # 128 random bits; uuid4() costs 4x as much
     arrived = rt.clock()
     # Cost: one pass over the request's header list (uvicorn gives names in lower case).
     authorization = declared = None
@@ -83,7 +83,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt)
-        deadline = anyio.current_time() + rt.config.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)
         return await call(ex, upstream, body, watch, deadline)
@@ -122,7 +122,7 @@ async def _wait_for_slot(ex: Exchange, engine: EngineSlots, admission: Admission
     lease = rt.dispatcher.lease(
         tenant, engine, tenant.config.queue_timeout_s,
         prompt_cost=rt.config.cost.prompt * admission.prompt_tokens, estimate=admission.reserved)
-    with watch.guard(anyio.CancelScope()):
+    async with watch.guard():
         try:
             return await lease.acquire()
         except QueueFull as exc:

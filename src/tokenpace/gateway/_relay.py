@@ -35,7 +35,7 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
     outcome, detail = Outcome.CANCELLED, None
     resp = None
     try:
-        with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
+        async with watch.guard(deadline) as scope:
             try:
                 resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
                 content = await resp.read()
@@ -95,7 +95,7 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
     outcome = Outcome.CANCELLED
     resp: UpstreamResponse | None = None
     try:
-        with watch.guard(anyio.CancelScope(deadline=deadline)) as scope:
+        async with watch.guard(deadline) as scope:
             try:
                 resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
             except UpstreamError as exc:
@@ -154,7 +154,7 @@ class StreamResponse:
                 (b"cache-control", b"no-cache"),
                 (b"x-request-id", ex.id.encode()),
             ]})
-            with self.watch.guard(anyio.CancelScope(deadline=self.deadline)) as cancel:
+            async with self.watch.guard(self.deadline) as cancel:
                 failure = await self._relay(send)
             if cancel.cancelled_caught:
                 outcome = Outcome.CANCELLED if self.watch.gone else Outcome.TIMEOUT
