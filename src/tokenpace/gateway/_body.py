@@ -47,6 +47,26 @@ class ParsedRequest:
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
+_suspect = [False]
+"""Set by the decoder's hooks while one body is parsed (parsing never yields to the loop)."""
+
+
+def _constant(name: str) -> float:
+    _suspect[0] = True
+    return float(name)
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _suspect[0] = True
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
+"""Made once: ``json.loads`` with hooks builds a decoder and its scanner on every call."""
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 naming what the engine could not take.
 
@@ -55,32 +75,20 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     text an OpenAI client can mean. vLLM 0.32 refuses a surrogate (its tokenizer raises)
     and a non-finite sampling parameter, but renders ``NaN`` in ``chat_template_kwargs``
     into the prompt; the gateway's own upstream encoder cannot send either. They are
-    refused here with the field's path, before any work. Cost: one regular-expression scan of the raw bytes, plus a walk of the
-    parsed body only when the scan or the parser saw a suspect value.
+    refused here with the field's path, before any work. Cost: the parse, one
+    regular-expression scan of the raw bytes, plus a walk of the parsed body only when the
+    scan or the parser saw a suspect value.
     """
-    suspect = False
-
-    def constant(name: str) -> float:
-        nonlocal suspect
-        suspect = True
-        return float(name)
-
-    def number(text: str) -> float:
-        nonlocal suspect
-        value = float(text)
-        if not math.isfinite(value):
-            suspect = True
-        return value
-
+    _suspect[0] = False
     try:
-        body = json.loads(raw, parse_constant=constant, parse_float=number)
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (ValueError, RecursionError) as exc:
         raise GatewayError(400, f"the request body is not valid JSON: {exc}", reason="bad_request",
                            code="invalid_json") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object", reason="bad_request",
                            code="invalid_json")
-    if suspect or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
+    if _suspect[0] or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
         _refuse_unencodable(body)
     return body
 

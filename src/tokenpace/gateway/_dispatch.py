@@ -73,6 +73,7 @@ class EngineSlots:
         self.learned_capacity: int | None = None
         self.queue = queue
         self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
+        self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
         self._dispatched_since_reading = 0
         self._fresh_at_reading = 0  # dispatched between the previous reading and the last
 
@@ -198,7 +199,7 @@ class Dispatcher:
         self._ranked: dict[str, list[EngineSlots]] = {}
         self.configure(config)
         for engine in self.engines:
-            metrics.ENGINE_INFLIGHT.labels(engine.url).set(0)
+            engine.inflight_gauge.set(0)
 
     def configure(self, config: GatewayConfig) -> None:
         """Apply (re)loaded lanes, tenant lanes and weights to every engine's queue."""
@@ -295,7 +296,7 @@ class Dispatcher:
         engine, tenant = waiter.engine, waiter.tenant
         engine.inflight -= 1
         tenant.inflight -= 1
-        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        engine.inflight_gauge.set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         for other in self.engines:  # the tenant's concurrency may unblock any queue
             if len(other.queue):
@@ -324,7 +325,7 @@ class Dispatcher:
                 waiter.future.set_result(None)
         if len(engine.queue) and engine.inflight < engine.config.max_inflight and engine.saturated():
             engine.held.set()  # ask for a fresh reading: the one that closed the gate may be stale
-        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        engine.inflight_gauge.set(engine.inflight)
 
     def _may_dispatch(self, tenant_id: str) -> bool:
         state = self._states.get(tenant_id)

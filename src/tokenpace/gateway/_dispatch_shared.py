@@ -215,7 +215,7 @@ class SharedDispatcher(Dispatcher):
             self.store.charge(tenant.config.lane, tenant.id,
                               waiter.prompt_cost / tenant.config.weight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
-        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        engine.inflight_gauge.set(engine.inflight)
         if not waiter.future.done():
             waiter.future.set_result(None)
 
@@ -236,7 +236,7 @@ class SharedDispatcher(Dispatcher):
         engine, tenant = waiter.engine, waiter.tenant
         engine.inflight -= 1
         tenant.inflight -= 1
-        metrics.ENGINE_INFLIGHT.labels(engine.url).set(engine.inflight)
+        engine.inflight_gauge.set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         assert isinstance(waiter, SharedWaiter) and waiter.running is not None
         self._spawn(self._give_back(waiter.running, tenant.id, settle))
