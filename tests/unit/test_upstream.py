@@ -9,7 +9,10 @@ judged by.
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -332,5 +335,35 @@ def test_reading_pauses_while_the_relay_lags(monkeypatch: pytest.MonkeyPatch) ->
 def test_headers_that_would_split_the_request_are_refused() -> None:
     with pytest.raises(ValueError, match="line breaks"):
         Upstream("http://127.0.0.1:1", 8, 2.0, headers={"authorization": "Bearer x\r\nevil: 1"})
-    with pytest.raises(ValueError, match="plain http"):
-        Upstream("https://127.0.0.1:1", 8, 2.0)
+    with pytest.raises(ValueError, match="http"):
+        Upstream("ftp://127.0.0.1:1", 8, 2.0)
+
+
+def test_an_https_engine_is_reached_over_tls(tmp_path: Path) -> None:
+    """A certificate made for the test (openssl), trusted by the client's context alone."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    client_side = ssl.create_default_context(cafile=str(cert))
+
+    async def main() -> None:
+        server = Script(answer_json)
+        server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0, ssl=server_side)
+        server.port = server.server.sockets[0].getsockname()[1]
+        try:
+            url = f"https://127.0.0.1:{server.port}"
+            upstream = Upstream(url, 8, 2.0, ssl_context=client_side)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert resp.status == 200 and await resp.read() == b'{"ok": true}'
+            resp.release()
+            await upstream.close()
+            untrusting = Upstream(url, 8, 2.0)  # the system's roots do not know the test's cert
+            with pytest.raises(ConnectFailed):
+                await untrusting.post("/v1/completions", b"{}", HEADERS)
+            await untrusting.close()
+        finally:
+            server.server.close()
+    run(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -143,6 +144,11 @@ class Gateway:
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.config.engines), self.config.ledger)
+            # What start-up made (modules, configuration, clients) lives as long as the
+            # process: out of the collector's sight, a full collection no longer walks it
+            # (one took 29 ms here, a pause every request in flight waits out).
+            gc.collect()
+            gc.freeze()
             try:
                 yield
             finally:

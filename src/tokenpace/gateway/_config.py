@@ -291,11 +291,15 @@ def _engine_key(m: Mapping[str, Any], where: str) -> str | None:
         if not key:
             raise ConfigError(f"{where}.api_key_env: the environment variable {name} is not set "
                               "or empty")
+        if key != key.strip() or not key.isprintable():
+            raise ConfigError(f"{where}.api_key_env: the value of {name} has surrounding spaces "
+                              "or control characters")
         return key
     key = m.get("api_key")
-    if key is not None and (not isinstance(key, str) or not key or key != key.strip()):
+    if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                            or not key.isprintable()):
         raise ConfigError(f"{where}.api_key: expected a non-empty string without surrounding "
-                          "spaces (the engine's --api-key / VLLM_API_KEY)")
+                          "spaces or control characters (the engine's --api-key / VLLM_API_KEY)")
     return key
 
 

@@ -7,7 +7,7 @@ is one pre-formatted ``bytes`` written to a kept-alive connection, and the answe
 parsed in C by httptools (llhttp, the parser uvicorn uses for the client side), whose
 callbacks hand the body over as it arrives.
 
-One ``Upstream`` per engine: a pool of keep-alive connections (at most ``max_connections``,
+One ``Upstream`` per engine (``http://`` or ``https://``): a pool of keep-alive connections (at most ``max_connections``,
 idle ones dropped after ``keepalive_s``, before the engine would close them), with that
 engine's own headers (its ``Authorization``). What the hot path relies on:
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -57,14 +58,17 @@ class Upstream:
 
     def __init__(self, base_url: str, max_connections: int, keepalive_s: float,
                  headers: Mapping[str, str] | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         parts = urlsplit(self.base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"engine url {base_url!r}: the gateway reaches engines over "
-                             "plain http://host:port")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine url {base_url!r}: expected http(s)://host:port")
         self._host = parts.hostname
-        self._port = parts.port or 80
+        self._tls = parts.scheme == "https"
+        self._port = parts.port or (443 if self._tls else 80)
+        # https: the system's trusted certificates, unless a context is given.
+        self._ssl = (ssl_context or ssl.create_default_context()) if self._tls else None
         self._prefix = parts.path.encode()  # an engine served under a path
         # Per-engine headers, formatted once: every request writes them as they are.
         self._static = _header_bytes({"host": parts.netloc, **(headers or {})})
@@ -136,7 +140,7 @@ class Upstream:
         conn = _Connection(self)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                await loop.create_connection(lambda: conn, self._host, self._port)
+                await loop.create_connection(lambda: conn, self._host, self._port, ssl=self._ssl)
         except (OSError, TimeoutError) as exc:
             conn.forget()
             raise ConnectFailed(f"cannot connect to {self.base_url}: {exc!r}") from exc
