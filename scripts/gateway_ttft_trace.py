@@ -12,10 +12,10 @@ gateway's timestamps subtract. For each gateway request, in order along its path
 - ``client_to_gateway``: from just before the client sends to the gateway's first read of
   the request (the read in which uvicorn's parser finds its headers);
 - ``uvicorn_to_handler``: from that read to the gateway's handler starting (HTTP parsing,
-  Starlette routing);
+  the request's task);
 - ``handler_to_post``: admission and dispatch, to the engine call being started;
 - ``engine_from_gateway``: from the engine call being started to the first generated
-  token read by the gateway (aiohttp's send, the engine, the hop back);
+  token read by the gateway (the upstream client's send, the engine, the hop back);
 - ``relay_to_client``: from that read to the client's arrival of the chunk (the relay's
   work on it, the write, the hop to the client, the client's wake-up).
 
@@ -79,12 +79,12 @@ def _gateway_child(argv: list[str]) -> int:
     proto.data_received, proto.on_headers_complete = traced_data_received, traced_headers
     handle = _app.handle
 
-    async def traced_handle(rt, kind, request):  # type: ignore[no-untyped-def]
+    async def traced_handle(rt, kind, scope, receive):  # type: ignore[no-untyped-def]
         begun = time.monotonic()
-        response = await handle(rt, kind, request)
+        response = await handle(rt, kind, scope, receive)
         ex = getattr(response, "ex", None)
         if ex is not None:
-            stamps.setdefault(ex.id, {}).update(read=request.scope["tp_read"], handler=begun)
+            stamps.setdefault(ex.id, {}).update(read=scope["tp_read"], handler=begun)
         return response
 
     _app.handle = traced_handle
