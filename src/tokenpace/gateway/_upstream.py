@@ -1,4 +1,5 @@
-"""The hot-path client to the engines: completions over HTTP/1.1, streamed and not.
+"""The gateway's client to the engines: completions over HTTP/1.1, streamed and not, and
+the frequent background calls (health, gauges).
 
 A general HTTP client does much per call that this one call never needs: aiohttp built a
 request object, URL, header multidict, timer and payload writer for every completion and
@@ -86,8 +87,29 @@ class Upstream:
         A failed connect is retried once (the engine may have just restarted); a request
         that was written is never sent twice.
         """
+        return await self._send(b"POST ", path, body, headers)
+
+    async def fetch(self, method: str, path: str, timeout_s: float,
+                    headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
+        """A whole bodiless exchange (the background calls: health, gauges): status,
+        headers (lower-case names) and body. Raises ``UpstreamError`` or ``TimeoutError``
+        (after ``timeout_s``); the connection is closed then, and reused otherwise."""
+        resp = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._send(method.encode() + b" ", path, b"", headers or {})
+                content = await resp.read()
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        resp.release()
+        return resp.status, resp.headers, content
+
+    async def _send(self, method: bytes, path: str, body: bytes,
+                    headers: Mapping[str, str]) -> Response:
         # Cost: one bytes join and one write; the head is parsed in C on arrival.
-        request = b"".join((b"POST ", self._prefix, path.encode(), b" HTTP/1.1\r\n",
+        request = b"".join((method, self._prefix, path.encode(), b" HTTP/1.1\r\n",
                             self._static, _header_bytes(headers),
                             b"content-length: %d\r\n\r\n" % len(body), body))
         try:
