@@ -40,7 +40,7 @@ def test_a_client_that_drops_while_sending_its_body_is_client_disconnected(gatew
 
 def test_a_failed_connect_to_the_engine_is_retried_once(make_gateway: Any, tmp_path: Path) -> None:
     """With no engine listening the client gets a JSON 502 after one retry (the retry
-    that succeeds is tests/unit/test_relay_send.py)."""
+    that succeeds is tests/unit/test_upstream.py)."""
     port = free_port()
     gw = make_gateway(base_config(f"http://127.0.0.1:{port}", tmp_path / "u.db"))
     resp = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"},

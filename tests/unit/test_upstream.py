@@ -367,3 +367,35 @@ def test_an_https_engine_is_reached_over_tls(tmp_path: Path) -> None:
         finally:
             server.server.close()
     run(main)
+
+
+def test_fetch_reads_a_whole_answer_and_reuses_the_connection() -> None:
+    async def main() -> None:
+        async with Script(answer_json) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            for _ in range(3):
+                status, headers, body = await upstream.fetch("GET", "/metrics", 5.0)
+                assert (status, headers["content-type"], body) == (200, "application/json",
+                                                                   b'{"ok": true}')
+            assert server.connections == 1
+            assert server.requests[0].startswith(b"GET /metrics HTTP/1.1\r\n")
+            await upstream.close()
+    run(main)
+
+
+def test_fetch_times_out_and_closes_its_connection_and_is_not_retried() -> None:
+    async def main() -> None:
+        async def never(request: bytes, writer: asyncio.StreamWriter) -> None:
+            assert server.reader is not None
+            await server.reader.read()
+            raise ConnectionResetError
+
+        async with Script(never) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            with pytest.raises(TimeoutError):
+                await upstream.fetch("GET", "/health", 0.1)
+            assert upstream._open == 0
+        nobody = Upstream(f"http://127.0.0.1:{free_port()}", 8, 2.0)
+        with pytest.raises(ConnectFailed):
+            await nobody.fetch("GET", "/health", 5.0)
+    run(main)

@@ -87,13 +87,14 @@ class Upstream:
         A failed connect is retried once (the engine may have just restarted); a request
         that was written is never sent twice.
         """
-        return await self._send(b"POST ", path, body, headers)
+        return await self._send(b"POST ", path, body, headers, retry=True)
 
     async def fetch(self, method: str, path: str, timeout_s: float,
                     headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
         """A whole bodiless exchange (the background calls: health, gauges): status,
         headers (lower-case names) and body. Raises ``UpstreamError`` or ``TimeoutError``
-        (after ``timeout_s``); the connection is closed then, and reused otherwise."""
+        (after ``timeout_s``); the connection is closed then, and reused otherwise. No
+        retry: the next periodic call is one."""
         resp = None
         try:
             async with asyncio.timeout(timeout_s):
@@ -107,7 +108,7 @@ class Upstream:
         return resp.status, resp.headers, content
 
     async def _send(self, method: bytes, path: str, body: bytes,
-                    headers: Mapping[str, str]) -> Response:
+                    headers: Mapping[str, str], retry: bool = False) -> Response:
         # Cost: one bytes join and one write; the head is parsed in C on arrival.
         request = b"".join((method, self._prefix, path.encode(), b" HTTP/1.1\r\n",
                             self._static, _header_bytes(headers),
@@ -115,6 +116,8 @@ class Upstream:
         try:
             conn = await self._acquire()
         except ConnectFailed:
+            if not retry:
+                raise
             logger.warning("engine %s: connect failed for %s; retrying once", self.base_url,
                            headers.get("x-request-id"))
             conn = await self._acquire()
