@@ -383,7 +383,8 @@ def test_fetch_reads_a_whole_answer_and_reuses_the_connection() -> None:
     run(main)
 
 
-def test_fetch_times_out_and_closes_its_connection_and_is_not_retried() -> None:
+def test_fetch_times_out_and_closes_its_connection_and_is_not_retried(
+        caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async def never(request: bytes, writer: asyncio.StreamWriter) -> None:
             assert server.reader is not None
@@ -399,3 +400,4 @@ def test_fetch_times_out_and_closes_its_connection_and_is_not_retried() -> None:
         with pytest.raises(ConnectFailed):
             await nobody.fetch("GET", "/health", 5.0)
     run(main)
+    assert "retrying once" not in caplog.text  # the next periodic call is the retry
