@@ -29,6 +29,7 @@ import asyncio
 import logging
 import ssl
 from collections import deque
+from contextlib import suppress
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -124,7 +125,8 @@ class Upstream:
         return await conn.exchange(request)
 
     async def close(self) -> None:
-        """Close every connection (in-flight responses see their read fail)."""
+        """Close the idle connections now and each busy one when its answer ends; calls
+        waiting for a connection fail."""
         self._closed = True
         for conn in list(self._idle):
             conn.shut()
@@ -158,7 +160,7 @@ class Upstream:
                     self._wake()  # woken, then cancelled: the turn goes to the next one
                 else:
                     waiter.cancel()
-                    with _suppress_value_error():
+                    with suppress(ValueError):
                         self._waiters.remove(waiter)
                 raise
         self._open += 1
@@ -195,7 +197,7 @@ class Upstream:
                 return
 
     def _discard_idle(self, conn: _Connection) -> None:
-        with _suppress_value_error():
+        with suppress(ValueError):
             self._idle.remove(conn)
 
 
@@ -258,6 +260,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._counted = True  # holds one of the pool's max_connections
         self._linger: asyncio.TimerHandle | None = None
+        self._keep_alive = False  # the engine lets the connection serve another request
         self.idle_since = 0.0
 
     @property
@@ -367,12 +370,6 @@ class _Connection(asyncio.Protocol):
         self._pool._discard_idle(self)
         self.forget()
 
-    def pause_writing(self) -> None:  # a request body larger than the socket buffer
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- httptools callbacks -----------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -408,8 +405,6 @@ class _Connection(asyncio.Protocol):
             head.set_exception(error)
         self._wake()
 
-    _keep_alive = False
-
 
 def _header_bytes(headers: Mapping[str, str]) -> bytes:
     """``name: value`` lines; a header that could split the request is refused."""
@@ -421,11 +416,3 @@ def _header_bytes(headers: Mapping[str, str]) -> bytes:
     return "".join(out).encode("latin-1")
 
 
-class _suppress_value_error:
-    """``contextlib.suppress(ValueError)`` without its per-use cost."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, value: object, tb: object) -> bool:
-        return kind is ValueError
