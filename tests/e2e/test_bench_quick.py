@@ -197,15 +197,19 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
             data = workload["policies"][policy]
             assert data["throughput"]["output_tokens_per_s"] > 0
             assert all(t["started"] > 0 for t in data["tenants"].values()), data
-    # Where both tenants are overloaded at request rates 1:2, FCFS serves them in
-    # proportion to what they send, VTC evenly: the light tenant's share of the service
-    # must be clearly larger under VTC (0.32 -> 0.50 in a quiet run). short_long is not
-    # checked here: in 12 s its share under VTC came out 0.14-0.16 against 0.14-0.16 for
-    # FCFS in three runs of 2026-12-01 (the full 90 s bench gives 0.49 against 0.15,
-    # docs/benchmarks.md), with the old code too; why the quick run does not show it is
-    # open (issue 19's note).
-    for name in ("overload_1_2",):
-        fcfs = by_name[name]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
-        vtc = by_name[name]["policies"]["vtc"]["tenants"]["a"]["service_share"]
-        expect("bench_quick", f"fairness {name}: light tenant's share, vtc - fcfs", vtc - fcfs,
-               0.05, upper=False, logs=[tmp_path / "fairness.json"], fcfs=fcfs, vtc=vtc)
+    # Short against long requests at equal request rates, both above their share: FCFS
+    # serves them in proportion to their cost (the short tenant ~0.17), VTC evenly (~0.5).
+    # Three quiet runs of 2026-12-01 (after the gateway's rebuilt hot path): FCFS
+    # 0.166/0.184/0.177, VTC 0.478/0.426/0.482, a gain of 0.24-0.31; the bound leaves more
+    # than half of the smallest. With the VTC gateway ordering as FCFS the gain is ~0 (see
+    # the commit that set this bound).
+    #
+    # overload_1_2 is not checked: in 12 s the engine serves ~45 of its requests, so the
+    # light tenant's FCFS share alone varies by ~0.07 (sd of a 1/3 share over 45 requests)
+    # while VTC's expected gain there, after the start-up seconds when nobody waits, is
+    # ~0.1: it came out 0.08/0.12/0.09 in those runs and 0.01 in CI (stop 23). The full
+    # 90 s bench measures it (docs/benchmarks.md); tests/gateway checks the order itself.
+    fcfs = by_name["short_long"]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
+    vtc = by_name["short_long"]["policies"]["vtc"]["tenants"]["a"]["service_share"]
+    expect("bench_quick", "fairness short_long: short tenant's share, vtc - fcfs", vtc - fcfs,
+           0.12, upper=False, logs=[tmp_path / "fairness.json"], fcfs=fcfs, vtc=vtc)
