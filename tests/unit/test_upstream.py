@@ -278,15 +278,15 @@ def test_a_failed_connect_is_retried_once_and_never_sends_twice() -> None:
 
         attempts = 0
 
-        async def _acquire(self) -> _upstream._Connection:
+        async def _acquire(self, fresh: bool = False) -> _upstream._Connection:
             self.attempts += 1
             if self.attempts == 1:
                 port, self._port = self._port, free_port()
                 try:
-                    return await super()._acquire()
+                    return await super()._acquire(fresh)
                 finally:
                     self._port = port
-            return await super()._acquire()
+            return await super()._acquire(fresh)
 
     async def main() -> None:
         async with Script(answer_json) as server:
@@ -295,6 +295,65 @@ def test_a_failed_connect_is_retried_once_and_never_sends_twice() -> None:
             assert await resp.read() == b'{"ok": true}'
             resp.release()
             assert upstream.attempts == 2 and len(server.requests) == 1
+            await upstream.close()
+    run(main)
+
+
+def closing_on(nth: int, answer_first: bytes = b"") -> Handler:
+    """Answers each connection's requests, except its ``nth`` (1-based): to that one it
+    writes ``answer_first`` (maybe nothing) and closes, as an engine whose keep-alive
+    timer fired as the request arrived would (with nothing written)."""
+    seen: dict[int, int] = {}
+
+    async def handler(request: bytes, writer: asyncio.StreamWriter) -> None:
+        count = seen[id(writer)] = seen.get(id(writer), 0) + 1
+        if count == nth:
+            writer.write(answer_first)
+            await writer.drain()
+            writer.close()
+            return
+        await answer_json(request, writer)
+    return handler
+
+
+def test_a_kept_alive_connection_closed_unanswered_is_retried_on_a_new_one() -> None:
+    async def main() -> None:
+        async with Script(closing_on(2)) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            for _ in range(2):
+                resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+                assert await resp.read() == b'{"ok": true}'
+                resp.release()
+            # the second request: written on the kept-alive connection, closed unanswered,
+            # answered on a new connection
+            assert server.connections == 2 and len(server.requests) == 3
+            await upstream.close()
+    run(main)
+
+
+def test_a_new_connection_closed_unanswered_is_not_retried() -> None:
+    async def main() -> None:
+        async with Script(closing_on(1)) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            with pytest.raises(UpstreamError) as raised:
+                await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert not isinstance(raised.value, _upstream.StaleConnection)
+            assert server.connections == 1 and len(server.requests) == 1
+            await upstream.close()
+    run(main)
+
+
+def test_a_kept_alive_connection_closed_after_a_byte_of_answer_is_not_retried() -> None:
+    async def main() -> None:
+        async with Script(closing_on(2, b"HTTP/1.1 200")) as server:
+            upstream = Upstream(server.url, 8, 2.0)
+            resp = await upstream.post("/v1/completions", b"{}", HEADERS)
+            await resp.read()
+            resp.release()
+            with pytest.raises(UpstreamError) as raised:
+                await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert not isinstance(raised.value, _upstream.StaleConnection)
+            assert server.connections == 1 and len(server.requests) == 2
             await upstream.close()
     run(main)
 

@@ -18,7 +18,11 @@ engine's own headers (its ``Authorization``). What the hot path relies on:
   ``close`` (the connection is closed: the engine sees the client go and aborts the
   request).
 - A cancelled ``post`` closes its connection, so the engine aborts what it was sent.
-- A failed connect (nothing was sent) is retried once on a fresh connection.
+- A failed connect (nothing was sent) is retried once on a fresh connection, and so is a
+  request on a kept-alive connection that the engine closed without a byte of answer: an
+  HTTP/1.1 server closes an idle connection only while it is not reading a request (uvicorn's
+  keep-alive timer is cancelled by the first byte that arrives), so a request that meets
+  that close was never read.
 - Reading is paused while more than ``HIGH_WATER`` bytes wait unread (a slow client does
   not make the gateway buffer an engine's whole answer).
 """
@@ -49,6 +53,10 @@ connection is closed."""
 
 class UpstreamError(Exception):
     """A failed engine call: connect, send, or a read that ended before the answer did."""
+
+
+class StaleConnection(UpstreamError):
+    """A kept-alive connection closed by the engine before any byte of its answer."""
 
 
 class ConnectFailed(UpstreamError):
@@ -86,7 +94,8 @@ class Upstream:
         """Send a POST; return once the response head arrived.
 
         A failed connect is retried once (the engine may have just restarted); a request
-        that was written is never sent twice.
+        that was written is sent again only where the engine closed a kept-alive connection
+        without reading it (module docstring), never after a byte of answer.
         """
         return await self._send(b"POST ", path, body, headers, retry=True)
 
@@ -94,8 +103,8 @@ class Upstream:
                     headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
         """A whole bodiless exchange (the background calls: health, gauges): status,
         headers (lower-case names) and body. Raises ``UpstreamError`` or ``TimeoutError``
-        (after ``timeout_s``); the connection is closed then, and reused otherwise. No
-        retry: the next periodic call is one."""
+        (after ``timeout_s``); the connection is closed then, and reused otherwise. A failed
+        connect is not retried: the next periodic call is the retry."""
         resp = None
         try:
             async with asyncio.timeout(timeout_s):
@@ -122,7 +131,15 @@ class Upstream:
             logger.warning("engine %s: connect failed for %s; retrying once", self.base_url,
                            headers.get("x-request-id"))
             conn = await self._acquire()
-        return await conn.exchange(request)
+        try:
+            return await conn.exchange(request)
+        except StaleConnection:
+            # The engine never read it (see the module docstring): once more, on a new
+            # connection, as the other idle ones may be as old.
+            logger.info("engine %s: a kept-alive connection was closed as %s was sent on "
+                        "it; sending on a new one", self.base_url, headers.get("x-request-id"))
+            conn = await self._acquire(fresh=True)
+            return await conn.exchange(request)
 
     async def close(self) -> None:
         """Close the idle connections now and each busy one when its answer ends; calls
@@ -138,13 +155,15 @@ class Upstream:
 
     # -- the pool ------------------------------------------------------------------
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self, fresh: bool = False) -> _Connection:
+        """A connection: the most recently used idle one, or a new one (``fresh``: never
+        an idle one, which are left in the pool)."""
         loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise UpstreamError("the upstream client is closed")
             now = loop.time()
-            while self._idle:
+            while self._idle and not fresh:
                 conn = self._idle.pop()
                 if conn.usable and now - conn.idle_since < self._keepalive_s:
                     return conn
@@ -261,6 +280,8 @@ class _Connection(asyncio.Protocol):
         self._counted = True  # holds one of the pool's max_connections
         self._linger: asyncio.TimerHandle | None = None
         self._keep_alive = False  # the engine lets the connection serve another request
+        self._reused = False  # it served an answer before the current one
+        self._answered = False  # a byte of the current answer arrived
         self.idle_since = 0.0
 
     @property
@@ -274,7 +295,7 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._headers = []
         self._body = []
-        self._complete = self._released = False
+        self._complete = self._released = self._answered = False
         head = self._head = self._loop.create_future()
         self._transport.write(request)
         try:
@@ -339,6 +360,7 @@ class _Connection(asyncio.Protocol):
             self._linger.cancel()
             self._linger = None
         if self._keep_alive and self.usable:
+            self._reused = True
             self._pool._reuse(self, self._loop.time())
         else:
             self.shut()
@@ -354,6 +376,7 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self._answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -363,8 +386,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         if not self._complete:
-            self._fail(UpstreamError("the engine closed the connection"
-                                     + (f" ({exc!r})" if exc else "")))
+            kind = StaleConnection if self._reused and not self._answered else UpstreamError
+            self._fail(kind("the engine closed the connection"
+                            + (f" ({exc!r})" if exc else "")))
         elif self._error is None:
             self._error = UpstreamError("the engine closed the connection")
         self._pool._discard_idle(self)
