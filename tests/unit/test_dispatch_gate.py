@@ -135,3 +135,15 @@ def test_a_stale_running_gauge_of_an_idle_engine_does_not_hold_a_burst() -> None
         for t in tasks:
             t.cancel()
     asyncio.run(main())
+
+
+def test_a_gate_closed_on_an_old_reading_reads_again_at_once() -> None:
+    from tokenpace.gateway._app import LOAD_SOON_S, reread_delay
+
+    # closed 0.4 s after the reading (taken under load that has since ended): at once
+    assert reread_delay(10.0, 10.4) == 0.0
+    assert reread_delay(10.0, 10.0 + LOAD_SOON_S) == 0.0
+    # closed 5 ms after it: what the engine's next step admits is left time to show
+    assert abs(reread_delay(10.0, 10.005) - (LOAD_SOON_S - 0.005)) < 1e-12
+    # no reading yet
+    assert reread_delay(float("-inf"), 3.0) == 0.0
