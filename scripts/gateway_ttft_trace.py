@@ -24,7 +24,14 @@ CPU time and run-queue wait of the gateway's and the relay's processes (``scheds
 on a machine shared with other work the waits include theirs: read with care).
 
 Their sum is the client's TTFT through the gateway; the direct call of the same triple
-gives the engine alone. Instrumentation costs a few ``time.monotonic`` calls and one
+gives the engine alone.
+
+With ``--bursts ROUNDS``, rounds of ``--streams`` (32) streams sent at once instead,
+direct and through the gateway in turn (the order alternating): the same parts, as
+medians per round, and where the median request was held between its handler and its
+engine call, the saturation gate's readings and closings around it (also written to
+``--out``). This found the gate closed on a reading taken during the previous direct
+burst, holding a whole gateway burst until the next reading. Instrumentation costs a few ``time.monotonic`` calls and one
 dictionary write per request, and a line written after the request ended.
 Loaded-machine figures are indicative.
 """
@@ -39,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _gateway_child(argv: list[str]) -> int:
@@ -107,7 +115,98 @@ def _gateway_child(argv: list[str]) -> int:
         finish(self, outcome, detail)
 
     _settle.Exchange.finish = traced_finish
+    _trace_gate(sink)
     return _main.main(["--config", config, "--port", port, "--log-level", "warning"])
+
+
+def _trace_gate(sink: Any) -> None:
+    """Rows ``{"gate": "reading" | "held", ...}``: each reading of the engine's gauges and
+    each time the saturation gate starts holding requests."""
+    from tokenpace.gateway import _dispatch
+
+    record_reading, pump = _dispatch.EngineSlots.record_reading, _dispatch.Dispatcher._pump
+
+    def traced_reading(self, running, waiting, kv_usage):  # type: ignore[no-untyped-def]
+        sink.write(json.dumps({"gate": "reading", "t": time.monotonic(), "running": running,
+                               "waiting": waiting, "inflight": self.inflight}) + "\n")
+        record_reading(self, running, waiting, kv_usage)
+
+    def traced_pump(self, engine):  # type: ignore[no-untyped-def]
+        was = engine.held.is_set()
+        pump(self, engine)
+        if engine.held.is_set() and not was:
+            sink.write(json.dumps({"gate": "held", "t": time.monotonic(), "queued": len(engine.queue),
+                                   "inflight": engine.inflight,
+                                   "engine_waiting": engine.engine_waiting}) + "\n")
+
+    _dispatch.EngineSlots.record_reading = traced_reading
+    _dispatch.Dispatcher._pump = traced_pump
+
+
+async def _burst_rounds(urls: dict[str, str], rounds: int, streams: int, tokens: int,
+                        nonce: str) -> list[dict]:
+    """``rounds`` pairs of bursts, direct and gateway, the order alternating (one warm-up
+    pair first); a row per request."""
+    from tokenpace.bench._load import StreamRecord, record_chunk, sse_payloads
+    from tokenpace.bench.gateway import _session, body, prompt_for
+
+    rows: list[dict] = []
+    async with _session(streams) as session:
+        async def one(path: str, prompt: str) -> dict:
+            record = StreamRecord(user="", start=time.monotonic())
+            async with session.post(f"{urls[path]}/v1/completions",
+                                    json=body(path, prompt, tokens)) as resp:
+                assert resp.status == 200, await resp.read()
+                rid = resp.headers.get("x-request-id")
+                async for data in sse_payloads(resp.content.iter_any()):
+                    record_chunk(record, data, time.monotonic())
+            return {"path": path, "id": rid, "start": record.start, "first": record.first}
+
+        for i in range(-1, rounds):
+            for path in (["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]):
+                t0 = time.monotonic()
+                burst = await asyncio.gather(*[one(path, prompt_for(f"{nonce}b{i}", j))
+                                               for j in range(streams)])
+                if i >= 0:
+                    rows += [dict(r, round=i, t0=t0) for r in burst]
+    return rows
+
+
+def _burst_summary(rows: list[dict], stamps: dict[str, dict], gate: list[dict],
+                   rounds: int) -> dict:
+    """Per round: median TTFT direct and through the gateway, and the gateway's parts."""
+    parts: dict[str, list[float]] = {k: [] for k in (
+        "ttft_direct", "ttft_gateway", "client_to_gateway", "uvicorn_to_handler",
+        "handler_to_post", "engine_from_gateway", "relay_to_client", "last_post_after_send")}
+    held = []
+    for i in range(rounds):
+        direct = [r for r in rows if r["round"] == i and r["path"] == "direct"]
+        ours = [(r, stamps[r["id"]]) for r in rows
+                if r["round"] == i and r["path"] == "gateway" and r["id"] in stamps]
+        if not direct or not ours:
+            continue
+        t0 = ours[0][0]["t0"]
+        parts["ttft_direct"].append(statistics.median(r["first"] - r["start"] for r in direct))
+        parts["ttft_gateway"].append(statistics.median(r["first"] - r["start"] for r, _ in ours))
+        for name, f in (("client_to_gateway", lambda r, s: s["read"] - r["start"]),
+                        ("uvicorn_to_handler", lambda r, s: s["handler"] - s["read"]),
+                        ("handler_to_post", lambda r, s: s["post"] - s["handler"]),
+                        ("engine_from_gateway", lambda r, s: s["first_read"] - s["post"]),
+                        ("relay_to_client", lambda r, s: r["first"] - s["first_read"])):
+            parts[name].append(statistics.median(f(r, s) for r, s in ours))
+        parts["last_post_after_send"].append(max(s["post"] for _, s in ours) - t0)
+        if parts["handler_to_post"][-1] > 0.005:  # the median request waited for a slot
+            near = [dict(g, at_ms=round((g["t"] - t0) * 1000, 1)) for g in gate
+                    if t0 - 1.0 <= g["t"] <= t0 + 0.2]
+            held.append({"round": i, "hold_ms": round(parts["handler_to_post"][-1] * 1000, 1),
+                         "gate": near})
+    out: dict[str, Any] = {k: {"median_ms": _median_ms(v), "rounds_ms": [round(x * 1000, 1) for x in v]}
+                           for k, v in parts.items() if v}
+    ratios = [g / d for g, d in zip(parts["ttft_gateway"], parts["ttft_direct"])]
+    out["ttft_ratio"] = {"median": round(statistics.median(ratios), 3),
+                         "rounds": [round(x, 3) for x in ratios]}
+    out["rounds_held"] = held
+    return out
 
 
 async def _triples(urls: dict[str, str], pairs: int, tokens: int, nonce: str) -> list[dict]:
@@ -162,6 +261,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--out", default=None, help="write every row as JSON here")
+    parser.add_argument("--bursts", type=int, default=0, metavar="ROUNDS",
+                        help="bursts instead of sequential triples: ROUNDS direct/gateway pairs")
+    parser.add_argument("--streams", type=int, default=32, help="streams per burst")
     args = parser.parse_args(argv)
 
     from tokenpace._process import Server, free_port, start_all, tokenpace_serve_argv
@@ -186,12 +288,25 @@ def main(argv: list[str]) -> int:
     procs = {"gateway": gateway.proc.pid, "byte_proxy": relay.proc.pid}
     try:
         before = {k: _schedstat(pid) for k, pid in procs.items()}
-        rows = asyncio.run(_triples(urls, args.pairs, args.tokens, f"{time.time_ns():x}"))
+        nonce = f"{time.time_ns():x}"
+        if args.bursts:
+            rows = asyncio.run(_burst_rounds(urls, args.bursts, args.streams, args.tokens, nonce))
+        else:
+            rows = asyncio.run(_triples(urls, args.pairs, args.tokens, nonce))
         after = {k: _schedstat(pid) for k, pid in procs.items()}
     finally:
         for srv in reversed(servers):
             srv.stop()
-    stamps = {r["id"]: r for r in map(json.loads, trace.read_text().splitlines())}
+    traced = [json.loads(line) for line in trace.read_text().splitlines()]
+    stamps = {r["id"]: r for r in traced if "gate" not in r}
+    gate = [r for r in traced if "gate" in r]
+    if args.bursts:
+        summary = _burst_summary(rows, stamps, gate, args.bursts)
+        print(json.dumps(summary, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows,
+                                                  "stamps": list(stamps.values()), "gate": gate}))
+        return 0
     by_pair: dict[int, dict[str, dict]] = {}
     for row in rows:
         by_pair.setdefault(row["pair"], {})[row["path"]] = row
