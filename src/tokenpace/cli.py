@@ -98,7 +98,10 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
 def _cmd_bench_idle(args: argparse.Namespace) -> int:
     from .bench import idle
 
-    result = idle.run(_bench_model(args), 3.0 if args.quick else args.window)
+    if args.quick:
+        result = idle.run(_bench_model(args), 3.0, names=("idle_wait", "busy_loop"))
+    else:
+        result = idle.run(_bench_model(args), args.window)
     return _bench_outputs(args, idle, result)
 
 

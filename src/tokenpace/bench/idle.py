@@ -70,10 +70,15 @@ async def _measure(server: Server, window_s: float) -> dict[str, float]:
             "fresh_ttft_ms_during": round(ttft_during, 1)}
 
 
-def run(model: Path, window_s: float, workdir: Path | None = None) -> dict[str, Any]:
+def run(model: Path, window_s: float, workdir: Path | None = None,
+        names: tuple[str, ...] = tuple(name for name, _, _ in CASES)) -> dict[str, Any]:
+    """``names``: the cases to run (``--quick`` leaves out the asynchronous one: a vLLM
+    server fewer to start, and tests/e2e/test_serve.py checks the idle wait in both modes)."""
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-idle-"))
     servers = {}
     for name, idle_wait, scheduling in CASES:
+        if name not in names:
+            continue
         section = {"default_user_output_tokens_per_second": USER_RATE, "idle_wait": idle_wait}
         port = free_port()
         argv = tokenpace_serve_argv(model, port, "--additional-config",
@@ -99,7 +104,7 @@ def run(model: Path, window_s: float, workdir: Path | None = None) -> dict[str, 
         "user_rate": USER_RATE, "cases": cases,
         "ratio": round(cases["idle_wait"]["throttled_cores"] / without, 4) if without else None,
         "ratio_async": (round(cases["idle_wait_async"]["throttled_cores"] / without, 4)
-                        if without else None),
+                        if without and "idle_wait_async" in cases else None),
         **environment(),
     }
 
@@ -108,8 +113,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     from ._plots import pyplot, save
 
     plt = pyplot()
-    names = [name for name, _, _ in CASES]
-    labels = ["idle wait, sync", "idle wait, async", "without (vLLM's loop)"]
+    titles = {"idle_wait": "idle wait, sync", "idle_wait_async": "idle wait, async",
+              "busy_loop": "without (vLLM's loop)"}
+    names = [name for name, _, _ in CASES if name in result["cases"]]
+    labels = [titles[name] for name in names]
     xs = list(range(len(names)))
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     throttled = [result["cases"][n]["throttled_cores"] for n in names]
