@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -143,24 +144,31 @@ def _trace_gate(sink: Any) -> None:
     _dispatch.Dispatcher._pump = traced_pump
 
 
+async def _one_stream(session: Any, url: str, path: str, prompt: str, tokens: int) -> dict:
+    """One streamed completion of the bench's body: the gateway's request id, when it was
+    sent and when its first token arrived."""
+    from tokenpace.bench._load import StreamRecord, record_chunk, sse_payloads
+    from tokenpace.bench.gateway import body
+
+    record = StreamRecord(user="", start=time.monotonic())
+    async with session.post(f"{url}/v1/completions", json=body(path, prompt, tokens)) as resp:
+        assert resp.status == 200, await resp.read()
+        rid = resp.headers.get("x-request-id")
+        async for data in sse_payloads(resp.content.iter_any()):
+            record_chunk(record, data, time.monotonic())
+    return {"path": path, "id": rid, "start": record.start, "first": record.first}
+
+
 async def _burst_rounds(urls: dict[str, str], rounds: int, streams: int, tokens: int,
                         nonce: str) -> list[dict]:
     """``rounds`` pairs of bursts, direct and gateway, the order alternating (one warm-up
     pair first); a row per request."""
-    from tokenpace.bench._load import StreamRecord, record_chunk, sse_payloads
-    from tokenpace.bench.gateway import _session, body, prompt_for
+    from tokenpace.bench.gateway import _session, prompt_for
 
     rows: list[dict] = []
     async with _session(streams) as session:
-        async def one(path: str, prompt: str) -> dict:
-            record = StreamRecord(user="", start=time.monotonic())
-            async with session.post(f"{urls[path]}/v1/completions",
-                                    json=body(path, prompt, tokens)) as resp:
-                assert resp.status == 200, await resp.read()
-                rid = resp.headers.get("x-request-id")
-                async for data in sse_payloads(resp.content.iter_any()):
-                    record_chunk(record, data, time.monotonic())
-            return {"path": path, "id": rid, "start": record.start, "first": record.first}
+        def one(path: str, prompt: str) -> Awaitable[dict]:
+            return _one_stream(session, urls[path], path, prompt, tokens)
 
         for i in range(-1, rounds):
             for path in (["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]):
@@ -210,21 +218,13 @@ def _burst_summary(rows: list[dict], stamps: dict[str, dict], gate: list[dict],
 
 
 async def _triples(urls: dict[str, str], pairs: int, tokens: int, nonce: str) -> list[dict]:
-    from tokenpace.bench._load import StreamRecord, record_chunk, sse_payloads
     from tokenpace.bench._paired import pair_order
-    from tokenpace.bench.gateway import _session, body, prompt_for
+    from tokenpace.bench.gateway import _session, prompt_for
 
     rows: list[dict] = []
     async with _session(4) as session:
-        async def one(path: str, prompt: str) -> dict:
-            record = StreamRecord(user="", start=time.monotonic())
-            async with session.post(f"{urls[path]}/v1/completions",
-                                    json=body(path, prompt, tokens)) as resp:
-                assert resp.status == 200, await resp.read()
-                rid = resp.headers.get("x-request-id")
-                async for data in sse_payloads(resp.content.iter_any()):
-                    record_chunk(record, data, time.monotonic())
-            return {"path": path, "id": rid, "start": record.start, "first": record.first}
+        def one(path: str, prompt: str) -> Awaitable[dict]:
+            return _one_stream(session, urls[path], path, prompt, tokens)
 
         for i in range(-4, pairs):  # 4 warm-up triples
             for path in pair_order(list(urls), i % 6):
