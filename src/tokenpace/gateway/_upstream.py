@@ -376,6 +376,8 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        # Per read (each streamed chunk): one attribute store, so that a close before any
+        # byte of answer can be told from one mid-answer (only the former is retried).
         self._answered = True
         try:
             self._parser.feed_data(data)
