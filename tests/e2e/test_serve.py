@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv, tree_cpu_seconds
+from tests._servers import (Server, first_request_short_prompt, free_port, served_dtype, start_all,
+                            tokenpace_serve_argv, tree_cpu_seconds)
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._streams import client, stream, streams, user_rate
 from tests.e2e._timing import expect
@@ -57,6 +58,8 @@ def paced(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         started.append(Paced(mode, Server(argv, port, home / "vllm.log"), limits, events))
     start_all([p.server for p in started])
     try:
+        for p in started:  # through tokenpace serve, which picks float32 for the tiny model
+            first_request_short_prompt(p.server)
         # The first steps of a fresh engine (each new batch size) are slow: warm it up
         # so that the timed tests measure pacing, not start-up.
         for p in started:
@@ -72,6 +75,9 @@ def test_each_server_runs_the_paced_scheduler_it_was_asked_for(paced: list[Paced
         log = p.server.log_path.read_text(errors="replace")
         expected = "PacedAsyncScheduler" if p.mode == "async" else "PacedScheduler,"
         assert f"tokenpace: pacing output tokens with {expected}" in log, p.mode
+        # tokenpace serve picks float32 for the tiny model (issue 25: bfloat16 picks the
+        # AMX attention kernel on AMX hosts, where the fixture's first request kills it).
+        assert served_dtype(p.server) == "float32", p.mode
 
 
 def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:

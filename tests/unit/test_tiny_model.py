@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from tokenpace.cli import main
-from tokenpace.tiny_model import MARKER_FILE, write_tiny_model
+from tokenpace.tiny_model import FORMAT_VERSION, MARKER_FILE, write_tiny_model
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -68,6 +68,7 @@ def test_refuses_a_file(tmp_path: Path, capsys) -> None:
 def test_an_older_format_is_rewritten(tmp_path: Path) -> None:
     target = tmp_path / "old"
     target.mkdir()
-    (target / MARKER_FILE).write_text('{"format": 0}')
+    (target / MARKER_FILE).write_text('{"format": 1}')  # format 1 was bfloat16 (issue 25)
     assert write_tiny_model(target)
-    assert json.loads((target / MARKER_FILE).read_text())["format"] == 1
+    assert json.loads((target / MARKER_FILE).read_text())["format"] == FORMAT_VERSION
+    assert json.loads((target / "config.json").read_text())["dtype"] == "float32"
