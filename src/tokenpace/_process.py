@@ -156,13 +156,16 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def vllm_server_argv(model: Path, port: int, *extra: str) -> list[str]:
-    """Plain vLLM's OpenAI server on the CPU (the tiny model's usual flags; float32 as
-    ``tokenpace serve`` picks for it, so that no host's AMX changes the kernel)."""
+    """Plain vLLM's OpenAI server on the CPU (the tiny model's usual flags, its float32 as
+    ``tokenpace serve`` picks it, so that both run the same kernels on any host)."""
+    from .tiny_model import serving_flags
+
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--dtype", "float32",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
+        *serving_flags(model),
         *extra,
     ]
 

