@@ -16,7 +16,7 @@ from tokenpace.gateway._tenants import Tenants
 
 def setup() -> tuple[Dispatcher, Any]:
     config = parse_config({
-        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 4}],
+        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 4, "models": ["m"]}],
         "tenants": [{"id": "t", "api_keys": ["k"], "max_concurrency": 1}],
         "ledger": "sqlite:///unused.db",
     })
@@ -25,12 +25,12 @@ def setup() -> tuple[Dispatcher, Any]:
 
 
 def lease(dispatcher: Dispatcher, tenant: Any, timeout_s: float = 60.0) -> Lease:
-    return dispatcher.lease(tenant, dispatcher.engines[0], timeout_s, 1.0, 1.0)
+    return dispatcher.lease(tenant, dispatcher.pools["m"], timeout_s, 1.0, 1.0)
 
 
 def idle(dispatcher: Dispatcher, tenant: Any) -> bool:
     engine = dispatcher.engines[0]
-    return (engine.inflight, tenant.inflight, tenant.queued, len(engine.queue)) == (0, 0, 0, 0)
+    return (engine.inflight, tenant.inflight, tenant.queued, engine.waiting()) == (0, 0, 0, 0)
 
 
 def test_a_lease_is_given_back_when_its_block_raises() -> None:
@@ -76,7 +76,7 @@ def test_a_waiter_cancelled_or_timed_out_in_the_queue_leaves_nothing() -> None:
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
-            assert tenant.queued == 0 and len(dispatcher.engines[0].queue) == 0
+            assert tenant.queued == 0 and dispatcher.engines[0].waiting() == 0
             with pytest.raises(TimeoutError):
                 await lease(dispatcher, tenant, timeout_s=0.01).acquire()
             assert tenant.queued == 0 and tenant.inflight == 1

@@ -42,7 +42,9 @@ def test_a_failed_connect_to_the_engine_is_retried_once(make_gateway: Any, tmp_p
     """With no engine listening the client gets a JSON 502 after one retry (the retry
     that succeeds is tests/unit/test_upstream.py)."""
     port = free_port()
-    gw = make_gateway(base_config(f"http://127.0.0.1:{port}", tmp_path / "u.db"))
+    cfg = base_config(f"http://127.0.0.1:{port}", tmp_path / "u.db")
+    cfg["engines"][0]["models"] = ["fake"]  # routed without the engine's /v1/models
+    gw = make_gateway(cfg)
     resp = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"},
                       json={"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
     assert resp.status_code == 502

@@ -148,6 +148,7 @@ def test_tenants_stay_pinned_and_repin_after_the_drain_period(make_gateway: Any,
     try:
         urls = [e.url for e in engines]
         cfg = config(urls, tmp_path / "u.db", repin_after="2s")
+        cfg["routing"] = "pinned"  # every tenant on one engine (routing: pool spreads them)
         gw = make_gateway(cfg)
         pinned = {t: pinned_engine(urls, t) for t in ("hog", "polite", "vip")}
         for _ in range(3):

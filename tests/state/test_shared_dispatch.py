@@ -28,7 +28,7 @@ KEYS = [f"engine:{URL}", "running:t", "queued:t"]
 
 def config() -> Any:
     return parse_config({
-        "engines": [{"url": URL, "max_inflight": 4}],
+        "engines": [{"url": URL, "max_inflight": 4, "models": ["m"]}],
         "tenants": [{"id": "t", "api_keys": ["k"], "max_concurrency": 1, "max_queued": 1},
                     {"id": "u", "api_keys": ["k2"]}],
         "ledger": "sqlite:///unused.db",
@@ -57,7 +57,7 @@ async def close(reps: list[Replica]) -> None:
 
 def lease(rep: Replica, timeout_s: float = 30.0) -> Any:
     dispatcher, tenant, _ = rep
-    return dispatcher.lease(tenant, dispatcher.engines[0], timeout_s, 1.0, 1.0)
+    return dispatcher.lease(tenant, dispatcher.pools["m"], timeout_s, 1.0, 1.0)
 
 
 async def nothing_held(store: RedisStore) -> None:
@@ -165,5 +165,5 @@ def test_no_exit_path_leaves_a_slot_in_redis(redis_server: RedisServer, how: str
             first.release()
         await nothing_held(store)
         dispatcher, tenant, _ = reps[0]
-        assert (tenant.inflight, tenant.queued, len(dispatcher.engines[0].queue)) == (0, 0, 0)
+        assert (tenant.inflight, tenant.queued, dispatcher.engines[0].waiting()) == (0, 0, 0)
     run(redis_server, body)

@@ -30,7 +30,7 @@ MIN_SHARE = 0.25
 
 def config() -> Any:
     return parse_config({
-        "engines": [{"url": URL, "max_inflight": 1}],
+        "engines": [{"url": URL, "max_inflight": 1, "models": ["m"]}],
         "lanes": [{"name": "interactive", "priority": 0},
                   {"name": "batch", "priority": 10, "min_share": MIN_SHARE}],
         "tenants": [{"id": "i", "api_keys": ["k1"], "lane": "interactive"},
@@ -52,7 +52,7 @@ class Replica:
     def lease(self, tenant: str, estimate: float) -> Lease:
         state = self.tenants.get(tenant)
         assert state is not None
-        return self.dispatcher.lease(state, self.engine, 30.0, 1.0, estimate)
+        return self.dispatcher.lease(state, self.dispatcher.pools["m"], 30.0, 1.0, estimate)
 
     async def dispatch(self, tenant: str, estimate: float) -> None:
         """One request through the uncontended path (the slot is free): its cost reaches
@@ -84,11 +84,11 @@ async def first_granted(replica: Replica, before: dict[str, float]) -> tuple[str
     waiting = {tenant: asyncio.create_task(replica.lease(tenant, 10.0).acquire())
                for tenant in ("i", "b")}  # interactive queued first
     for _ in range(1000):
-        if len(replica.engine.queue) == 2:
+        if len(replica.dispatcher.pools["m"].queue) == 2:
             break
         await asyncio.sleep(0.01)
-    assert len(replica.engine.queue) == 2 and not any(t.done() for t in waiting.values())
-    own = replica.engine.queue.lane_shares()
+    assert len(replica.dispatcher.pools["m"].queue) == 2 and not any(t.done() for t in waiting.values())
+    own = replica.dispatcher.pools["m"].queue.lane_shares()
     holder.release()
     done, _ = await asyncio.wait(waiting.values(), timeout=10,
                                  return_when=asyncio.FIRST_COMPLETED)

@@ -13,7 +13,7 @@ from tokenpace.gateway._tenants import Tenants
 
 def setup(**engine: Any) -> tuple[Dispatcher, Any]:
     config = parse_config({
-        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 64, **engine}],
+        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 64, "models": ["m"], **engine}],
         "tenants": [{"id": "t", "api_keys": ["k"]}],
         "ledger": "sqlite:///unused.db",
     })
@@ -23,8 +23,8 @@ def setup(**engine: Any) -> tuple[Dispatcher, Any]:
 
 
 async def burst(dispatcher: Dispatcher, tenant: Any, n: int) -> list[asyncio.Task[Any]]:
-    engine = dispatcher.engines[0]
-    tasks = [asyncio.create_task(dispatcher.acquire(tenant, engine, 60.0, 1.0, 1.0)) for _ in range(n)]
+    pool = dispatcher.pools["m"]
+    tasks = [asyncio.create_task(dispatcher.acquire(tenant, pool, 60.0, 1.0, 1.0)) for _ in range(n)]
     await asyncio.sleep(0)
     return tasks
 
@@ -56,7 +56,7 @@ def test_with_a_known_capacity_a_larger_burst_waits_in_the_gateway() -> None:
         dispatcher.set_load(engine, 0.0, 0.0, running=0.0)
         tasks = await burst(dispatcher, tenant, 32)
         assert granted(tasks) == 8 + 4  # capacity + what may wait in the engine
-        assert engine.inflight == 12 and len(engine.queue) == 20
+        assert engine.inflight == 12 and engine.waiting() == 20
         dispatcher.set_load(engine, 4.0, 0.2, running=8.0)  # the engine holds our 12
         dispatcher.release(await tasks[0])
         assert engine.inflight == 12  # the freed slot went to the next one in the queue

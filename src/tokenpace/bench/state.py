@@ -96,7 +96,8 @@ async def _dispatch_path(url: str | None, requests: int, concurrency: int,
     from ..gateway._tenants import Tenants
 
     config = parse_config({
-        "engines": [{"url": "http://bench-engine", "max_inflight": max_inflight}],
+        "engines": [{"url": "http://bench-engine", "max_inflight": max_inflight,
+                     "models": ["bench"]}],
         "tenants": [{"id": t, "api_keys": [f"k-{t}"], "max_concurrency": 10_000}
                     for t in TENANTS],
         "ledger": "sqlite:///unused.db",
@@ -107,12 +108,12 @@ async def _dispatch_path(url: str | None, requests: int, concurrency: int,
         await store.start()
     dispatcher = make_dispatcher(config, clock, store)
     tenants = Tenants(config, clock)
-    engine = dispatcher.engines[0]
+    pool = dispatcher.pools["bench"]
     background: set[asyncio.Task[Any]] = getattr(dispatcher, "_background", set())
 
     async def one(i: int) -> float:
         lease = dispatcher.lease(tenants.get(TENANTS[i % len(TENANTS)]),  # type: ignore[arg-type]
-                                 engine, 60.0, 64.0, 300.0)
+                                 pool, 60.0, 64.0, 300.0)
         t0 = time.perf_counter()
         await lease.acquire()
         waited = time.perf_counter() - t0

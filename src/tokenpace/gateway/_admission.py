@@ -22,7 +22,7 @@ from starlette.types import Receive
 from ..fairness import BudgetRefusal
 from . import _metrics as metrics
 from ._body import ParsedRequest, prompt_token_ids, tokenize_body
-from ._dispatch import EngineSlots
+from ._dispatch import EngineSlots, Pool
 from ._errors import GatewayError
 from ._prompt_bound import bound as prompt_bound
 from ._runtime import Runtime
@@ -87,13 +87,40 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
         chunks.append(chunk)
 
 
-def route(rt: Runtime, tenant: TenantState) -> EngineSlots:
-    """The engine the tenant is pinned to; 503 at once when it is down."""
-    engine = rt.dispatcher.engine_for(tenant.id)
-    if not engine.healthy:
-        raise GatewayError(503, f"the engine serving tenant {tenant.id!r} is unavailable",
-                           reason="engine_unavailable", code="engine_unavailable")
-    return engine
+def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, EngineSlots]:
+    """The served name of the model the client asked for, its pool, and the engine that
+    counts the prompt; 404 ``model_not_found`` when no engine serves it or the tenant may
+    not use it, 503 at once when every engine the tenant could use in its pool is down.
+    Decided here, without an engine call: a dict lookup or two."""
+    model = rt.config.served_name(requested)
+    pool = rt.dispatcher.pool_for(model)
+    if pool is None or not tenant.config.may_use(model):
+        if pool is None and rt.dispatcher.unlearned():
+            raise GatewayError(
+                503, f"no engine that has reported its models serves {requested!r}; "
+                f"{len(rt.dispatcher.unlearned())} engine(s) have not reported theirs yet",
+                reason="engine_unavailable", code="engine_unavailable",
+                headers={"retry-after": "2"})
+        raise GatewayError(
+            404, f"The model {requested!r} does not exist or you do not have access to it; "
+            f"models of tenant {tenant.id!r}: {', '.join(tenant_models(rt, tenant)) or 'none'}",
+            reason="model_not_found", code="model_not_found", param="model")
+    engine = rt.dispatcher.preferred(tenant, pool)
+    if engine is None:
+        raise GatewayError(503, f"no engine serving model {model!r} for tenant {tenant.id!r} "
+                           "is available", reason="engine_unavailable",
+                           code="engine_unavailable")
+    return model, pool, engine
+
+
+def tenant_models(rt: Runtime, tenant: TenantState) -> list[str]:
+    """The model names (served names and their aliases) the tenant may send, sorted."""
+    names: list[str] = []
+    for model in rt.dispatcher.served_models():
+        if tenant.config.may_use(model):
+            names.append(model)
+            names.extend(rt.config.aliases_of(model))
+    return sorted(names)
 
 
 async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.AsyncClient,
@@ -108,7 +135,7 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     holds and the budgets take a reservation on it; else the engine's exact count.
     """
     tenant = ex.tenant
-    _cheap_refusals(rt, tenant, req)
+    _cheap_refusals(rt, ex, req)
     ids = prompt_token_ids(req)
     if ids is not None:
         return await _admit_counted(rt, ex, req, len(ids), None, counted=True)
@@ -134,7 +161,7 @@ async def _admit_counted(rt: Runtime, ex: Exchange, req: ParsedRequest, prompt_t
     ex.prompt_counted = counted
     ex.prompt_tokens = prompt_tokens
     max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
-    reserved = rt.config.cost.of(prompt_tokens, max_tokens * req.n)
+    reserved = ex.cost.of(prompt_tokens, max_tokens * req.n)
     refusal = await _reserve(rt, ex, reserved)
     if refusal is not None:
         raise budget_error(refusal)
@@ -173,7 +200,7 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
         max_tokens = cfg.max_output_tokens
     else:
         max_tokens = _admit_sizes(tenant, req, 0, None)  # max_output_tokens
-    reserved = rt.config.cost.of(bound, max_tokens * req.n)
+    reserved = ex.cost.of(bound, max_tokens * req.n)
     if await _reserve(rt, ex, reserved) is not None:
         return None  # the bound does not fit; the exact count may
     ex.prompt_tokens, ex.prompt_counted = 0, False
@@ -210,7 +237,7 @@ well below this): a prompt of more than 64 bytes per allowed token is certainly 
 limit, whatever the model, and is refused without asking the engine to count it."""
 
 
-def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> None:
+def _cheap_refusals(rt: Runtime, ex: Exchange, req: ParsedRequest) -> None:
     """Refusals that need no prompt count, checked before one is asked for.
 
     A tenant at its concurrency limit with a full queue; a prompt whose size in bytes
@@ -219,6 +246,7 @@ def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> Non
     make). A multi-megabyte prompt its limits refuse never reaches the engine's tokenizer,
     where it would delay every other tenant's requests.
     """
+    tenant = ex.tenant
     cfg = tenant.config
     if tenant.at_concurrency_limit() and tenant.queue_full():
         raise queue_full(tenant)
@@ -235,7 +263,7 @@ def _cheap_refusals(rt: Runtime, tenant: TenantState, req: ParsedRequest) -> Non
             param="messages" if req.kind == "chat" else "prompt")
     output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
     if cfg.budgets:
-        least = rt.config.cost.of(least_tokens, (output or 0) * req.n)
+        least = ex.cost.of(least_tokens, (output or 0) * req.n)
         refusal = tenant.budgets.would_refuse(least, rt.clock())
         if refusal is not None:
             raise budget_error(refusal)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import math
 import re
@@ -26,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import _metrics as metrics
-from ._admission import authenticate, bearer_key
+from ._admission import authenticate, bearer_key, tenant_models
 from ._body import Kind
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import EngineSlots
@@ -47,6 +48,7 @@ HEALTH_INTERVAL_S = 2.0
 LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
 HEALTH_TIMEOUT_S = 5.0
+START_MODELS_TIMEOUT_S = 3.0
 DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
 ENGINE_KEEPALIVE_S = 4.0
@@ -71,6 +73,7 @@ class Gateway:
         # Processes serving this port (--workers): open-mode fallback limits divide by it.
         self.workers = 1
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
+        self._started = int(time.time())  # the "created" of /v1/models entries
         self.app = self  # the ASGI application to serve (``__call__``)
         self._routes = Starlette(
             routes=[
@@ -135,6 +138,10 @@ class Gateway:
             self.rt = Runtime(self.config, tenants, make_dispatcher(self.config, self.clock, store),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
                               store=store)
+            # Model names first: a request for a model is routed (or refused with 404) by
+            # them, so the gateway learns them before it takes requests.
+            await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
+                                   for e in self.rt.dispatcher.unlearned()))
             tasks = [asyncio.create_task(self._health_loop()),
                      asyncio.create_task(self._snapshot_loop())]
             if store is None:
@@ -200,6 +207,8 @@ class Gateway:
                     ok = False
                 if ok:
                     self._note_policy(engine.config, reported_policy(headers))
+                    if engine.config.models is None:
+                        await self._learn_models(engine, HEALTH_TIMEOUT_S)
                 failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
                 # One slow answer from a busy engine is not an outage.
                 healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
@@ -225,7 +234,7 @@ class Gateway:
                 read_at = loop.time()
             if engine.held.is_set():
                 engine.held.clear()
-                if len(engine.queue) and engine.saturated():
+                if engine.waiting() and engine.saturated():
                     await asyncio.sleep(soon)
                     soon = min(2 * soon, LOAD_INTERVAL_S)
                     continue
@@ -236,6 +245,25 @@ class Gateway:
                 pass
             else:
                 await asyncio.sleep(reread_delay(read_at, loop.time()))
+
+    async def _learn_models(self, engine: EngineSlots, timeout_s: float) -> None:
+        """The model names an engine without ``models`` in the configuration serves, from
+        its ``/v1/models`` (at start-up, then with every good health check: an engine
+        restarted with another model moves to that model's pool)."""
+        assert self.rt is not None
+        try:
+            status, _, content = await self.rt.upstreams[engine.url].fetch(
+                "GET", "/v1/models", timeout_s)
+        except (UpstreamError, TimeoutError):
+            return
+        names = _model_ids(content) if status == 200 else None
+        if names is None:
+            if engine.models is None:
+                logger.warning("engine %s: cannot read its model names from /v1/models "
+                               "(HTTP %s); set engines[].models", engine.url, status)
+            return
+        if self.rt.dispatcher.set_models(engine, names):
+            logger.info("engine %s serves %s", engine.url, ", ".join(sorted(names)))
 
     def _note_policy(self, engine: EngineConfig, reported: str) -> None:
         """Remember the engine's scheduling policy; log a mismatch when it first shows."""
@@ -278,26 +306,27 @@ class Gateway:
                               headers={"retry-after": "1"})
 
     async def _models(self, request: Request) -> Response:
+        """The models the tenant may use, in OpenAI's list format (decided here: no engine
+        call). An alias is listed beside its model with ``root`` naming the served model."""
         rt = self.rt
         assert rt is not None
         try:
             tenant = authenticate(rt, request.headers.get("authorization"))
         except GatewayError as exc:
             return exc.response()
-        engine = rt.dispatcher.engine_for(tenant.id)
-        try:
-            resp = await rt.clients[engine.url].get("/v1/models", timeout=10.0)
-        except httpx.HTTPError as exc:
-            return error_response(503, f"engine unavailable ({type(exc).__name__})",
-                                  code="engine_unavailable")
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type"))
+        data = []
+        for name in tenant_models(rt, tenant):
+            served = rt.config.served_name(name)
+            data.append({"id": name, "object": "model", "created": self._started,
+                         "owned_by": "tokenpace", "root": served,
+                         "parent": served if served != name else None})
+        return JSONResponse({"object": "list", "data": data})
 
     async def _health(self, request: Request) -> Response:
         rt = self.rt
         assert rt is not None
         engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
-                    "queued": len(e.queue),
+                    "queued": e.waiting(), "models": sorted(e.models or ()),
                     **self._policy_fields(e.config)} for e in rt.dispatcher.engines]
         ok = any(e["healthy"] for e in engines)
         body: dict[str, object] = {"status": "ok" if ok else "no healthy engine",
@@ -388,6 +417,19 @@ async def _engine_load(upstream: Upstream) -> tuple[float | None, float | None, 
         else:
             kv = max(kv or 0.0, number)
     return waiting, kv, running
+
+
+def _model_ids(content: bytes) -> frozenset[str] | None:
+    """The ``id`` of every entry of an OpenAI ``/v1/models`` answer (None: not one)."""
+    try:
+        data = json.loads(content).get("data")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    ids = frozenset(entry["id"] for entry in data
+                    if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+    return ids or None
 
 
 def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:

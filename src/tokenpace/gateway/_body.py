@@ -213,16 +213,19 @@ def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
 
 
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
-                max_tokens: int, cache_salt: str | None = None) -> bytes:
+                max_tokens: int, cache_salt: str | None = None,
+                model: str | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
     field is replaced, so no client can borrow another tenant's quota or lane. With a
     tenant's ``cache_salt`` the prompt's cached blocks are the tenant's alone: a client's
     own salt (a string) is mixed into it, so it can split its tenant's cache further but
-    never reach another tenant's.
+    never reach another tenant's. ``model``: the served name, when the client sent an alias.
     """
     body = dict(req.body)
+    if model is not None:
+        body["model"] = model
     if cache_salt is not None:
         own = body.get("cache_salt")
         if isinstance(own, str) and own:

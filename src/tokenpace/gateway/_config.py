@@ -28,6 +28,7 @@ from ._state import StateConfig, StateConfigError, parse_state
 
 DEFAULT_LEDGER = "sqlite:///tokenpace-usage.db"
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ROUTINGS = ("pool", "pinned")
 
 
 class ConfigError(ValueError):
@@ -51,10 +52,23 @@ class EngineConfig:
     # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
     # its /metrics (the running count while requests keep waiting in it).
     max_num_seqs: int | None = None
+    # The model names it serves (its --served-model-name). None: learned from its
+    # /v1/models at start-up and on health checks.
+    models: tuple[str, ...] | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Settings of one model name the engines serve: other names clients may send for it,
+    and its cost coefficients (seed 002's a and b depend on the model and its hardware)."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    cost: CostModel | None = None  # None: the top-level cost
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,12 @@ class TenantConfig:
     queue_timeout_s: float = 60.0
     budgets: tuple[BudgetSpec, ...] = ()
     share_prefix_cache: bool = False
+    # The models (served names, aliases resolved) the tenant may use; None: every model.
+    models: frozenset[str] | None = None
+
+    def may_use(self, model: str) -> bool:
+        """Whether the tenant may send requests for ``model`` (a served name)."""
+        return self.models is None or model in self.models
 
     @functools.cached_property
     def cache_salt(self) -> str | None:
@@ -116,7 +136,35 @@ class GatewayConfig:
     prompt_count: str = "bound"
     # Where budgets live: in process (one replica) or shared in Redis (several).
     state: StateConfig = field(default_factory=StateConfig)
+    models: tuple[ModelConfig, ...] = ()
+    # "pool": one fair queue per model over every engine serving it, load-aware engine
+    # choice; "pinned": every tenant on one engine per model (rendezvous hashing).
+    routing: str = "pool"
+    # A tenant's preferred engine keeps its requests while it has at most this many more
+    # in flight than the least loaded engine of the pool (prefix-cache locality).
+    pool_affinity: int = 2
     source: Path | None = None
+
+    def served_name(self, model: str) -> str:
+        """The served name of ``model`` as a client sent it (an alias resolved)."""
+        return self._aliases.get(model, model)
+
+    def cost_of(self, model: str) -> CostModel:
+        """The cost coefficients of ``model`` (a served name): its own, else the top-level."""
+        settings = self._model_settings.get(model)
+        return settings.cost if settings is not None and settings.cost is not None else self.cost
+
+    def aliases_of(self, model: str) -> tuple[str, ...]:
+        settings = self._model_settings.get(model)
+        return settings.aliases if settings is not None else ()
+
+    @functools.cached_property
+    def _aliases(self) -> dict[str, str]:
+        return {alias: m.name for m in self.models for alias in m.aliases}
+
+    @functools.cached_property
+    def _model_settings(self) -> dict[str, ModelConfig]:
+        return {m.name: m for m in self.models}
 
     def lane(self, name: str) -> LaneConfig:
         return next(lane for lane in self.lanes if lane.name == name)
@@ -166,7 +214,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
-                      "dispatch_order", "prompt_count", "state", "on_state_failure"))
+                      "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
+                      "routing", "pool_affinity"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -178,8 +227,11 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     if len(set(names)) != len(names):
         raise ConfigError("lanes: lane names must be unique")
     cost = _cost(root.get("cost"))
+    models = _models(_list(root, "models"), engines)
+    aliases = {alias: m.name for m in models for alias in m.aliases}
     tenants = tuple(
-        _tenant(t, f"tenants[{i}]", lanes) for i, t in enumerate(_list(root, "tenants", required=True))
+        _tenant(t, f"tenants[{i}]", lanes, aliases, _known_models(models, engines))
+        for i, t in enumerate(_list(root, "tenants", required=True))
     )
     if not tenants:
         raise ConfigError("tenants: at least one tenant is needed")
@@ -218,8 +270,63 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
         prompt_count=_prompt_count(root.get("prompt_count", "bound")),
         state=_state(root.get("state"), root.get("on_state_failure")),
+        models=models,
+        routing=_routing(root.get("routing", "pool")),
+        pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
         source=source,
     )
+
+
+def _routing(value: Any) -> str:
+    if value not in ROUTINGS:
+        raise ConfigError(f"routing: expected 'pool' (one fair queue per model over its "
+                          f"engines) or 'pinned' (each tenant on one engine), got {value!r}")
+    return value
+
+
+def _name_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{where}: expected a list of model names (non-empty strings)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: the same name is listed twice")
+    return tuple(value)
+
+
+def _models(items: list[Any], engines: tuple[EngineConfig, ...]) -> tuple[ModelConfig, ...]:
+    """The ``models`` section: per-model aliases and costs, names and aliases unique."""
+    out: list[ModelConfig] = []
+    taken: dict[str, str] = {}  # every name and alias -> where it was given
+    for i, item in enumerate(items):
+        where = f"models[{i}]"
+        m = _mapping(item, where)
+        _known(m, where, ("name", "aliases", "cost"))
+        name = m.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.name: required, the name the engines serve "
+                              "(their --served-model-name)")
+        aliases = _name_list(m.get("aliases", []), f"{where}.aliases")
+        for label, value in ((f"{where}.name", name),
+                             *((f"{where}.aliases", a) for a in aliases)):
+            if value in taken:
+                raise ConfigError(f"{label}: {value!r} is already given at {taken[value]}")
+            taken[value] = label
+        cost = _cost(m["cost"], f"{where}.cost") if m.get("cost") is not None else None
+        out.append(ModelConfig(name, aliases, cost))
+    served = {name for e in engines for name in e.models or ()}
+    for model in out:
+        for alias in model.aliases:
+            if alias in served:
+                raise ConfigError(f"models: alias {alias!r} of {model.name!r} is also a name an "
+                                  "engine serves")
+    return tuple(out)
+
+
+def _known_models(models: tuple[ModelConfig, ...],
+                  engines: tuple[EngineConfig, ...]) -> frozenset[str] | None:
+    """Every served name, when all engines list theirs (None: some are learned at run time)."""
+    if any(e.models is None for e in engines):
+        return None
+    return frozenset(name for e in engines for name in e.models or ())
 
 
 # -- sections ----------------------------------------------------------------------
@@ -250,7 +357,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env"))
+                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -276,6 +383,8 @@ def _engine(value: Any, where: str) -> EngineConfig:
         max_kv_cache_usage=None if kv is None else float(kv),
         api_key=_engine_key(m, where),
         max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
+        models=_name_list(m["models"], f"{where}.models") if m.get("models") is not None
+        else None,
     )
 
 
@@ -334,22 +443,24 @@ def _lane(value: Any, where: str) -> LaneConfig:
     return LaneConfig(name, priority, float(share))
 
 
-def _cost(value: Any) -> CostModel:
+def _cost(value: Any, where: str = "cost") -> CostModel:
     if value is None:
         return CostModel()
-    m = _mapping(value, "cost")
-    _known(m, "cost", ("prompt", "completion"))
+    m = _mapping(value, where)
+    _known(m, where, ("prompt", "completion"))
     try:
         return CostModel(m.get("prompt", 1.0), m.get("completion", 1.0))
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(str(exc).replace("cost.", f"{where}.", 1)) from None
 
 
-def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConfig:
+def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
+            aliases: Mapping[str, str] | None = None,
+            served: frozenset[str] | None = None) -> TenantConfig:
     m = _mapping(value, where)
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
-                      "queue_timeout", "budgets", "share_prefix_cache"))
+                      "queue_timeout", "budgets", "share_prefix_cache", "models"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
@@ -390,7 +501,24 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...]) -> TenantConf
         queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
         budgets=tuple(budgets),
         share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
+        models=_allowed_models(m, where, aliases or {}, served),
     )
+
+
+def _allowed_models(m: Mapping[str, Any], where: str, aliases: Mapping[str, str],
+                    served: frozenset[str] | None) -> frozenset[str] | None:
+    """A tenant's ``models`` allow-list as served names; a name no engine serves is an
+    error when every engine lists its models (a typo would lock the tenant out)."""
+    if m.get("models") is None:
+        return None
+    names = _name_list(m["models"], f"{where}.models")
+    resolved = frozenset(aliases.get(name, name) for name in names)
+    if served is not None:
+        for name in names:
+            if aliases.get(name, name) not in served:
+                raise ConfigError(f"{where}.models: no engine serves {name!r}; served: "
+                                  f"{', '.join(sorted(served))}")
+    return resolved
 
 
 # -- values ------------------------------------------------------------------------

@@ -1,19 +1,28 @@
-"""Where admitted requests wait for an engine, and who goes next.
+"""Where admitted requests wait for an engine, and which engine each one goes to.
 
 Requests wait here, in the gateway, rather than in the engine: here they can still be
-reordered, timed out or cancelled for free, and this is where fairness is decided. A
-request is dispatched when its engine has room (below ``max_inflight`` and, when its
-``/metrics`` are reachable, not already queueing or out of KV cache) and its tenant is
-below ``max_concurrency``. Which waiting request goes next is the fair queue's choice
-(``fairness.FairQueue``: lanes in priority order with a minimum share, weighted VTC inside
-a lane, FIFO inside a tenant).
+reordered, timed out or cancelled for free, and this is where fairness is decided.
 
-Routing pins each tenant to one engine by rendezvous hashing over the configured engine
-URLs, so the engine-side pacing quota of that identity is single and adding an engine
-moves only the tenants that now hash to it. When the pinned engine is down its requests
-fail fast; with ``repin_after`` set, a tenant whose engine has been down that long moves to
-the next engine in its rendezvous order (the drain period lets the old engine finish or
-drop what it held before the identity is paced somewhere else).
+Engines are grouped into pools by the model names they serve (``engines[].models``, else
+learned from each engine's ``/v1/models``); an engine serving two names is in two pools.
+Each pool has one fair queue (``fairness.FairQueue``: lanes in priority order with a
+minimum share, weighted VTC inside a lane, FIFO inside a tenant), so VTC counters and lane
+shares are measured over the whole pool, not per engine. A waiting request is dispatched
+when some engine of its pool that it may use has room (below ``max_inflight`` and, when its
+``/metrics`` are reachable, not already queueing or out of KV cache) and its tenant is
+below ``max_concurrency``.
+
+Which engine (``routing: pool``, the default): a tenant's engines are ranked by
+rendezvous hashing over the pool's URLs (a stable preference, so a tenant's prompts meet
+their own prefix cache); its request goes to the first engine in that order that has room,
+unless another engine with room has more than ``pool_affinity`` fewer requests in flight,
+in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` is the
+exception: its engine-side quota is paced per engine, so it stays on its first engine (as
+with ``routing: pinned``, where every tenant does) and one engine paces it at its rate; a
+rate split over several engines is not built. With ``repin_after`` set, a pinned tenant
+whose engine has been down that long moves to the next engine in its rendezvous order (the
+drain period lets the old engine finish or drop what it held before the identity is paced
+somewhere else).
 """
 
 from __future__ import annotations
@@ -62,8 +71,11 @@ class EngineSlots:
     within tens of milliseconds (backing off while the engine stays full).
     """
 
-    def __init__(self, config: EngineConfig, queue: FairQueue[Waiter]) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.pools: list[Pool] = []  # one per model name it serves
+        self.models: frozenset[str] | None = (  # None: not known yet (learned)
+            frozenset(config.models) if config.models is not None else None)
         self.inflight = 0
         self.healthy = True
         self.down_since: float | None = None
@@ -71,7 +83,6 @@ class EngineSlots:
         self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
         self.learned_capacity: int | None = None
-        self.queue = queue
         self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
         self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
         self._dispatched_since_reading = 0
@@ -80,6 +91,10 @@ class EngineSlots:
     @property
     def url(self) -> str:
         return self.config.url
+
+    def waiting(self) -> int:
+        """Requests waiting in the queues of the pools this engine serves."""
+        return sum(len(pool.queue) for pool in self.pools)
 
     @property
     def capacity(self) -> int | None:
@@ -125,10 +140,26 @@ class EngineSlots:
         return self.inflight < self.config.max_inflight and not self.saturated()
 
 
+class Pool:
+    """The engines serving one model name, and the one fair queue its requests wait in."""
+
+    def __init__(self, model: str, queue: FairQueue[Waiter]) -> None:
+        self.model = model
+        self.engines: list[EngineSlots] = []
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"Pool({self.model!r}, {[e.url for e in self.engines]})"
+
+    def healthy(self) -> bool:
+        return any(engine.healthy for engine in self.engines)
+
+
 @dataclass(eq=False)
 class Waiter:
     tenant: TenantState
-    engine: EngineSlots
+    pool: Pool
+    engine: EngineSlots | None = None  # chosen when the request is granted
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     granted: bool = False
     released: bool = False
@@ -144,18 +175,24 @@ class Lease:
     cancelled, and ``release`` is idempotent, so a slot cannot leak or be freed twice.
     """
 
-    def __init__(self, dispatcher: Dispatcher, tenant: TenantState, engine: EngineSlots,
+    def __init__(self, dispatcher: Dispatcher, tenant: TenantState, pool: Pool,
                  timeout_s: float, prompt_cost: float, estimate: float) -> None:
         self._dispatcher = dispatcher
-        self.tenant, self.engine = tenant, engine
+        self.tenant, self.pool = tenant, pool
         self._wait = (timeout_s, prompt_cost, estimate)
         self.waiter: Waiter | None = None  # set once granted
+
+    @property
+    def engine(self) -> EngineSlots:
+        """The engine the slot is on (once granted)."""
+        assert self.waiter is not None and self.waiter.engine is not None
+        return self.waiter.engine
 
     async def acquire(self) -> Lease:
         """Wait for the slot; raise ``QueueFull`` at once or ``TimeoutError`` after the
         timeout (see ``Dispatcher.acquire``)."""
         timeout_s, prompt_cost, estimate = self._wait
-        self.waiter = await self._dispatcher.acquire(self.tenant, self.engine, timeout_s,
+        self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
                                                      prompt_cost, estimate)
         return self
 
@@ -185,47 +222,154 @@ class Lease:
 class Dispatcher:
     def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self.engines = [
-            EngineSlots(e, FairQueue(_lane_specs(config), clock, config.lane_share_window_s,
-                                     fair=config.dispatch_order == "vtc"))
-            for e in config.engines
-        ]
+        self._config = config
+        self.engines = [EngineSlots(e) for e in config.engines]
+        self.pools: dict[str, Pool] = {}
         self.repin_after_s = config.repin_after_s
         self._states: dict[str, TenantState] = {}
-        # tenant -> engines in rendezvous order. The order depends only on the engine URLs
-        # (fixed for a dispatcher) and the tenant id; health and the clock decide among them
-        # in engine_for, so health changes need not (but do) clear it; reloads clear it so a
-        # removed tenant's entry goes.
-        self._ranked: dict[str, list[EngineSlots]] = {}
+        # (tenant, pool model) -> the pool's engines in rendezvous order. The order depends
+        # only on the pool's engine URLs and the tenant id; health and the clock decide among
+        # them in engine_for, so health changes need not (but do) clear it; reloads and a
+        # pool's membership changing clear it, so a removed tenant's entry goes.
+        self._ranked: dict[tuple[str, str | None], list[EngineSlots]] = {}
+        self._placed: dict[str, EngineSlots | None] = {}  # one pop's engine choices
+        for engine in self.engines:
+            if engine.models is not None:
+                self._join(engine, engine.models)
         self.configure(config)
         for engine in self.engines:
             engine.inflight_gauge.set(0)
 
     def configure(self, config: GatewayConfig) -> None:
-        """Apply (re)loaded lanes, tenant lanes and weights to every engine's queue."""
+        """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue."""
+        self._config = config
         self.repin_after_s = config.repin_after_s
         self._ranked.clear()
-        lanes = _lane_specs(config)
-        for engine in self.engines:
-            engine.queue.set_lanes(lanes)
-            engine.queue.fair = config.dispatch_order == "vtc"
-            for tenant in config.tenants:
-                engine.queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
+        for pool in self.pools.values():
+            self._configure_queue(pool.queue, config)
+
+    def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
+        queue.set_lanes(_lane_specs(config))
+        queue.fair = config.dispatch_order == "vtc"
+        for tenant in config.tenants:
+            queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
+
+    # -- pools -------------------------------------------------------------------------
+
+    def set_models(self, engine: EngineSlots, models: frozenset[str]) -> bool:
+        """The model names ``engine`` serves, as learned from it; True when they changed.
+
+        Requests already waiting for a pool it leaves stay queued for the pool's other
+        engines (or time out); a pool it joins can dispatch to it at once.
+        """
+        if engine.models == models:
+            return False
+        for pool in list(engine.pools):
+            if pool.model not in models:
+                pool.engines.remove(engine)
+                engine.pools.remove(pool)
+        self._join(engine, models - {pool.model for pool in engine.pools})
+        engine.models = models
+        self._ranked.clear()
+        for pool in engine.pools:
+            self._pump(pool)
+        return True
+
+    def _join(self, engine: EngineSlots, models: frozenset[str] | tuple[str, ...]) -> None:
+        for model in models:
+            pool = self.pools.get(model)
+            if pool is None:
+                pool = Pool(model, self._new_queue())
+                self.pools[model] = pool
+            pool.engines.append(engine)
+            engine.pools.append(pool)
+
+    def _new_queue(self) -> FairQueue[Waiter]:
+        config = self._config
+        queue: FairQueue[Waiter] = FairQueue(_lane_specs(config), self._clock,
+                                             config.lane_share_window_s,
+                                             fair=config.dispatch_order == "vtc")
+        self._configure_queue(queue, config)
+        return queue
+
+    def pool_for(self, model: str) -> Pool | None:
+        """The pool serving ``model`` (a served name), or None when no engine serves it."""
+        pool = self.pools.get(model)
+        return pool if pool is not None and pool.engines else None
+
+    def served_models(self) -> list[str]:
+        """Every model name some engine serves, sorted."""
+        return sorted(model for model, pool in self.pools.items() if pool.engines)
+
+    def unlearned(self) -> list[EngineSlots]:
+        """Engines whose model names are not known yet (they have not answered /v1/models)."""
+        return [engine for engine in self.engines if engine.models is None]
 
     # -- routing ---------------------------------------------------------------------
 
-    def engine_for(self, tenant_id: str) -> EngineSlots:
-        """The engine ``tenant_id`` is pinned to (highest rendezvous score), or with
-        ``repin_after`` the first healthy one in score order once it has been down that long."""
-        ranked = self._ranked.get(tenant_id)
-        if ranked is None:  # one hash per engine and a sort: once per tenant, not per request
-            ranked = sorted(self.engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
-            self._ranked[tenant_id] = ranked
+    def _rank(self, tenant_id: str, pool: Pool | None) -> list[EngineSlots]:
+        key = (tenant_id, pool.model if pool is not None else None)
+        ranked = self._ranked.get(key)
+        if ranked is None:  # one hash per engine and a sort: once per tenant and pool
+            engines = pool.engines if pool is not None else self.engines
+            ranked = sorted(engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
+            self._ranked[key] = ranked
+        return ranked
+
+    def engine_for(self, tenant_id: str, pool: Pool | None = None) -> EngineSlots:
+        """The engine ``tenant_id`` is pinned to in ``pool`` (default: over every engine):
+        the highest rendezvous score, or with ``repin_after`` the first healthy one in score
+        order once that one has been down that long."""
+        ranked = self._rank(tenant_id, pool)
         first = ranked[0]
         if first.healthy or self.repin_after_s is None or first.down_since is None \
                 or self._clock() - first.down_since < self.repin_after_s:
             return first
         return next((e for e in ranked[1:] if e.healthy), first)
+
+    def pinned(self, tenant: TenantState) -> bool:
+        """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
+        tenant (its engine-side rate is one engine's quota)."""
+        return self._config.routing == "pinned" \
+            or tenant.config.output_tokens_per_second is not None
+
+    def preferred(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
+        """The engine that counts the tenant's prompts before dispatch (``/tokenize``): its
+        pinned engine when pinned, else the first healthy one in its rendezvous order."""
+        if self.pinned(tenant):
+            engine = self.engine_for(tenant.id, pool)
+            return engine if engine.healthy else None
+        return next((e for e in self._rank(tenant.id, pool) if e.healthy), None)
+
+    def may_wait(self, tenant: TenantState, pool: Pool) -> bool:
+        """Whether some engine the tenant may use in ``pool`` is up (else: refuse at once)."""
+        return self.preferred(tenant, pool) is not None
+
+    def choose(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
+        """The engine of ``pool`` the tenant's next request goes to now; None: none has room.
+
+        Cost: O(engines in the pool) comparisons on cached rendezvous ranks.
+        """
+        if self.pinned(tenant):
+            engine = self.engine_for(tenant.id, pool)
+            return engine if engine.healthy and self._open(engine) else None
+        best: EngineSlots | None = None
+        first: EngineSlots | None = None
+        for engine in self._rank(tenant.id, pool):
+            if not (engine.healthy and self._open(engine)):
+                continue
+            if first is None:
+                first = engine
+            if best is None or engine.inflight < best.inflight:
+                best = engine
+        if first is None or best is None:
+            return None
+        return first if first.inflight <= best.inflight + self._config.pool_affinity else best
+
+    def _open(self, engine: EngineSlots) -> bool:
+        """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
+        other replicas hold)."""
+        return engine.has_room()
 
     def set_health(self, engine: EngineSlots, healthy: bool) -> None:
         if healthy == engine.healthy:
@@ -234,28 +378,30 @@ class Dispatcher:
         self._ranked.clear()
         engine.down_since = None if healthy else self._clock()
         if healthy:
-            self._pump(engine)
+            for pool in engine.pools:
+                self._pump(pool)
 
     def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
                  running: float | None = None) -> None:
         """Saturation gauges read from the engine's /metrics (None: not reported)."""
         engine.record_reading(running, waiting, kv_usage)
-        self._pump(engine)
+        for pool in engine.pools:
+            self._pump(pool)
 
     # -- waiting and dispatch ----------------------------------------------------------
 
-    async def acquire(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+    async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
         """
-        waiter = Waiter(tenant, engine)
+        waiter = Waiter(tenant, pool)
         self._states[tenant.id] = tenant
-        engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
+        pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
         tenant.queued += 1
-        self._pump(engine)
+        self._pump(pool)
         if waiter.granted:
             return waiter
         if tenant.config.max_queued is not None and tenant.queued > tenant.config.max_queued:
@@ -278,14 +424,14 @@ class Dispatcher:
                 self._remove(waiter)
             raise
 
-    def lease(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+    def lease(self, tenant: TenantState, pool: Pool, timeout_s: float,
               prompt_cost: float, estimate: float) -> Lease:
-        """A slot on ``engine`` for one request of ``tenant``, not yet waited for."""
-        return Lease(self, tenant, engine, timeout_s, prompt_cost, estimate)
+        """A slot on an engine of ``pool`` for one request of ``tenant``, not yet waited for."""
+        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate)
 
     def charge(self, waiter: Waiter, cost: float) -> None:
         """Service a dispatched request received (output tokens as the stream reports them)."""
-        waiter.engine.queue.charge(waiter.tenant.id, cost)
+        waiter.pool.queue.charge(waiter.tenant.id, cost)
 
     def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
         """Give a dispatched request's slots back (idempotent) and dispatch the next.
@@ -294,38 +440,63 @@ class Dispatcher:
             return False
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
+        assert engine is not None
         engine.inflight -= 1
         tenant.inflight -= 1
         engine.inflight_gauge.set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
-        for other in self.engines:  # the tenant's concurrency may unblock any queue
-            if len(other.queue):
-                self._pump(other)
+        for pool in self.pools.values():  # the tenant's concurrency may unblock any queue
+            if len(pool.queue):
+                self._pump(pool)
         return False
 
     def _remove(self, waiter: Waiter) -> None:
-        if waiter.engine.queue.remove(waiter):
+        if waiter.pool.queue.remove(waiter):
             waiter.tenant.queued -= 1
             metrics.child(metrics.QUEUED, waiter.tenant.id).set(waiter.tenant.queued)
 
-    def _pump(self, engine: EngineSlots) -> None:
-        """Dispatch the fair queue's choices while the engine has room."""
-        while engine.has_room():
-            waiter = engine.queue.pop(self._may_dispatch)
+    def _placeable(self, tenant_id: str, pool: Pool) -> EngineSlots | None:
+        """The engine a waiter of ``tenant_id`` would get now, if it may go at all."""
+        state = self._states.get(tenant_id)
+        if state is None or not self._may_dispatch(tenant_id):
+            return None
+        return self.choose(state, pool)
+
+    def _pump(self, pool: Pool) -> None:
+        """Dispatch the fair queue's choices while an engine of the pool has room for them.
+
+        Cost per dispatch: the fair queue's choice (O(tenants waiting)), each candidate
+        tenant's engine choice (O(engines in the pool)), a few counters and gauges.
+        """
+        placed = self._placed
+        while len(pool.queue) and any(e.healthy and self._open(e) for e in pool.engines):
+            placed.clear()
+
+            def eligible(tenant_id: str) -> bool:
+                engine = self._placeable(tenant_id, pool)
+                placed[tenant_id] = engine
+                return engine is not None
+
+            waiter = pool.queue.pop(eligible)
             if waiter is None:
                 break
             tenant = waiter.tenant
+            engine = placed.get(tenant.id) or self.choose(tenant, pool)
+            assert engine is not None
+            waiter.engine = engine
             waiter.granted = True
             tenant.queued -= 1
             tenant.inflight += 1
             engine.dispatched()
+            engine.inflight_gauge.set(engine.inflight)
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
             if not waiter.future.done():
                 waiter.future.set_result(None)
-        if len(engine.queue) and engine.inflight < engine.config.max_inflight and engine.saturated():
-            engine.held.set()  # ask for a fresh reading: the one that closed the gate may be stale
-        engine.inflight_gauge.set(engine.inflight)
+        if len(pool.queue):
+            for engine in pool.engines:
+                if engine.inflight < engine.config.max_inflight and engine.saturated():
+                    engine.held.set()  # a fresh reading: the one that closed the gate may be stale
 
     def _may_dispatch(self, tenant_id: str) -> bool:
         state = self._states.get(tenant_id)
@@ -337,17 +508,17 @@ class Dispatcher:
     def publish(self) -> None:
         """Refresh the fairness gauges (called when /metrics is scraped)."""
         lane_cost: dict[str, float] = {}
-        for engine in self.engines:
-            for lane, cost in engine.queue.lane_costs().items():
+        for pool in self.pools.values():
+            for lane, cost in pool.queue.lane_costs().items():
                 lane_cost[lane] = lane_cost.get(lane, 0.0) + cost
         total = sum(lane_cost.values())
         for lane, cost in lane_cost.items():
             metrics.LANE_SHARE.labels(lane).set(cost / total if total else 0.0)
         for tenant_id in self._states:
-            engine = self.engine_for(tenant_id)
-            metrics.child(metrics.FAIRNESS_DEBT, tenant_id).set(engine.queue.debt(tenant_id))
+            metrics.child(metrics.FAIRNESS_DEBT, tenant_id).set(
+                max((p.queue.debt(tenant_id) for p in self.pools.values()), default=0.0))
             metrics.child(metrics.QUEUED_COST, tenant_id).set(
-                sum(e.queue.queued(tenant_id)[1] for e in self.engines))
+                sum(p.queue.queued(tenant_id)[1] for p in self.pools.values()))
 
 
 def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:

@@ -22,15 +22,17 @@ How a request gets its slot (round trips to the store in brackets):
   releases its slots, or after ``SHARED_POLL_S`` (25 ms) while requests wait and the engine
   has room here: a replica never loops on the store, at most one round per poll interval.
   Releases on other replicas are therefore seen within 25 ms (plus one round trip).
+  With several engines in a pool, an engine the store refuses is skipped for
+  ``SHARED_POLL_S`` and the round goes on with the pool's other engines.
 
 Fairness: service (prompt cost at dispatch, output tokens as they stream) is charged to the
 local queue and to the store (batched: the store sends charges every 50 ms). Every
-dispatch's estimate counts in the store's lane shares, per engine and lane: in the
+dispatch's estimate counts in the store's lane shares, per pool (model) and lane: in the
 dispatch script for a request that waited, with the next 50 ms flush for one that went
 uncontended (only with two or more lanes configured). Before a dispatch choice the local
 queues adopt, in one pipeline [1] at most every ``COUNTER_REFRESH_S``, the store's counters
-of the tenants waiting here (lanes where two or more wait) and, for an engine where two
-lanes wait and the lower one has a ``min_share``, every replica's lane costs on that engine
+of the tenants waiting here (lanes where two or more wait) and, for a pool where two
+lanes wait and the lower one has a ``min_share``, every replica's lane costs in that pool
 over ``lane_share_window``; between two reads a queue adds its own dispatches to what it
 adopted. So a lane starved on all replicas together is promoted on each, also where its
 share of that replica's own dispatches looks fine. With one lane, or one lane waiting,
@@ -58,7 +60,7 @@ import anyio
 
 from . import _metrics as metrics
 from ._config import GatewayConfig
-from ._dispatch import Dispatcher, EngineSlots, QueueFull, Waiter
+from ._dispatch import Dispatcher, EngineSlots, Pool, QueueFull, Waiter
 from ._state import (
     Admission,
     Reservation,
@@ -108,12 +110,13 @@ class SharedDispatcher(Dispatcher):
         self._share_window_s = config.lane_share_window_s
         super().__init__(config, clock)
         self._blocked: dict[str, float] = {}  # tenant -> until when its global slots are full
-        self._pumping: set[EngineSlots] = set()
-        self._again: set[EngineSlots] = set()
-        self._polls: dict[EngineSlots, asyncio.TimerHandle] = {}
+        self._full: dict[EngineSlots, float] = {}  # engine -> until when other replicas fill it
+        self._pumping: set[Pool] = set()
+        self._again: set[Pool] = set()
+        self._polls: dict[Pool, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._counters_at = -math.inf
-        self._shares_at: dict[EngineSlots, float] = {}  # when each queue adopted shared costs
+        self._shares_at: dict[Pool, float] = {}  # when each queue adopted shared costs
 
     def configure(self, config: GatewayConfig) -> None:
         super().configure(config)
@@ -123,8 +126,13 @@ class SharedDispatcher(Dispatcher):
         self._lane_tenants = lanes
         self._lane_names = [lane.name for lane in config.lanes]
         self._share_window_s = config.lane_share_window_s
-        for engine in self.engines:
-            engine.queue.lift = False  # the store lifts, over every replica's backlog
+        for pool in self.pools.values():
+            pool.queue.lift = False  # the store lifts, over every replica's backlog
+
+    def _new_queue(self) -> Any:
+        queue = super()._new_queue()
+        queue.lift = False
+        return queue
 
     # -- claims ------------------------------------------------------------------------
 
@@ -140,36 +148,44 @@ class SharedDispatcher(Dispatcher):
         until = self._blocked.get(tenant_id)
         return until is None or until <= self._clock()
 
-    def _refused(self, refusal: SlotRefusal, tenant: TenantState) -> bool:
-        """Note a refusal; True when it was the engine's (nobody else can go either)."""
+    def _open(self, engine: EngineSlots) -> bool:
+        until = self._full.get(engine)
+        return engine.has_room() and (until is None or until <= self._clock())
+
+    def _refused(self, refusal: SlotRefusal, tenant: TenantState, engine: EngineSlots) -> None:
+        """Note a refusal: the tenant's slots or the engine's are held by other replicas;
+        either is skipped for ``SHARED_POLL_S``."""
         if refusal.claim.key.startswith("running:"):
             self._blocked[tenant.id] = self._clock() + SHARED_POLL_S
-            return False
-        return True
+        else:
+            self._full[engine] = self._clock() + SHARED_POLL_S
 
     # -- waiting -----------------------------------------------------------------------
 
-    async def acquire(self, tenant: TenantState, engine: EngineSlots, timeout_s: float,
+    async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float) -> Waiter:
         """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
         ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed)."""
-        waiter = SharedWaiter(tenant, engine, prompt_cost=prompt_cost, estimate=estimate)
+        waiter = SharedWaiter(tenant, pool, prompt_cost=prompt_cost, estimate=estimate)
         self._states[tenant.id] = tenant
         with anyio.fail_after(timeout_s):
-            if not len(engine.queue) and engine.has_room() and self._may_dispatch(tenant.id):
+            engine = (self.choose(tenant, pool)
+                      if not len(pool.queue) and self._may_dispatch(tenant.id) else None)
+            if engine is not None:
                 result = await self._call(self.store.acquire(self._claims(tenant, engine)))
                 if isinstance(result, StoreLease):
                     # Through the queue's books as if popped: the prompt's charge on the
                     # tenant's counter, the estimate in the lane's share; in the store's
                     # lane shares with its next flush (no round trip; one lane: no shares).
-                    engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
-                    engine.queue.take(waiter)
+                    pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
+                    pool.queue.take(waiter)
                     if len(self._lane_names) > 1:
                         self.store.count_dispatch(
-                            lane_share_key(engine.url, tenant.config.lane), estimate)
+                            lane_share_key(pool.model, tenant.config.lane), estimate)
+                    waiter.engine = engine
                     self._grant(waiter, result)
                     return waiter
-                self._refused(result, tenant)
+                self._refused(result, tenant, engine)
             lane = tenant.config.lane
             admitted = await self._call(self.store.admit(
                 tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane,
@@ -178,12 +194,12 @@ class SharedDispatcher(Dispatcher):
                 raise QueueFull(admitted.held)
             assert isinstance(admitted, Admission)
             waiter.queued = admitted.queued
-            for other in self.engines:  # the store's lift, on every queue the tenant uses
+            for other in self.pools.values():  # the store's lift, on every queue it uses
                 other.queue.set_counters({tenant.id: admitted.counter})
-            engine.queue.push(waiter, tenant.id, prompt_cost, estimate)
+            pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
             tenant.queued += 1
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
-            self._kick(engine)
+            self._kick(pool)
             await self._wait(waiter)
         return waiter
 
@@ -207,6 +223,7 @@ class SharedDispatcher(Dispatcher):
 
     def _grant(self, waiter: SharedWaiter, lease: StoreLease) -> None:
         tenant, engine = waiter.tenant, waiter.engine
+        assert engine is not None
         waiter.running = lease
         waiter.granted = True
         tenant.inflight += 1
@@ -234,6 +251,7 @@ class SharedDispatcher(Dispatcher):
             return False
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
+        assert engine is not None
         engine.inflight -= 1
         tenant.inflight -= 1
         engine.inflight_gauge.set(engine.inflight)
@@ -254,9 +272,9 @@ class SharedDispatcher(Dispatcher):
         except StateUnavailable:
             pass  # the lease expires with its lease time
         self._blocked.pop(tenant_id, None)
-        for engine in self.engines:
-            if len(engine.queue):
-                self._kick(engine)
+        for pool in self.pools.values():
+            if len(pool.queue):
+                self._kick(pool)
 
     async def _release_lease(self, lease: StoreLease) -> None:
         try:
@@ -292,91 +310,103 @@ class SharedDispatcher(Dispatcher):
 
     # -- dispatch ------------------------------------------------------------------------
 
-    def _pump(self, engine: EngineSlots) -> None:
-        self._kick(engine)
+    def _pump(self, pool: Pool) -> None:
+        self._kick(pool)
 
-    def _kick(self, engine: EngineSlots) -> None:
-        """Run a dispatch round for ``engine`` (one at a time; a kick during a round asks
+    def _kick(self, pool: Pool) -> None:
+        """Run a dispatch round for ``pool`` (one at a time; a kick during a round asks
         for another)."""
-        if engine in self._pumping:
-            self._again.add(engine)
+        if pool in self._pumping:
+            self._again.add(pool)
             return
-        self._pumping.add(engine)
-        self._spawn(self._rounds(engine))
+        self._pumping.add(pool)
+        self._spawn(self._rounds(pool))
 
-    async def _rounds(self, engine: EngineSlots) -> None:
+    async def _rounds(self, pool: Pool) -> None:
         try:
             while True:
-                self._again.discard(engine)
-                await self._round(engine)
-                if engine not in self._again:
+                self._again.discard(pool)
+                await self._round(pool)
+                if pool not in self._again:
                     break
         except Exception:
-            logger.exception("dispatch round for %s failed", engine.url)
+            logger.exception("dispatch round for model %s failed", pool.model)
         finally:
-            self._pumping.discard(engine)
-        if len(engine.queue) and engine.inflight < engine.config.max_inflight \
-                and engine.saturated():
-            engine.held.set()  # ask for a fresh reading, as the in-process pump does
-        if len(engine.queue) and engine.has_room() and engine not in self._polls:
+            self._pumping.discard(pool)
+        if not len(pool.queue):
+            return
+        for engine in pool.engines:
+            if engine.inflight < engine.config.max_inflight and engine.saturated():
+                engine.held.set()  # ask for a fresh reading, as the in-process pump does
+        if pool not in self._polls and any(e.healthy and e.has_room() for e in pool.engines):
             # Requests wait while this replica has room: the store refused (other replicas
             # hold the slots) or a tenant is blocked. Ask again after the poll interval.
-            self._polls[engine] = asyncio.get_running_loop().call_later(
-                SHARED_POLL_S, self._poll, engine)
+            self._polls[pool] = asyncio.get_running_loop().call_later(
+                SHARED_POLL_S, self._poll, pool)
 
-    def _poll(self, engine: EngineSlots) -> None:
-        self._polls.pop(engine, None)
-        self._kick(engine)
+    def _poll(self, pool: Pool) -> None:
+        self._polls.pop(pool, None)
+        self._kick(pool)
 
-    async def _round(self, engine: EngineSlots) -> None:
+    async def _round(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while the store grants their slots."""
-        while engine.has_room():
-            if self._stale(engine):
+        placed: dict[str, EngineSlots | None] = {}
+
+        def eligible(tenant_id: str) -> bool:
+            engine = self._placeable(tenant_id, pool)
+            placed[tenant_id] = engine
+            return engine is not None
+
+        while any(e.healthy and self._open(e) for e in pool.engines):
+            if self._stale(pool):
                 await self._refresh()
-            waiter = engine.queue.peek(self._may_dispatch)
+            placed.clear()
+            waiter = pool.queue.peek(eligible)
             if waiter is None:
                 break
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
             tenant = waiter.tenant
+            engine = placed.get(tenant.id) or self.choose(tenant, pool)
+            assert engine is not None
             try:
                 result = await self.store.dispatch(
                     self._claims(tenant, engine), waiter.queued,
-                    lane_share_key(engine.url, tenant.config.lane), waiter.estimate)
+                    lane_share_key(pool.model, tenant.config.lane), waiter.estimate)
             except StateUnavailable as exc:
                 # on_state_failure: closed: this request cannot get its slots; 503.
-                if engine.queue.remove(waiter):
+                if pool.queue.remove(waiter):
                     tenant.queued -= 1
                     metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
                     self._spawn(self._release_lease(waiter.queued))
                     waiter.future.set_exception(exc)
                 continue
             if isinstance(result, SlotRefusal):
-                if self._refused(result, tenant):
-                    break
+                self._refused(result, tenant, engine)
                 continue
-            if not engine.queue.take(waiter):  # it left (timeout, client gone) meanwhile
+            if not pool.queue.take(waiter):  # it left (timeout, client gone) meanwhile
                 self._spawn(self._release_lease(result))
                 continue
             tenant.queued -= 1
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+            waiter.engine = engine
             self._grant(waiter, result)
 
-    def _stale(self, engine: EngineSlots) -> bool:
-        """Whether the next choice for ``engine`` needs a fresher reading of the store:
+    def _stale(self, pool: Pool) -> bool:
+        """Whether the next choice for ``pool`` needs a fresher reading of the store:
         the counters are older than ``COUNTER_REFRESH_S``, or the lane shares matter for
         this queue and its adopted lane costs are that old (or there are none)."""
         now = self._clock()
         if now - self._counters_at >= COUNTER_REFRESH_S:
             return True
-        return now - self._shares_at.get(engine, -math.inf) >= COUNTER_REFRESH_S \
-            and engine.queue.shares_matter()
+        return now - self._shares_at.get(pool, -math.inf) >= COUNTER_REFRESH_S \
+            and pool.queue.shares_matter()
 
     async def _refresh(self) -> None:
         """Adopt what every replica did, in one pipeline [1]: the shared counters of the
         tenants waiting here (in each lane where two or more wait: with one there is no
-        choice), and, for each engine whose next choice may depend on the lane shares (two
+        choice), and, for each pool whose next choice may depend on the lane shares (two
         lanes waiting, one below the first with a ``min_share``), every replica's
-        dispatched cost per lane on that engine. At most once per ``COUNTER_REFRESH_S``,
+        dispatched cost per lane in that pool. At most once per ``COUNTER_REFRESH_S``,
         twice when lanes start to compete in between; none while nothing waits. Redis
         sums the window's seconds per lane: O(lanes x window seconds) per read."""
         now = self._clock()
@@ -386,28 +416,28 @@ class SharedDispatcher(Dispatcher):
             if state.queued:
                 waiting.setdefault(state.config.lane, []).append(tenant_id)
         reads = {lane: tenants for lane, tenants in waiting.items() if len(tenants) >= 2}
-        contended = {engine: {lane_share_key(engine.url, lane): lane for lane in self._lane_names}
-                     for engine in self.engines if engine.queue.shares_matter()}
+        contended = {pool: {lane_share_key(pool.model, lane): lane for lane in self._lane_names}
+                     for pool in self.pools.values() if pool.queue.shares_matter()}
         keys = [key for names in contended.values() for key in names]
         try:
             view = await self.store.read_fairness(reads, keys, self._share_window_s)
         except StateUnavailable:
             view = None  # decide on this replica's own counters and shares until it answers
-        for engine in self.engines:
+        for pool in self.pools.values():
             if view is not None:
                 for values in view.counters.values():
-                    engine.queue.set_counters(values)
-            names = contended.get(engine)
+                    pool.queue.set_counters(values)
+            names = contended.get(pool)
             if names is None:
-                engine.queue.set_lane_costs(None)  # no lane choice to make: its own window
-                self._shares_at.pop(engine, None)
+                pool.queue.set_lane_costs(None)  # no lane choice to make: its own window
+                self._shares_at.pop(pool, None)
                 continue
-            self._shares_at[engine] = now  # also after a failure: no retry before the interval
+            self._shares_at[pool] = now  # also after a failure: no retry before the interval
             if view is not None and view.lane_costs is not None:
-                engine.queue.set_lane_costs({lane: view.lane_costs.get(key, 0.0)
-                                             for key, lane in names.items()})
+                pool.queue.set_lane_costs({lane: view.lane_costs.get(key, 0.0)
+                                           for key, lane in names.items()})
             else:
-                engine.queue.set_lane_costs(None)
+                pool.queue.set_lane_costs(None)
 
 
 def make_dispatcher(config: GatewayConfig, clock: Callable[[], float],

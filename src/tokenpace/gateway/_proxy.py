@@ -31,7 +31,7 @@ from ._admission import (
     state_unavailable,
 )
 from ._body import Kind, engine_body, parse_json_body, parse_request
-from ._dispatch import EngineSlots, Lease, QueueFull
+from ._dispatch import Lease, Pool, QueueFull
 from ._errors import GatewayError, error_response
 from ._relay import call, open_stream
 from ._runtime import Runtime
@@ -66,11 +66,12 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             await read_body(receive, declared, rt.config.max_body_bytes)))
         ex.model = req.model
         watch = ClientWatch(receive)
-        engine = route(rt, tenant)
-        client, upstream = rt.clients[engine.url], rt.upstreams[engine.url]
-        admission = await admit(rt, ex, req, client, engine.url)
+        model, pool, counting = route(rt, tenant, req.model)
+        req.model = ex.model = model  # an alias resolved: what the engine serves
+        ex.cost = rt.config.cost_of(model)
+        admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
         admitted = rt.clock()
-        ex.lease = await _wait_for_slot(ex, engine, admission, watch)
+        ex.lease = await _wait_for_slot(ex, pool, admission, watch)
         if ex.lease is None:
             ex.charge_usage = False
             ex.finish(Outcome.CANCELLED)
@@ -78,11 +79,14 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             return Response(status_code=499)
         ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
         metrics.child(metrics.QUEUE_SECONDS, tenant.id).observe(ex.queue_s)
+        engine = ex.lease.engine
+        upstream = rt.upstreams[engine.url]
         lane = rt.config.lane(tenant.config.lane)
         body = engine_body(
             req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-            max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt)
+            max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
+            model=model)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)
@@ -114,14 +118,14 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         raise
 
 
-async def _wait_for_slot(ex: Exchange, engine: EngineSlots, admission: Admission,
+async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
                          watch: ClientWatch) -> Lease | None:
-    """A granted slot on ``engine``, or None when the client left while waiting; a full
-    queue or the queue timeout is a ``GatewayError``."""
+    """A granted slot on an engine of ``pool``, or None when the client left while waiting;
+    a full queue or the queue timeout is a ``GatewayError``."""
     rt, tenant = ex.rt, ex.tenant
     lease = rt.dispatcher.lease(
-        tenant, engine, tenant.config.queue_timeout_s,
-        prompt_cost=rt.config.cost.prompt * admission.prompt_tokens, estimate=admission.reserved)
+        tenant, pool, tenant.config.queue_timeout_s,
+        prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved)
     async with watch.guard():
         try:
             return await lease.acquire()
@@ -130,10 +134,10 @@ async def _wait_for_slot(ex: Exchange, engine: EngineSlots, admission: Admission
         except StateUnavailable:  # shared slots, on_state_failure: closed
             raise state_unavailable() from None
         except TimeoutError:
-            if not engine.healthy:
+            if not rt.dispatcher.may_wait(tenant, pool):
                 raise GatewayError(
-                    503, f"the engine serving tenant {tenant.id!r} went down while the "
-                    "request waited", reason="engine_unavailable",
+                    503, f"the engines serving model {pool.model!r} for tenant {tenant.id!r} "
+                    "went down while the request waited", reason="engine_unavailable",
                     code="engine_unavailable") from None
             wait = tenant.slot_wait_s()
             raise GatewayError(

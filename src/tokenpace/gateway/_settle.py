@@ -19,6 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ..fairness import CostModel
 from . import _metrics as metrics
 from ._body import Kind
 from ._dispatch import Lease
@@ -61,7 +62,8 @@ class Exchange:
     tenant: TenantState
     arrived: float
     started_at: float
-    model: str = ""
+    model: str = ""  # the served name (aliases resolved)
+    cost: CostModel = field(default_factory=CostModel)  # the model's coefficients
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reserved: float = 0.0
@@ -100,7 +102,7 @@ class Exchange:
         if tokens > bound and self.bound_source is not None:
             self.bound_source.violated(bound, tokens)
         if self.reservation is None and self.reserved and not self.finished:
-            corrected = self.rt.config.cost.of(tokens, self.max_completion_tokens)
+            corrected = self.cost.of(tokens, self.max_completion_tokens)
             self.tenant.settle(self.reserved, corrected, self.rt.clock())
             self.reserved = corrected
 
@@ -111,11 +113,11 @@ class Exchange:
             return
         cost = 0.0
         if not self.prompt_counted and self.prompt_tokens:
-            cost += self.prompt_tokens * self.rt.config.cost.prompt
+            cost += self.prompt_tokens * self.cost.prompt
             self.prompt_counted = True
         delta = self.completion_tokens - self.charged_tokens
         if delta > 0:
-            cost += delta * self.rt.config.cost.completion
+            cost += delta * self.cost.completion
             self.charged_tokens = self.completion_tokens
         if cost:
             self.lease.charge(cost)
@@ -132,7 +134,7 @@ class Exchange:
             # time ran out before the first usage): its bound is charged, as the output's
             # reservation is for a non-streamed request that timed out.
             self.prompt_tokens, self.prompt_bound = self.prompt_bound, None
-        actual = (rt.config.cost.of(self.prompt_tokens, self.completion_tokens)
+        actual = (self.cost.of(self.prompt_tokens, self.completion_tokens)
                   if self.charge_usage else 0.0)
         settled = False
         if self.lease is not None:

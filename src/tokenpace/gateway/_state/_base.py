@@ -238,11 +238,12 @@ def running_slot(tenant: str, max_concurrency: int | None) -> SlotClaim:
     return SlotClaim(f"running:{tenant}", max_concurrency)
 
 
-def lane_share_key(engine_url: str, lane: str) -> str:
-    """The name ``lane``'s dispatches on engine ``engine_url`` count under: lane shares are
-    per engine, because strict priority starves a lane on the engine it shares with a
-    busier one, whatever other engines do."""
-    return f"{lane}@{engine_url}"
+def lane_share_key(pool: str, lane: str) -> str:
+    """The name ``lane``'s dispatches in the pool of model ``pool`` count under: lane shares
+    are per pool (one fair queue per model and lane over its engines), because strict
+    priority starves a lane in the pool it shares with a busier one, whatever other pools
+    do."""
+    return f"{lane}@model:{pool}"
 
 
 def queued_slot(tenant: str, max_queued: int | None) -> SlotClaim:
