@@ -63,6 +63,7 @@ class FakeEngine:
     gate: threading.Event | None = None
     active: int = 0  # completions being worked on now (held at the gate included)
     peak: int = 0  # the most at once since the last reset_peak()
+    models: tuple[str, ...] = ("fake",)  # the names /v1/models lists (--served-model-name)
 
     def reset_peak(self) -> None:
         self.peak = self.active
@@ -124,7 +125,8 @@ class FakeEngine:
 
     async def _models(self, request: Request) -> Response:
         self._note(request)
-        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return JSONResponse({"object": "list",
+                             "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _tokenize(self, request: Request) -> Response:
         self._note(request)

@@ -87,6 +87,15 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     ("dispatch_order", "random", "dispatch_order"),
     ("prompt_count", "guess", "prompt_count"),
     ("ledger", 5, "ledger"),
+    ("routing", "random", "routing: expected 'pool'"),
+    ("pool_affinity", -1, "pool_affinity"),
+    ("engines.0.models", "chat", "engines[0].models: expected a list"),
+    ("engines.0.models", ["chat", "chat"], "engines[0].models: the same name"),
+    ("models", [{"aliases": ["x"]}], "models[0].name: required"),
+    ("models", [{"name": "a", "colour": 1}], "models[0].colour: unknown key"),
+    ("models", [{"name": "a", "cost": {"prompt": -1}}], "models[0].cost.prompt"),
+    ("models", [{"name": "a"}, {"name": "b", "aliases": ["a"]}], "'a' is already given at models[0].name"),
+    ("tenants.0.models", [], "tenants[0].models: at least one model"),
 ])
 def test_mistakes_name_their_key(path: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -185,3 +194,31 @@ def test_engine_body_sets_the_salt_and_mixes_in_a_clients_own() -> None:
     assert sent({"cache_salt": "mine"}, "s1")["cache_salt"] != sent({"cache_salt": "mine"}, "s2")["cache_salt"]
     assert sent({}, None).get("cache_salt") is None
     assert sent({"cache_salt": "mine"}, None)["cache_salt"] == "mine"
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+def test_models_aliases_costs_and_allow_lists() -> None:
+    config = copy.deepcopy(GOOD)
+    config["engines"] = [{"url": "http://127.0.0.1:8001", "models": ["llama-70b"]},
+                         {"url": "http://127.0.0.1:8002", "models": ["coder"]}]
+    config["models"] = [{"name": "llama-70b", "aliases": ["gpt-4o"],
+                         "cost": {"prompt": 2, "completion": 6}}]
+    config["tenants"][0]["models"] = ["gpt-4o"]
+    parsed = parse_config(config)
+    assert parsed.served_name("gpt-4o") == "llama-70b" and parsed.served_name("coder") == "coder"
+    assert parsed.cost_of("llama-70b").of(10, 10) == 80
+    assert parsed.cost_of("coder") == parsed.cost  # the top-level coefficients
+    assert parsed.tenants[0].may_use("llama-70b") and not parsed.tenants[0].may_use("coder")
+    assert parsed.tenants[1].models is None and parsed.tenants[1].may_use("coder")
+    assert parsed.routing == "pool" and parsed.pool_affinity == 2
+    # With every engine's models listed, a tenant's model no engine serves is a typo.
+    config["tenants"][0]["models"] = ["lama-70b"]
+    with pytest.raises(ConfigError, match=r"tenants\[0\].models: no engine serves 'lama-70b'"):
+        parse_config(config)
+    # An alias may not shadow a name an engine serves.
+    config["tenants"][0]["models"] = ["coder"]
+    config["models"][0]["aliases"] = ["coder"]
+    with pytest.raises(ConfigError, match="alias 'coder'"):
+        parse_config(config)

@@ -512,6 +512,9 @@ def _allowed_models(m: Mapping[str, Any], where: str, aliases: Mapping[str, str]
     if m.get("models") is None:
         return None
     names = _name_list(m["models"], f"{where}.models")
+    if not names:
+        raise ConfigError(f"{where}.models: at least one model; leave the key out to allow "
+                          "every model")
     resolved = frozenset(aliases.get(name, name) for name in names)
     if served is not None:
         for name in names:
