@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 import secrets
 import signal
 import sys
@@ -38,22 +39,57 @@ def build_parser() -> argparse.ArgumentParser:
                     "configuration, then the gateway in front of them.",
         epilog="Arguments after -- go to every `tokenpace serve` (any vllm serve flag).",
     )
-    parser.add_argument("model", metavar="MODEL", help="model for the engines (path or name)")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="model for the engines without engines[].model_path (path or name)")
     parser.add_argument("--config", required=True, metavar="FILE", help="gateway YAML file")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name clients use (passed to the engines)")
+                        help="model name clients use, for engines without engines[].models")
     return parser
 
 
-def engine_argv(model: str, port: int, served_name: str | None, extra: list[str],
+def engine_argv(model: str, port: int, served_names: list[str], extra: list[str],
                 policy: str = "fcfs") -> list[str]:
     argv = [sys.executable, "-m", "tokenpace.cli", "serve", model, "--trusted-gateway",
             "--host", "127.0.0.1", "--port", str(port), "--scheduling-policy", policy]
-    if served_name:
-        argv += ["--served-model-name", served_name]
+    if served_names:
+        argv += ["--served-model-name", *served_names]
     return argv + extra
+
+
+@dataclass(frozen=True)
+class LocalEngine:
+    """An engine of the configuration that this command starts, and what it serves."""
+
+    port: int
+    policy: str
+    model: str  # path or hub name
+    served_names: list[str]  # its --served-model-name (empty: vLLM's default, the model)
+
+
+def plan_engines(config: GatewayConfig, model: str | None,
+                 served_name: str | None) -> list[LocalEngine]:
+    """What to start for each local engine: ``engines[].model_path`` (relative to the
+    configuration's folder) or ``model``; ``engines[].models`` as its served names, else
+    ``served_name``. Raises ``ValueError`` naming an engine that has no model."""
+    base = config.source.resolve().parent if config.source is not None else Path.cwd()
+    plan = []
+    for i, engine in enumerate(config.engines):
+        parts = urlsplit(engine.url)
+        if parts.hostname not in LOCAL_HOSTS or not parts.port:
+            continue
+        path = engine.model_path
+        if path is not None and (base / path).exists():
+            path = str(base / path)
+        chosen = path or model
+        if chosen is None:
+            raise ValueError(f"engines[{i}] ({engine.url}): no model to serve; give MODEL or "
+                             "engines[].model_path")
+        names = list(engine.models) if engine.models is not None else (
+            [served_name] if served_name else [])
+        plan.append(LocalEngine(parts.port, engine.scheduling_policy, chosen, names))
+    return plan
 
 
 def local_engines(config: GatewayConfig) -> list[tuple[int, str]]:
@@ -139,19 +175,26 @@ def main(argv: list[str]) -> int:
     if any(a == "--api-key" or a.startswith(("--api-key=", "--api_key")) for a in extra):
         parser.error("engine flags after --: give the engines' key as engines[].api_key in "
                      "the configuration (or leave it out: one is generated), not --api-key")
-    try:  # the engines' keys are made below; check the other flags now
-        build_command([args.model, "--trusted-gateway", *extra],
-                      environ={"VLLM_API_KEY": "generated"})
-    except ServeUsageError as exc:
-        parser.error(f"engine flags after --: {exc}")
+    try:
+        plan = plan_engines(config, args.model, args.served_model_name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for model in sorted({engine.model for engine in plan}):
+        try:  # the engines' keys are made below; check the other flags now
+            build_command([model, "--trusted-gateway", *extra],
+                          environ={"VLLM_API_KEY": "generated"})
+        except ServeUsageError as exc:
+            parser.error(f"engine flags after --: {exc}")
     config = with_engine_keys(config)
     log_dir = Path(args.config).resolve().parent
     servers = []
-    for port, policy in local_engines(config):
-        log = log_dir / f"tokenpace-engine-{port}.log"
-        print(f"starting engine on port {port} (log: {log}) ...", flush=True)
-        argv = engine_argv(args.model, port, args.served_model_name, extra, policy)
-        servers.append(Server(argv, port, log, env={"VLLM_API_KEY": engine_key(config, port)}))
+    for engine in plan:
+        log = log_dir / f"tokenpace-engine-{engine.port}.log"
+        print(f"starting engine on port {engine.port} ({engine.model} as "
+              f"{', '.join(engine.served_names) or engine.model}; log: {log}) ...", flush=True)
+        argv = engine_argv(engine.model, engine.port, engine.served_names, extra, engine.policy)
+        servers.append(Server(argv, engine.port, log,
+                              env={"VLLM_API_KEY": engine_key(config, engine.port)}))
     # uvicorn re-raises SIGTERM/SIGINT once it has shut down; turning them into SystemExit
     # here lets the finally clause below stop the engines (they run in their own sessions).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -159,7 +202,8 @@ def main(argv: list[str]) -> int:
     try:
         start_all(servers)
         watch_engines(servers, stop_watch)
-        model = args.served_model_name or args.model
+        names = [n for e in plan for n in e.served_names or [e.model]]
+        model = names[0] if names else (args.served_model_name or args.model or "MODEL")
         print(usage_text(config, args.host, args.port, model), flush=True)
         from .gateway._main import serve
 

@@ -55,6 +55,10 @@ class EngineConfig:
     # The model names it serves (its --served-model-name). None: learned from its
     # /v1/models at start-up and on health checks.
     models: tuple[str, ...] | None = None
+    # What ``tokenpace up`` serves on this engine when it starts it (a path, relative to
+    # the configuration's folder, or a hub name); None: up's MODEL argument. Unused by the
+    # gateway itself.
+    model_path: str | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
@@ -357,7 +361,8 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models"))
+                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models",
+                      "model_path"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -385,7 +390,16 @@ def _engine(value: Any, where: str) -> EngineConfig:
         max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
         models=_name_list(m["models"], f"{where}.models") if m.get("models") is not None
         else None,
+        model_path=_model_path(m, where),
     )
+
+
+def _model_path(m: Mapping[str, Any], where: str) -> str | None:
+    value = m.get("model_path")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{where}.model_path: expected the model tokenpace up serves there "
+                          "(a path or a hub name)")
+    return value
 
 
 def _engine_key(m: Mapping[str, Any], where: str) -> str | None:

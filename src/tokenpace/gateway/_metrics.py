@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, declared once.
 
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
-without a valid key), ``lane`` a configured lane, ``reason`` and ``outcome`` come from
+without a valid key), ``lane`` a configured lane, ``model`` a name an engine serves (or
+``""`` for a request refused before it was routed), ``reason`` and ``outcome`` come from
 small fixed sets in the code. A reload that removes a tenant removes its series.
 Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
 deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
@@ -36,6 +37,16 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 REQUESTS = Counter(
     "tokenpace_gateway_requests", "Requests that ended, by outcome (finish reason or rejected).",
     ["tenant", "lane", "outcome"], registry=REGISTRY,
+)
+MODEL_REQUESTS = Counter(
+    "tokenpace_gateway_model_requests",
+    "Requests that ended, by the model they were routed to (a served name; \"\" before "
+    "routing) and outcome.", ["model", "outcome"], registry=REGISTRY,
+)
+MODEL_TOKENS = Counter(
+    "tokenpace_gateway_model_tokens",
+    "Tokens of served requests by model and kind (prompt, completion).",
+    ["model", "kind"], registry=REGISTRY,
 )
 REJECTIONS = Counter(
     "tokenpace_gateway_rejections", "Requests refused by the gateway, by reason.",
@@ -169,7 +180,8 @@ def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
     """``metric.labels(*values)``, bound once (one dict lookup per call afterwards).
 
     Only for metrics listed in ``_LABELS`` (whose series forget_tenant prunes together with
-    the cache), and never for a series that is removed elsewhere (OUTPUT_RATE).
+    the cache) or whose series are never removed (the per-model ones), and never for a
+    series that is removed elsewhere (OUTPUT_RATE).
     """
     key = (metric, values)
     bound = _CHILDREN.get(key)

@@ -68,6 +68,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         watch = ClientWatch(receive)
         model, pool, counting = route(rt, tenant, req.model)
         req.model = ex.model = model  # an alias resolved: what the engine serves
+        ex.routed = True
         ex.cost = rt.config.cost_of(model)
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
         admitted = rt.clock()

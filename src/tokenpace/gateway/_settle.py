@@ -62,7 +62,8 @@ class Exchange:
     tenant: TenantState
     arrived: float
     started_at: float
-    model: str = ""  # the served name (aliases resolved)
+    model: str = ""  # the served name once routed (aliases resolved), else as the client sent it
+    routed: bool = False  # ``model`` is a name an engine serves (a bounded metric label)
     cost: CostModel = field(default_factory=CostModel)  # the model's coefficients
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -159,13 +160,18 @@ class Exchange:
         tenant, lane = self.tenant.id, self.lane
         # An engine's finish reason is passed on as it is; its label is the part before a
         # colon, as for "rejected:<reason>".
-        metrics.child(metrics.REQUESTS, tenant, lane, reason.split(":", 1)[0]).inc()
+        outcome_label = reason.split(":", 1)[0]
+        metrics.child(metrics.REQUESTS, tenant, lane, outcome_label).inc()
+        model = self.model if self.routed else ""
+        metrics.child(metrics.MODEL_REQUESTS, model, outcome_label).inc()
         if outcome is Outcome.REJECTED:
             metrics.child(metrics.REJECTIONS, tenant, reason.split(":", 1)[1]).inc()
         if self.charge_usage and self.lease is not None:
             metrics.child(metrics.PROMPT_TOKENS, tenant, lane).inc(self.prompt_tokens)
             metrics.child(metrics.COMPLETION_TOKENS, tenant, lane).inc(self.completion_tokens)
             metrics.child(metrics.SERVICE, tenant, lane).inc(actual)
+            metrics.child(metrics.MODEL_TOKENS, model, "prompt").inc(self.prompt_tokens)
+            metrics.child(metrics.MODEL_TOKENS, model, "completion").inc(self.completion_tokens)
             metrics.child(metrics.E2E_SECONDS, tenant).observe(e2e)
         if self.ttft_s is not None:
             metrics.child(metrics.TTFT_SECONDS, tenant).observe(self.ttft_s)
