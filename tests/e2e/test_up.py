@@ -1,5 +1,6 @@
-"""``tokenpace up`` on the tiny model: the engine it starts is locked with a generated key,
-and an engine whose API server is killed does not leave its engine core running."""
+"""``tokenpace up`` on the tiny model: two engines serving two model names, each request
+routed by its model (404 for another), the engines locked with generated keys, and an
+engine whose API server is killed does not leave its engine core running."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from tests._servers import KV_CACHE_BYTES, group_members
 pytestmark = pytest.mark.vllm
 
 
-def test_up_locks_its_engine_and_reaps_a_dead_engines_processes(tiny_model: Path,
-                                                                tmp_path: Path) -> None:
-    engine_port, port = free_port(), free_port()
+def test_up_serves_two_models_locks_its_engines_and_reaps_a_dead_engines_processes(
+        tiny_model: Path, tmp_path: Path) -> None:
+    engine_port, code_port, port = free_port(), free_port(), free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({
-        "engines": [f"http://127.0.0.1:{engine_port}"],
+        "engines": [f"http://127.0.0.1:{engine_port}",  # learns "tiny" from /v1/models
+                    {"url": f"http://127.0.0.1:{code_port}", "models": ["tiny-code"]}],
+        "models": [{"name": "tiny-code", "cost": {"prompt": 1, "completion": 3}}],
         "ledger": f"sqlite:///{tmp_path / 'usage.db'}",
-        "tenants": [{"id": "team-a", "api_keys": ["sk-a"]}],
+        "tenants": [{"id": "team-a", "api_keys": ["sk-a"]},
+                    {"id": "team-b", "api_keys": ["sk-b"], "models": ["tiny-code"]}],
     }))
     up = Server([sys.executable, "-m", "tokenpace.cli", "up", str(tiny_model), "--config",
                  str(config), "--port", str(port), "--served-model-name", "tiny", "--",
@@ -40,10 +44,21 @@ def test_up_locks_its_engine_and_reaps_a_dead_engines_processes(tiny_model: Path
         assert httpx.post(f"{engine}/tokenize", json={"model": "tiny", "prompt": "hi"},
                           timeout=30).status_code == 401
         assert httpx.get(f"{engine}/metrics", timeout=30).status_code == 401
-        resp = httpx.post(f"{up.base_url}/v1/completions", timeout=120,
-                          headers={"authorization": "Bearer sk-a"},
-                          json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
-        assert resp.status_code == 200, resp.text
+
+        def complete(key: str, model: str) -> httpx.Response:
+            return httpx.post(f"{up.base_url}/v1/completions", timeout=120,
+                              headers={"authorization": f"Bearer {key}"},
+                              json={"model": model, "prompt": "hi", "max_tokens": 3})
+
+        for key, model in (("sk-a", "tiny"), ("sk-a", "tiny-code"), ("sk-b", "tiny-code")):
+            resp = complete(key, model)
+            assert resp.status_code == 200, (key, model, resp.text)
+            assert resp.json()["model"] == model  # the engine serving that name answered
+        for key, model in (("sk-b", "tiny"), ("sk-a", "gpt-4o")):
+            resp = complete(key, model)
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+        listed = httpx.get(f"{up.base_url}/v1/models", headers={"authorization": "Bearer sk-a"})
+        assert sorted(m["id"] for m in listed.json()["data"]) == ["tiny", "tiny-code"]
         # The key is not on any command line (ps shows those to every local user).
         api_server = next(p for p in psutil.Process(up.proc.pid).children()
                           if f"{engine_port}" in " ".join(p.cmdline()))
@@ -58,5 +73,6 @@ def test_up_locks_its_engine_and_reaps_a_dead_engines_processes(tiny_model: Path
         assert group_members(group) == [], "engine-core processes outlived their API server"
         assert up.proc.poll() is None, "the gateway keeps running (it reports the engine down)"
         assert "stopping its remaining processes" in up.log_tail(200)
+        assert complete("sk-a", "tiny-code").status_code == 200  # the other model still serves
     finally:
         up.stop()

@@ -26,3 +26,30 @@ def test_local_engines_get_distinct_random_keys_and_remote_ones_none() -> None:
 def test_a_key_from_the_configuration_is_kept() -> None:
     config = with_engine_keys(_config(api_key="sk-mine"))
     assert engine_key(config, 8001) == "sk-mine"
+
+
+def test_each_local_engine_serves_its_own_model_under_its_names(tmp_path) -> None:  # noqa: ANN001
+    from pathlib import Path
+
+    import pytest
+
+    from tokenpace.gateway import load_config
+    from tokenpace.up import plan_engines
+
+    (tmp_path / "weights").mkdir()
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "engines:\n"
+        "  - {url: 'http://127.0.0.1:8001', models: [chat, chat-latest]}\n"
+        "  - {url: 'http://127.0.0.1:8002', models: [code], model_path: weights}\n"
+        "  - {url: 'http://127.0.0.1:8003', model_path: org/hub-model}\n"
+        "  - http://10.1.2.3:8001\n"
+        "tenants: [{id: a, api_keys: [sk-a]}]\n")
+    plan = plan_engines(load_config(path), "default-model", "tiny")
+    assert [(e.port, e.model, e.served_names) for e in plan] == [
+        (8001, "default-model", ["chat", "chat-latest"]),
+        (8002, str(Path(tmp_path / "weights")), ["code"]),  # relative to the file's folder
+        (8003, "org/hub-model", ["tiny"]),  # not a folder here: a hub name, as given
+    ]
+    with pytest.raises(ValueError, match=r"engines\[0\].*no model to serve"):
+        plan_engines(load_config(path), None, None)
