@@ -145,6 +145,20 @@ def _cmd_bench_fairness(args: argparse.Namespace) -> int:
     return _bench_outputs(args, fairness, result)
 
 
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from .bench import fleet
+
+    if args.quick:
+        result = fleet.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
+                           streams=args.streams, max_inflight=args.max_inflight)
+    else:
+        if args.warmup >= args.duration:
+            raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
+        result = fleet.run(_bench_model(args), args.duration, args.warmup, args.rounds,
+                           args.streams, args.max_inflight, args.tokens)
+    return _bench_outputs(args, fleet, result)
+
+
 def _cmd_bench_state(args: argparse.Namespace) -> int:
     from .bench import state
 
@@ -317,6 +331,30 @@ def build_parser() -> argparse.ArgumentParser:
                       "started for the run, the requests spread round robin; several counts "
                       "(e.g. 1,2) each run every workload (default 1: one in-process gateway)")
     fair.set_defaults(func=_cmd_bench_fairness)
+
+    flt = bench_sub.add_parser(
+        "fleet",
+        help="a 2-engine pool behind the gateway: against the engines directly, pool "
+        "routing against pinned",
+        description="Three engines on the tiny model under two names (2 x tiny, 1 x "
+        "tiny-code) and two gateways (routing: pool and pinned): a lone tenant's throughput "
+        "against the pool's engines driven directly, the shares of two and three backlogged "
+        "tenants, and the CPU cost of the engine choice per request.",
+    )
+    _bench_common(flt)
+    flt.add_argument("--duration", type=_positive_float, default=20.0,
+                     help="seconds per round and path (default 20)")
+    flt.add_argument("--warmup", type=_positive_float, default=4.0,
+                     help="first seconds of a round left uncounted (default 4)")
+    flt.add_argument("--rounds", type=_positive_int, default=3,
+                     help="rounds, the order of the paths changing (default 3)")
+    flt.add_argument("--streams", type=_positive_int, default=16,
+                     help="closed-loop streams per tenant (default 16)")
+    flt.add_argument("--max-inflight", type=_positive_int, default=8,
+                     help="requests the gateway keeps on each engine (default 8)")
+    flt.add_argument("--tokens", type=_positive_int, default=64,
+                     help="output tokens per request (default 64)")
+    flt.set_defaults(func=_cmd_bench_fleet)
 
     stb = bench_sub.add_parser(
         "state", help="state work per request: Redis (several replicas) against in process",

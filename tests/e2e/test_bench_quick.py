@@ -213,3 +213,20 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
     vtc = by_name["short_long"]["policies"]["vtc"]["tenants"]["a"]["service_share"]
     expect("bench_quick", "fairness short_long: short tenant's share, vtc - fcfs", vtc - fcfs,
            0.12, upper=False, logs=[tmp_path / "fairness.json"], fcfs=fcfs, vtc=vtc)
+
+
+def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
+    """The fleet bench runs end to end (three engines, two gateways); its figures are
+    measured in docs/benchmarks.md, not asserted here (a quick round is 8 s on 2 cores)."""
+    result = _bench("fleet", tiny_model, tmp_path)
+    lone = result["lone"]
+    assert set(lone["output_tokens_per_s"]) == {"direct", "pool", "pinned"}
+    assert all(v[0] > 0 for v in lone["output_tokens_per_s"].values())
+    assert lone["pool_over_direct"]["pairs"] == 1
+    for name, count in (("pair", 2), ("trio", 3)):
+        assert len(result[name]["tenants"]) == count
+        for routing in ("pool", "pinned"):
+            shares = result[name][routing]["shares"]
+            assert set(shares) == set(result[name]["tenants"])
+            assert abs(sum(s["median"] for s in shares.values()) - 1) < 0.01
+    assert all(us > 0 for n in result["choice_cost_us"].values() for us in n.values())

