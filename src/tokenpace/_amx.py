@@ -45,7 +45,7 @@ class Host:
 
     @classmethod
     def detect(cls) -> Host:
-        return cls(amx=cpu_has_amx(_read_cpuinfo()), cpu_vllm=_is_installed(CPU_DISTRIBUTION))
+        return cls(amx=cpu_has_amx(_read_cpuinfo()), cpu_vllm=is_installed(CPU_DISTRIBUTION))
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _read_cpuinfo() -> str:
         return ""
 
 
-def _is_installed(distribution: str) -> bool:
+def is_installed(distribution: str) -> bool:
     try:
         importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:

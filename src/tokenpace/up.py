@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 from dataclasses import dataclass
 import secrets
 import signal
@@ -90,6 +91,31 @@ def plan_engines(config: GatewayConfig, model: str | None,
             [served_name] if served_name else [])
         plan.append(LocalEngine(parts.port, engine.scheduling_policy, chosen, names))
     return plan
+
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binds(engines: int, cores: list[int], cpu_vllm: bool,
+              environ: dict[str, str] | None = None) -> list[str | None]:
+    """The CPU cores each of ``engines`` local CPU engines computes on.
+
+    vLLM-cpu's ``auto`` binding gives every engine of a host the same core (the last
+    physical core of its NUMA node), so engines started side by side would share one core.
+    Each gets a slice of ``cores`` of its own instead (a core each, round robin, when there
+    are more engines than cores). None: leave vLLM's own choice (the GPU package, one
+    engine, or the operator set the variable).
+    """
+    env = os.environ if environ is None else environ
+    if not cpu_vllm or engines < 2 or CPU_BIND_ENV in env or not cores:
+        return [None] * engines
+    if engines > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(engines)]
+    out = []
+    for i in range(engines):
+        part = cores[i * len(cores) // engines:(i + 1) * len(cores) // engines]
+        out.append(",".join(str(c) for c in part))
+    return out
 
 
 def local_engines(config: GatewayConfig) -> list[tuple[int, str]]:
@@ -188,13 +214,19 @@ def main(argv: list[str]) -> int:
     config = with_engine_keys(config)
     log_dir = Path(args.config).resolve().parent
     servers = []
-    for engine in plan:
+    from ._amx import CPU_DISTRIBUTION, is_installed
+
+    binds = cpu_binds(len(plan), sorted(os.sched_getaffinity(0)), is_installed(CPU_DISTRIBUTION))
+    for engine, bind in zip(plan, binds):
         log = log_dir / f"tokenpace-engine-{engine.port}.log"
         print(f"starting engine on port {engine.port} ({engine.model} as "
-              f"{', '.join(engine.served_names) or engine.model}; log: {log}) ...", flush=True)
+              f"{', '.join(engine.served_names) or engine.model}"
+              f"{f'; cores {bind}' if bind else ''}; log: {log}) ...", flush=True)
         argv = engine_argv(engine.model, engine.port, engine.served_names, extra, engine.policy)
-        servers.append(Server(argv, engine.port, log,
-                              env={"VLLM_API_KEY": engine_key(config, engine.port)}))
+        env = {"VLLM_API_KEY": engine_key(config, engine.port)}
+        if bind is not None:
+            env[CPU_BIND_ENV] = bind
+        servers.append(Server(argv, engine.port, log, env=env))
     # uvicorn re-raises SIGTERM/SIGINT once it has shut down; turning them into SystemExit
     # here lets the finally clause below stop the engines (they run in their own sessions).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

