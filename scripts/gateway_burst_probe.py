@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     home = Path(tempfile.mkdtemp(prefix="tokenpace-probe-"))
     upstream_port, gateway_port = free_port(), free_port()
     (home / "gateway.yaml").write_text(
-        f'engines: [{{url: "http://127.0.0.1:{upstream_port}", max_inflight: 256}}]\n'
+        f'engines: [{{url: "http://127.0.0.1:{upstream_port}", max_inflight: 256, models: [tiny]}}]\n'
         f'ledger: "sqlite:///{home}/ledger.db"\n'
         'tenants: [{id: probe, api_keys: ["sk-probe"]}]\n')
     upstream_argv = ([sys.executable, __file__, "--drip-server", str(upstream_port)] if args.drip

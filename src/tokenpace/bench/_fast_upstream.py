@@ -4,7 +4,9 @@
 A real engine (or the tiny model on a CPU) is the limit long before the gateway is; this
 server is not: it parses just enough HTTP/1.1 (keep-alive, Content-Length bodies) and
 answers every completion from canned bytes, streamed or not, with the continuous usage
-vLLM would send. Run it in its own process, so its CPU is not counted as the gateway's:
+vLLM would send, whatever ``model`` it names. Its ``/v1/models`` lists ``tiny``, the name
+the benchmarks send (the gateway routes by the names an engine lists). Run it in its own
+process, so its CPU is not counted as the gateway's:
 ``python -m tokenpace.bench._fast_upstream PORT``.
 """
 
@@ -45,10 +47,15 @@ def _json(status: bytes, payload: bytes) -> bytes:
             + str(len(payload)).encode() + b"\r\n\r\n" + payload)
 
 
+_MODELS = _json(b"200 OK", b'{"object":"list","data":[{"id":"tiny","object":"model"}]}')
+
+
 def _answer(head: bytes, body: bytes, cache: dict[tuple[bool, int], bytes]) -> bytes:
     line = head.split(b"\r\n", 1)[0]
     if line.startswith(b"GET /health"):
         return b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+    if line.startswith(b"GET /v1/models"):
+        return _MODELS
     if line.startswith(b"POST /tokenize"):
         return _json(b"200 OK", b'{"count":5,"max_model_len":4096}')
     if line.startswith(b"POST /v1/"):
