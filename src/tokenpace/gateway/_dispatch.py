@@ -151,9 +151,6 @@ class Pool:
     def __repr__(self) -> str:
         return f"Pool({self.model!r}, {[e.url for e in self.engines]})"
 
-    def healthy(self) -> bool:
-        return any(engine.healthy for engine in self.engines)
-
 
 @dataclass(eq=False)
 class Waiter:
@@ -232,7 +229,6 @@ class Dispatcher:
         # them in engine_for, so health changes need not (but do) clear it; reloads and a
         # pool's membership changing clear it, so a removed tenant's entry goes.
         self._ranked: dict[tuple[str, str | None], list[EngineSlots]] = {}
-        self._placed: dict[str, EngineSlots | None] = {}  # one pop's engine choices
         for engine in self.engines:
             if engine.models is not None:
                 self._join(engine, engine.models)
@@ -462,21 +458,27 @@ class Dispatcher:
             return None
         return self.choose(state, pool)
 
+    def _eligibility(self, pool: Pool) -> tuple[Callable[[str], bool],
+                                                dict[str, EngineSlots | None]]:
+        """The fair queue's ``eligible`` test for ``pool``, and the engine choices it makes
+        on the way (the chosen tenant's engine is then read, not chosen again)."""
+        placed: dict[str, EngineSlots | None] = {}
+
+        def eligible(tenant_id: str) -> bool:
+            engine = placed[tenant_id] = self._placeable(tenant_id, pool)
+            return engine is not None
+
+        return eligible, placed
+
     def _pump(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while an engine of the pool has room for them.
 
         Cost per dispatch: the fair queue's choice (O(tenants waiting)), each candidate
         tenant's engine choice (O(engines in the pool)), a few counters and gauges.
         """
-        placed = self._placed
+        eligible, placed = self._eligibility(pool)
         while len(pool.queue) and any(e.healthy and self._open(e) for e in pool.engines):
             placed.clear()
-
-            def eligible(tenant_id: str) -> bool:
-                engine = self._placeable(tenant_id, pool)
-                placed[tenant_id] = engine
-                return engine is not None
-
             waiter = pool.queue.pop(eligible)
             if waiter is None:
                 break

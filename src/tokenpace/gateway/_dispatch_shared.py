@@ -350,13 +350,7 @@ class SharedDispatcher(Dispatcher):
 
     async def _round(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while the store grants their slots."""
-        placed: dict[str, EngineSlots | None] = {}
-
-        def eligible(tenant_id: str) -> bool:
-            engine = self._placeable(tenant_id, pool)
-            placed[tenant_id] = engine
-            return engine is not None
-
+        eligible, placed = self._eligibility(pool)
         while any(e.healthy and self._open(e) for e in pool.engines):
             if self._stale(pool):
                 await self._refresh()
