@@ -197,22 +197,20 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
             data = workload["policies"][policy]
             assert data["throughput"]["output_tokens_per_s"] > 0
             assert all(t["started"] > 0 for t in data["tenants"].values()), data
-    # Short against long requests at equal request rates, both above their share: FCFS
-    # serves them in proportion to their cost (the short tenant ~0.17), VTC evenly (~0.5).
-    # Three quiet runs of 2026-12-01 (after the gateway's rebuilt hot path): FCFS
-    # 0.166/0.184/0.177, VTC 0.478/0.426/0.482, a gain of 0.24-0.31; the bound leaves more
-    # than half of the smallest. With the VTC gateway ordering as FCFS the gain is ~0 (see
-    # the commit that set this bound).
-    #
-    # overload_1_2 is not checked: in 12 s the engine serves ~45 of its requests, so the
-    # light tenant's FCFS share alone varies by ~0.07 (sd of a 1/3 share over 45 requests)
-    # while VTC's expected gain there, after the start-up seconds when nobody waits, is
-    # ~0.1: it came out 0.08/0.12/0.09 in those runs and 0.01 in CI (stop 23). The full
-    # 90 s bench measures it (docs/benchmarks.md); tests/gateway checks the order itself.
-    fcfs = by_name["short_long"]["policies"]["fcfs"]["tenants"]["a"]["service_share"]
-    vtc = by_name["short_long"]["policies"]["vtc"]["tenants"]["a"]["service_share"]
-    expect("bench_quick", "fairness short_long: short tenant's share, vtc - fcfs", vtc - fcfs,
-           0.12, upper=False, logs=[tmp_path / "fairness.json"], fcfs=fcfs, vtc=vtc)
+    # No share is bounded here. A quick run is 12 s in 3 s windows with ~60 dispatch
+    # decisions per policy, and on 2 cores beside the engine, two gateways and the load
+    # generator its short_long figures swing with the machine: VTC minus FCFS (the short
+    # tenant's share) came out 0.23/0.23 on a quiet box (2026-12-02), 0.09 and 0.29 with one
+    # busy-loop process beside it, and 0.09 and -0.01 in two CI runs, while a VTC that
+    # orders as FCFS gives ~0: no bound separates the two in one quick run. The order
+    # itself is checked without timing (tests/unit/test_fair_queue.py; through a real
+    # gateway process, whose dispatch order an engine with one slot records, in
+    # tests/gateway/test_fair_dispatch_http.py); the shares are measured by the full 90 s
+    # bench (docs/benchmarks.md).
+    for workload in by_name.values():
+        for policy in ("fcfs", "vtc"):
+            shares = [t["service_share"] for t in workload["policies"][policy]["tenants"].values()]
+            assert abs(sum(shares) - 1) < 0.01 and all(0 < s < 1 for s in shares), workload
 
 
 def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
