@@ -50,6 +50,7 @@ ROUTES = [
     ("GET", "/ping", None),
     ("GET", "/server_info", None),
     ("POST", "/reset_prefix_cache", None),
+    ("POST", "/tokenpace/v1/rates", {"rates": {"team-a": {"rate": 1000, "version": 1}}}),
     ("GET", "/no-such-route", None),
 ]
 
@@ -84,6 +85,36 @@ def test_the_key_opens_the_engine_and_health_stays_open(engine: Server) -> None:
     for method, path, body in ROUTES[:3] + [("GET", "/metrics", None)]:
         resp = httpx.request(method, engine.base_url + path, json=body, headers=auth, timeout=60)
         assert resp.status_code == 200, (path, resp.text[:300])
+
+
+def test_rate_control_sets_a_users_rate_between_requests(engine: Server) -> None:
+    """``POST /tokenpace/v1/rates``: a rate set by control call paces the user's next
+    request (which sends none), a bad body is a 400 naming the field, and an older
+    version does not undo a newer one."""
+    auth = {"authorization": f"Bearer {ENGINE_KEY}"}
+    url = engine.base_url + "/tokenpace/v1/rates"
+    for body, param in (({"rates": {}}, "rates"),
+                        ({"rates": {"ctl": {"rate": 0, "version": 1}}}, "rates.ctl"),
+                        ({"rates": {"ctl": {"rate": 5, "version": 1.5}}}, "rates.ctl")):
+        resp = httpx.post(url, json=body, headers=auth, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    resp = httpx.post(url, json={"rates": {"ctl": {"rate": 20, "version": 5}}}, headers=auth,
+                      timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"rates": {"ctl": {"rate": 20.0, "version": 5}}}
+    stale = httpx.post(url, json={"rates": {"ctl": {"rate": 1000, "version": 4}}},
+                       headers=auth, timeout=30)
+    assert stale.json() == {"rates": {"ctl": {"rate": 20.0, "version": 5}}}, stale.text
+    # A request without a rate of its own runs at the controlled 20 tok/s: 40 tokens
+    # need at least (40 - 2 burst) / 20 = 1.9 s; a machine under load is only slower,
+    # while at the refused 1000 tok/s the tiny model answers in well under a second.
+    started = time.monotonic()
+    resp = httpx.post(engine.base_url + "/v1/completions", headers=auth, timeout=120, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 40, "ignore_eos": True,
+        "vllm_xargs": {"output_rate_user": "ctl"}})
+    took = time.monotonic() - started
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
+    assert took >= 1.8, took
 
 
 @pytest.fixture(scope="module")

@@ -176,3 +176,29 @@ def test_trusted_gateway_alone_selects_the_paced_scheduler(tiny_model: Path) -> 
     config = args.create_engine_config()
     assert config.scheduler_config.scheduler_cls == _hooks.PACED_SCHEDULER
 
+
+
+@modes
+def test_an_older_rate_version_arriving_late_does_not_undo_a_newer_one(tiny_model: Path,
+                                                                        is_async: bool):
+    """The gateway lowers one engine's share by control call while a request that carried
+    the older, higher share may still be on its way: its version is older, so it is not
+    adopted (the sum of a tenant's shares over its engines never exceeds its rate)."""
+    from tokenpace.engine import RATE_VERSION_EXTRA_ARG
+
+    sim = make_sim(tiny_model, is_async=is_async, pacing=TRUSTED)
+    sim.add("a0", "a", max_tokens=1000, xargs={**sent(40), RATE_VERSION_EXTRA_ARG: 5})
+    assert sim.scheduler.set_user_rates({"a": (20.0, 6)}) == {"a": (20.0, 6)}
+    sim.add("a1", "a", max_tokens=1000, xargs={**sent(1000), RATE_VERSION_EXTRA_ARG: 5})
+    sim.add("a2", "a", max_tokens=1000, xargs=sent(1000) | {RATE_VERSION_EXTRA_ARG: 4})
+    sim.run(5)
+    assert_paced_at(sim.user_times("a"), 20, 5)
+    assert sim.scheduler.set_user_rates({"a": (50.0, 3)}) == {"a": (20.0, 6)}
+    assert sim.scheduler.set_user_rates({"b": (7.0, None)}) == {"b": (7.0, None)}
+
+
+@modes
+def test_rate_control_needs_a_trusted_gateway(tiny_model: Path, is_async: bool):
+    sim = make_sim(tiny_model, is_async=is_async, pacing={"default_user_output_tokens_per_second": 5})
+    with pytest.raises(PermissionError, match="trusted_gateway"):
+        sim.scheduler.set_user_rates({"a": (20.0, 1)})

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
-    from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
+    from ._control import RATES_PATH
+    from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
 _WHERE = {
     "EngineAuth": "_auth",
@@ -37,6 +38,8 @@ _WHERE = {
     "PacedAsyncScheduler": "_scheduler",
     "PacedScheduler": "_scheduler",
     "RATE_EXTRA_ARG": "_xargs",
+    "RATE_VERSION_EXTRA_ARG": "_xargs",
+    "RATES_PATH": "_control",
     "USER_EXTRA_ARG": "_xargs",
     "request_user": "_scheduler",
 }

@@ -14,7 +14,8 @@ An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.Reques
   well-formed rate passes whether or not the engine trusts it (``trusted_gateway``):
   the guard does not know the engine's configuration, and the engine decides.
 
-It also tells a gateway the engine's scheduling policy: ``/health`` answers carry
+It also serves ``POST /tokenpace/v1/rates``, the rate control of a trusted gateway
+(``_control``: authenticated with the engine key by itself), and tells a gateway the engine's scheduling policy: ``/health`` answers carry
 ``x-tokenpace-scheduling-policy`` (``fcfs`` or ``priority``, read from the running
 server's own configuration), because vLLM 0.32 silently ignores a request's ``priority``
 under ``fcfs`` and a gateway whose lanes rely on it would otherwise never know.
@@ -31,8 +32,9 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ..pacing import LimitsError, validate_rate, validate_user_id
-from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
+from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
+from ._control import RATES_PATH, handle_rates
+from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,6 +45,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
 USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
 RATE_PARAM = f"vllm_xargs.{RATE_EXTRA_ARG}"
+VERSION_PARAM = f"vllm_xargs.{RATE_VERSION_EXTRA_ARG}"
 
 
 class RequestRefused(ValueError):
@@ -76,6 +79,11 @@ def check_request_body(body: Any) -> None:
             validate_rate(xargs[RATE_EXTRA_ARG], RATE_PARAM)
         except LimitsError as exc:
             raise RequestRefused(str(exc), RATE_PARAM) from None
+    if RATE_VERSION_EXTRA_ARG in xargs:
+        try:
+            validate_rate_version(xargs[RATE_VERSION_EXTRA_ARG], VERSION_PARAM)
+        except LimitsError as exc:
+            raise RequestRefused(str(exc), VERSION_PARAM) from None
 
 
 def error_body(message: str, param: str | None) -> bytes:
@@ -101,6 +109,9 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == "/health":
             await self.app(scope, receive, _with_policy_header(scope, send))
+            return
+        if scope["type"] == "http" and scope.get("path") == RATES_PATH:
+            await handle_rates(scope, receive, send)  # checks the engine key itself
             return
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)

@@ -30,6 +30,9 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    (completions, chat, responses, the Python API) and overrides a client's own
    ``X-data-parallel-rank`` header, which would otherwise let a client pick a second rank
    and a second quota.
+5. ``EngineCoreProc.tokenpace_set_rates`` (engine process) is not a wrapper but a method
+   added to the class: vLLM runs a utility call by name on the engine core, and this one
+   is the engine side of the rate-control route (``_control``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import time
 from typing import Any
 
 from ._config import PacingConfig
+from ._control import install_rate_control
 from ._step_hint import StepHint
 
 logger = logging.getLogger("vllm.tokenpace.engine")
@@ -90,6 +94,7 @@ def register() -> None:
     core = sys.modules.get("vllm.v1.engine.core")
     if core is not None:
         install_idle_wait(core.EngineCoreProc)
+        install_rate_control(core.EngineCoreProc)
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:
         install_worker_spin_limit(executor.WorkerProc)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..pacing import (
@@ -45,10 +45,12 @@ from ..pacing import (
     UserRateLimits,
     user_rank,
     validate_rate,
+    validate_rate_version,
     validate_user_id,
 )
 from ._config import PacingConfig
 from ._events import EventLog
+from ._control import install_rate_control
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
 from ._modes import unsupported_modes
 from ._vllm import (
@@ -60,7 +62,7 @@ from ._vllm import (
     SchedulingPolicy,
     internals_problems,
 )
-from ._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
+from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
 # Under "vllm." so that vLLM's logging configuration (format, level) applies in the engine process.
 logger = logging.getLogger("vllm.tokenpace.engine")
@@ -127,6 +129,9 @@ class _PacingMixin:
         self._watcher: LimitsFileWatcher | None = None
         self._event_log: EventLog | None = None
         self._pinned_rank: tuple[int, int] | None = None  # (this rank, ranks) under DP
+        # The version of each user's gateway-sent rate (RATE_VERSION_EXTRA_ARG): one int
+        # per user that a versioned rate was sent for, kept like the overrides it guards.
+        self._rate_versions: dict[str, int] = {}
         self._steps = 0
         if not config.enabled:
             return
@@ -139,6 +144,7 @@ class _PacingMixin:
         engine_core = sys.modules.get("vllm.v1.engine.core")
         if engine_core is not None:  # also when the plugin entry point is not loaded
             install_idle_wait(engine_core.EngineCoreProc)
+            install_rate_control(engine_core.EngineCoreProc)
         self._planner = StepPlanner(OutputRateLimiter(config.limits))
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
@@ -233,6 +239,8 @@ class _PacingMixin:
         assert self._planner is not None
         try:
             rate = validate_rate(extra[RATE_EXTRA_ARG], f"vllm_xargs.{RATE_EXTRA_ARG}")
+            version = validate_rate_version(extra.get(RATE_VERSION_EXTRA_ARG),
+                                            f"vllm_xargs.{RATE_VERSION_EXTRA_ARG}")
         except LimitsError as exc:
             logger.warning("tokenpace: request %s: %s; rate ignored", request.request_id, exc)
             return
@@ -243,13 +251,47 @@ class _PacingMixin:
             logger.warning("tokenpace: request %s: rate ignored, its %s is malformed",
                            request.request_id, USER_EXTRA_ARG)
             return
+        self._apply_rates({user: (rate, version)})
+
+    def set_user_rates(
+        self, rates: Mapping[str, tuple[float, int | None]]
+    ) -> dict[str, tuple[float | None, int | None]]:
+        """Set users' rates between requests: what a trusted gateway's rate-control call
+        does (``POST /tokenpace/v1/rates`` on the API server, ``engine`` rate control).
+
+        ``rates``: user -> (rate, version), already validated. A rate whose version is
+        below the user's last adopted version is stale and left out. Returns, per user
+        asked about, the rate now in force (None: not paced) and its version. Raises
+        ``PermissionError`` unless pacing is on with ``trusted_gateway``.
+        """
+        if self._planner is None or not self.pacing_config.trusted_gateway:
+            raise PermissionError("rate control needs pacing with trusted_gateway "
+                                  "(tokenpace serve --trusted-gateway)")
+        self._apply_rates(rates)
+        limits = self._planner.limiter.limits
+        return {user: (limits.rate(user), self._rate_versions.get(user)) for user in rates}
+
+    def _apply_rates(self, rates: Mapping[str, tuple[float, int | None]]) -> None:
+        assert self._planner is not None
         limiter = self._planner.limiter
         limits = limiter.limits
-        if limits.rate(user) != rate:
+        versions = self._rate_versions
+        changed: dict[str, float] = {}
+        for user, (rate, version) in rates.items():
+            if version is not None:
+                last = versions.get(user)
+                if last is not None and version < last:
+                    logger.debug("tokenpace: user %r: rate version %d is older than %d; "
+                                 "ignored", user, version, last)
+                    continue
+                versions[user] = version
+            if limits.rate(user) != rate:
+                changed[user] = rate
+        if changed:
             # set_limits keeps every user's place in time (rescaled), so a rate change
-            # grants no fresh burst.
-            limiter.set_limits(UserRateLimits(limits.default, {**limits.overrides, user: rate}))
-            logger.debug("tokenpace: user %r paced at %s tok/s (sent by the gateway)", user, rate)
+            # grants no fresh burst. Cost: a copy of the override table, per change.
+            limiter.set_limits(UserRateLimits(limits.default, {**limits.overrides, **changed}))
+            logger.debug("tokenpace: paced at %s tok/s (sent by the gateway)", changed)
 
     def shutdown(self) -> None:
         release_step_hint()

@@ -78,6 +78,9 @@ HOOKED_METHODS = (
 # when set; the X-data-parallel-rank header sets it too).
 # ParallelConfig: data_parallel_size, data_parallel_rank, data_parallel_external_lb,
 # data_parallel_hybrid_lb.
+# Rate control (_control): the API server's app.state.engine_client (AsyncLLM) has
+# engine_core with call_utility_async(method, *args); EngineCoreProc._handle_client_request
+# runs a UTILITY request as getattr(engine_core, method)(*args) in the engine's busy loop.
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
 # _spin_condition whose busy_loop_s is the spin time after each message.
 SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")

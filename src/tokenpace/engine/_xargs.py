@@ -12,3 +12,10 @@ USER_EXTRA_ARG = "output_rate_user"
 RATE_EXTRA_ARG = "output_rate_tokens_per_second"
 """The rate of the request's user, in output tokens per second; honoured only with
 ``trusted_gateway``, where a gateway that holds the tenants' rates sends it."""
+
+RATE_VERSION_EXTRA_ARG = "output_rate_version"
+"""With a rate: its version, an integer that the gateway raises with every change of the
+user's rate. The engine adopts a rate only when its version is at least the last one it
+adopted for that user, so a request that carried an older rate and reached the engine
+late cannot undo a newer, lower one sent since (the gateway lowers one engine's share of
+a tenant's rate before it raises another's; see ``tokenpace.engine`` rate control)."""

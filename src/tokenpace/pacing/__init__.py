@@ -27,6 +27,7 @@ from ._limits import (
     read_overrides_file,
     validate_overrides,
     validate_rate,
+    validate_rate_version,
     validate_user_id,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "read_overrides_file",
     "validate_overrides",
     "validate_rate",
+    "validate_rate_version",
     "validate_user_id",
     "user_rank",
 ]

@@ -46,6 +46,23 @@ def validate_rate(value: Any, what: str) -> float:
     return rate
 
 
+MAX_RATE_VERSION = 2**63 - 1
+
+
+def validate_rate_version(value: Any, what: str) -> int | None:
+    """Return a rate's version (None when absent): an integer from 0 to 2**63 - 1.
+
+    A gateway numbers each change of a user's rate so that the engine can tell a late,
+    older rate from the current one; a float or a string there is a bug in the sender,
+    refused rather than rounded.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RATE_VERSION:
+        raise LimitsError(f"{what}: a rate version must be an integer from 0 to 2**63 - 1, "
+                          f"got {value!r}")
+    return value
+
 def validate_user_id(user: Any, what: str = "user id") -> str:
     """Return ``user`` if it is a usable identity: a non-empty string of bounded length."""
     if not isinstance(user, str):

@@ -1,0 +1,180 @@
+"""Rate control: a trusted gateway changes users' rates between requests.
+
+A gateway that spreads one tenant's rate R over several engines gives each engine a share
+of R and must move the shares when the tenant's streams start and end, also when no new
+request goes to the engine whose share changes. ``POST /tokenpace/v1/rates`` on the API
+server does that:
+
+    {"rates": {"team-a": {"rate": 40.0, "version": 17}}}
+
+answers ``{"rates": {"team-a": {"rate": 40.0, "version": 17}}}``: per user, the rate now
+in force and its version. A version below the user's last adopted one (a late, older
+change) is not applied, and the answer then shows the newer rate that stays. The route
+needs the engine's API key (``Authorization: Bearer``) even when ``EngineAuth`` is not
+installed in front of it, and pacing with ``trusted_gateway``: 401 and 403 otherwise,
+400 with the offending field for a bad body.
+
+How the call reaches the scheduler (vLLM 0.32): the API server's engine client sends a
+utility call (``engine_core.call_utility_async``; with data parallelism every rank gets
+it), the engine process runs ``EngineCoreProc.tokenpace_set_rates`` — a method this
+module adds to vLLM's class — in its busy loop between two steps, so the rate table
+never changes in the middle of a step, and the idle wait ends at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+RATES_PATH = "/tokenpace/v1/rates"
+UTILITY_METHOD = "tokenpace_set_rates"
+MAX_BODY_BYTES = 1 << 20
+MAX_USERS_PER_CALL = 10_000
+
+logger = logging.getLogger("vllm.tokenpace.engine")
+
+Rates = dict[str, tuple[float, "int | None"]]
+
+
+class ControlRefused(ValueError):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def parse_rates(body: Any) -> Rates:
+    """The ``rates`` of a control call's JSON body, validated (``ControlRefused`` 400)."""
+    rates = body.get("rates") if isinstance(body, dict) else None
+    if not isinstance(rates, dict) or not rates:
+        raise ControlRefused(400, "expected {\"rates\": {user: {\"rate\": r, \"version\": v}}} "
+                                  "with at least one user", "rates")
+    if len(rates) > MAX_USERS_PER_CALL:
+        raise ControlRefused(400, f"at most {MAX_USERS_PER_CALL} users per call", "rates")
+    out: Rates = {}
+    for user, entry in rates.items():
+        param = f"rates.{user}"
+        try:
+            validate_user_id(user, "user id")
+            if not isinstance(entry, dict) or "rate" not in entry:
+                raise LimitsError(f"{param}: expected {{\"rate\": r, \"version\": v}}")
+            out[user] = (validate_rate(entry["rate"], f"{param}.rate"),
+                         validate_rate_version(entry.get("version"), f"{param}.version"))
+        except LimitsError as exc:
+            raise ControlRefused(400, str(exc), param) from None
+    return out
+
+
+# -- the engine process -------------------------------------------------------------------
+
+
+def tokenpace_set_rates(core: Any, rates: dict[str, list[Any]]) -> dict[str, Any]:
+    """Runs in the engine process (as ``EngineCoreProc.tokenpace_set_rates``): apply
+    ``rates`` (user -> [rate, version], checked again here: the engine trusts no caller)
+    to the paced scheduler. Returns ``{"rates": ...}`` or ``{"error": ..., "status": ...}``
+    (an error answer, not an exception: vLLM logs a traceback for every failed utility)."""
+    set_user_rates = getattr(core.scheduler, "set_user_rates", None)
+    if set_user_rates is None:
+        return {"error": "this engine does not run tokenpace's paced scheduler", "status": 403}
+    try:
+        checked = parse_rates({"rates": {u: {"rate": r, "version": v} for u, (r, v) in rates.items()}})
+        applied = set_user_rates(checked)
+    except ControlRefused as exc:
+        return {"error": str(exc), "status": exc.status}
+    except PermissionError as exc:
+        return {"error": str(exc), "status": 403}
+    return {"rates": {u: {"rate": r, "version": v} for u, (r, v) in applied.items()}}
+
+
+def install_rate_control(engine_core_proc_cls: type) -> bool:
+    """Add ``tokenpace_set_rates`` to vLLM's engine-core class (once); True if added.
+
+    vLLM runs a utility call by ``getattr(engine_core, method_name)`` in the engine
+    process, so a method on the class is all a utility needs."""
+    if getattr(engine_core_proc_cls, UTILITY_METHOD, None) is not None:
+        return False
+
+    def method(self: Any, rates: dict[str, list[Any]]) -> dict[str, Any]:
+        return tokenpace_set_rates(self, rates)
+
+    method.__name__ = UTILITY_METHOD
+    setattr(engine_core_proc_cls, UTILITY_METHOD, method)
+    return True
+
+
+# -- the API server ------------------------------------------------------------------------
+
+
+async def handle_rates(scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /tokenpace/v1/rates`` (any other method: 405)."""
+    from ._auth import bearer_matches, configured_keys, key_digest
+
+    if scope.get("method") != "POST":
+        await _answer(send, 405, _error("use POST", None, "MethodNotAllowed", 405))
+        return
+    state = getattr(scope.get("app"), "state", None)
+    keys = configured_keys(getattr(state, "args", None))
+    if not keys:
+        await _answer(send, 403, _error(
+            "rate control needs the engine's API key: start it with --trusted-gateway "
+            "and --api-key (or VLLM_API_KEY)", None, "PermissionDenied", 403))
+        return
+    if not bearer_matches(list(scope.get("headers", ())), [key_digest(k) for k in keys]):
+        await _answer(send, 401, _error("send the engine's API key as 'Authorization: Bearer "
+                                        "<key>'", None, "AuthenticationError", 401))
+        return
+    try:
+        body = await _read(receive)
+        rates = parse_rates(json.loads(body))
+    except ControlRefused as exc:
+        await _answer(send, exc.status, _error(str(exc), exc.param, "BadRequestError", exc.status))
+        return
+    except (ValueError, RecursionError):
+        await _answer(send, 400, _error("the body is not JSON", None, "BadRequestError", 400))
+        return
+    client = getattr(getattr(state, "engine_client", None), "engine_core", None)
+    if client is None:
+        await _answer(send, 503, _error("the engine is not running", None, "ServiceUnavailable", 503))
+        return
+    result = await client.call_utility_async(
+        UTILITY_METHOD, {u: [r, v] for u, (r, v) in rates.items()})
+    if "error" in result:
+        status = int(result.get("status", 500))
+        await _answer(send, status, _error(result["error"], None, "PermissionDenied", status))
+        return
+    await _answer(send, 200, result)
+
+
+async def _read(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ControlRefused(400, "the client left while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ControlRefused(400, f"the body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _error(message: str, param: str | None, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def _answer(send: Send, status: int, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
