@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
 """Routes that stay open: liveness only."""
+
+from ._asgi import ASGIApp, Receive, Scope, Send, error_payload, send_json
 
 logger = logging.getLogger("tokenpace.engine")
 
@@ -99,13 +95,7 @@ class EngineAuth:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        payload = json.dumps({"error": {
-            "message": "this engine serves a trusted gateway: send its API key as "
-                       "'Authorization: Bearer <key>'",
-            "type": "AuthenticationError", "param": None, "code": 401}}).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, 401, error_payload(
+            401, "this engine serves a trusted gateway: send its API key as "
+                 "'Authorization: Bearer <key>'", "AuthenticationError"),
+            headers=((b"www-authenticate", b"Bearer"),))

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
+from ._asgi import Receive, Scope, Send, error_payload, send_json
+from ._auth import bearer_matches, configured_keys, key_digest
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 RATES_PATH = "/tokenpace/v1/rates"
 UTILITY_METHOD = "tokenpace_set_rates"
@@ -76,17 +73,16 @@ def parse_rates(body: Any) -> Rates:
 # -- the engine process -------------------------------------------------------------------
 
 
-def tokenpace_set_rates(core: Any, rates: dict[str, list[Any]]) -> dict[str, Any]:
+def tokenpace_set_rates(core: Any, rates: Any) -> dict[str, Any]:
     """Runs in the engine process (as ``EngineCoreProc.tokenpace_set_rates``): apply
-    ``rates`` (user -> [rate, version], checked again here: the engine trusts no caller)
+    ``rates`` (the body's ``rates``, checked again here: the engine trusts no caller)
     to the paced scheduler. Returns ``{"rates": ...}`` or ``{"error": ..., "status": ...}``
     (an error answer, not an exception: vLLM logs a traceback for every failed utility)."""
     set_user_rates = getattr(core.scheduler, "set_user_rates", None)
     if set_user_rates is None:
         return {"error": "this engine does not run tokenpace's paced scheduler", "status": 403}
     try:
-        checked = parse_rates({"rates": {u: {"rate": r, "version": v} for u, (r, v) in rates.items()}})
-        applied = set_user_rates(checked)
+        applied = set_user_rates(parse_rates({"rates": rates}))
     except ControlRefused as exc:
         return {"error": str(exc), "status": exc.status}
     except PermissionError as exc:
@@ -102,7 +98,7 @@ def install_rate_control(engine_core_proc_cls: type) -> bool:
     if getattr(engine_core_proc_cls, UTILITY_METHOD, None) is not None:
         return False
 
-    def method(self: Any, rates: dict[str, list[Any]]) -> dict[str, Any]:
+    def method(self: Any, rates: Any) -> dict[str, Any]:
         return tokenpace_set_rates(self, rates)
 
     method.__name__ = UTILITY_METHOD
@@ -115,42 +111,41 @@ def install_rate_control(engine_core_proc_cls: type) -> bool:
 
 async def handle_rates(scope: Scope, receive: Receive, send: Send) -> None:
     """``POST /tokenpace/v1/rates`` (any other method: 405)."""
-    from ._auth import bearer_matches, configured_keys, key_digest
+
+    async def refuse(status: int, message: str, kind: str, param: str | None = None) -> None:
+        await send_json(send, status, error_payload(status, message, kind, param))
 
     if scope.get("method") != "POST":
-        await _answer(send, 405, _error("use POST", None, "MethodNotAllowed", 405))
+        await refuse(405, "use POST", "MethodNotAllowed")
         return
     state = getattr(scope.get("app"), "state", None)
     keys = configured_keys(getattr(state, "args", None))
     if not keys:
-        await _answer(send, 403, _error(
-            "rate control needs the engine's API key: start it with --trusted-gateway "
-            "and --api-key (or VLLM_API_KEY)", None, "PermissionDenied", 403))
+        await refuse(403, "rate control needs the engine's API key: start it with "
+                          "--trusted-gateway and --api-key (or VLLM_API_KEY)", "PermissionDenied")
         return
     if not bearer_matches(list(scope.get("headers", ())), [key_digest(k) for k in keys]):
-        await _answer(send, 401, _error("send the engine's API key as 'Authorization: Bearer "
-                                        "<key>'", None, "AuthenticationError", 401))
+        await refuse(401, "send the engine's API key as 'Authorization: Bearer <key>'",
+                     "AuthenticationError")
         return
     try:
-        body = await _read(receive)
-        rates = parse_rates(json.loads(body))
+        rates = parse_rates(json.loads(await _read(receive)))
     except ControlRefused as exc:
-        await _answer(send, exc.status, _error(str(exc), exc.param, "BadRequestError", exc.status))
+        await refuse(exc.status, str(exc), "BadRequestError", exc.param)
         return
     except (ValueError, RecursionError):
-        await _answer(send, 400, _error("the body is not JSON", None, "BadRequestError", 400))
+        await refuse(400, "the body is not JSON", "BadRequestError")
         return
     client = getattr(getattr(state, "engine_client", None), "engine_core", None)
     if client is None:
-        await _answer(send, 503, _error("the engine is not running", None, "ServiceUnavailable", 503))
+        await refuse(503, "the engine is not running", "ServiceUnavailable")
         return
     result = await client.call_utility_async(
-        UTILITY_METHOD, {u: [r, v] for u, (r, v) in rates.items()})
+        UTILITY_METHOD, {u: {"rate": r, "version": v} for u, (r, v) in rates.items()})
     if "error" in result:
-        status = int(result.get("status", 500))
-        await _answer(send, status, _error(result["error"], None, "PermissionDenied", status))
+        await refuse(int(result.get("status", 500)), result["error"], "PermissionDenied")
         return
-    await _answer(send, 200, result)
+    await send_json(send, 200, result)
 
 
 async def _read(receive: Receive) -> bytes:
@@ -167,14 +162,3 @@ async def _read(receive: Receive) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _error(message: str, param: str | None, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-async def _answer(send: Send, status: int, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})

@@ -29,18 +29,13 @@ untouched; a body that is not valid JSON is left to vLLM, which answers it with 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
+from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
 from ._control import RATES_PATH, handle_rates
 from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
 USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
@@ -84,13 +79,6 @@ def check_request_body(body: Any) -> None:
             validate_rate_version(xargs[RATE_VERSION_EXTRA_ARG], VERSION_PARAM)
         except LimitsError as exc:
             raise RequestRefused(str(exc), VERSION_PARAM) from None
-
-
-def error_body(message: str, param: str | None) -> bytes:
-    """A 400 in OpenAI's (and vLLM's) wire format, so SDKs raise ``BadRequestError``."""
-    return json.dumps(
-        {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
-    ).encode()
 
 
 def _is_json(scope: Scope) -> bool:
@@ -169,15 +157,4 @@ def _with_policy_header(scope: Scope, send: Send) -> Send:
 
 
 async def _send_error(send: Send, message: str, param: str | None) -> None:
-    payload = error_body(message, param)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 400,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
+    await send_json(send, 400, error_payload(400, message, "BadRequestError", param))
