@@ -51,16 +51,22 @@ def test_identity_priority_and_rate_are_overwritten(gateway: GatewayProcess, eng
     c.completions.create(
         model="fake", prompt="hi", max_tokens=3,
         extra_body={"vllm_xargs": {"output_rate_user": "team-b", "output_rate_tokens_per_second": 1e9,
-                                   "other": "kept"},
+                                   "output_rate_version": 2**63 - 1, "other": "kept"},
                     "priority": -100})
     body = engine.engine.requests[-1].body
-    assert body["vllm_xargs"] == {"output_rate_user": "team-a", "output_rate_tokens_per_second": 100,
-                                  "other": "kept"}
+    xargs = body["vllm_xargs"]
+    # The rate's version is the gateway's (``_rate_split``): a client's own, however high,
+    # never reaches the engine, where it would freeze the tenant's rate.
+    version = xargs.pop("output_rate_version")
+    assert isinstance(version, int) and version < 2**63 - 1
+    assert xargs == {"output_rate_user": "team-a", "output_rate_tokens_per_second": 100,
+                     "other": "kept"}
     # The engine runs FCFS (the default): vLLM would refuse any other priority.
     assert body["priority"] == 0
     client(gateway, KEY_B).chat.completions.create(
         model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-        extra_body={"vllm_xargs": {"output_rate_user": "team-a", "output_rate_tokens_per_second": 5}})
+        extra_body={"vllm_xargs": {"output_rate_user": "team-a", "output_rate_tokens_per_second": 5,
+                                   "output_rate_version": 7}})
     body = engine.engine.requests[-1].body
     # team-b has no rate of its own: a client-supplied one must not survive either.
     assert body["vllm_xargs"] == {"output_rate_user": "team-b"}

@@ -87,18 +87,9 @@ def test_zero_affinity_is_least_loaded() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("pinned_by", ["rate", "routing"])
-def test_paced_tenants_and_pinned_routing_stay_on_one_engine(pinned_by: str) -> None:
-    """A paced tenant's quota is one engine's: it never runs on two (the rate split over
-    engines is not built); ``routing: pinned`` does the same for everyone."""
+def test_pinned_routing_keeps_each_tenant_on_one_engine() -> None:
     async def main() -> None:
-        tenant: dict[str, Any] = {"id": "a", "api_keys": ["ka"]}
-        top: dict[str, Any] = {}
-        if pinned_by == "rate":
-            tenant["output_tokens_per_second"] = 50
-        else:
-            top["routing"] = "pinned"
-        dispatcher, tenants = setup([tenant], **top)
+        dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"]}], routing="pinned")
         tasks = grab(dispatcher, tenants, "a", 6)
         await asyncio.sleep(0)
         assert sum(t.done() for t in tasks) == 4
@@ -106,6 +97,32 @@ def test_paced_tenants_and_pinned_routing_stay_on_one_engine(pinned_by: str) -> 
         for t in tasks:
             t.cancel()
     asyncio.run(main())
+
+
+def test_a_paced_tenant_fills_its_first_engine_then_spills_over() -> None:
+    """Its rate is split over the engines its streams run on (``_rate_split``): it takes
+    a second engine only when the first is full, and comes back to the first one."""
+    async def main() -> None:
+        dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"],
+                                      "output_tokens_per_second": 50}])
+        first = dispatcher.engine_for("a", dispatcher.pools["chat"])
+        tasks = grab(dispatcher, tenants, "a", 3)
+        await asyncio.sleep(0)
+        assert first.inflight == 3 and sum(e.inflight for e in dispatcher.engines) == 3
+        more = grab(dispatcher, tenants, "a", 3)
+        await asyncio.sleep(0)
+        assert sorted(e.inflight for e in dispatcher.pools["chat"].engines) == [2, 4]
+        assert first.inflight == 4
+        for t in tasks + more:
+            t.cancel()
+    asyncio.run(main())
+
+
+def test_with_replicas_a_paced_tenant_keeps_one_engine() -> None:
+    dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"], "output_tokens_per_second": 50}])
+    assert not dispatcher.pinned(tenants.get("a"))
+    dispatcher.splits_rates = False  # what SharedDispatcher says
+    assert dispatcher.pinned(tenants.get("a"))
 
 
 def test_two_backlogged_tenants_share_the_pool_by_weight() -> None:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..engine._xargs import RATE_EXTRA_ARG, USER_EXTRA_ARG
+from ..engine import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 from ._errors import GatewayError
 
 Kind = Literal["chat", "completion"]
@@ -214,7 +214,7 @@ def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
 
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
                 max_tokens: int, cache_salt: str | None = None,
-                model: str | None = None) -> bytes:
+                model: str | None = None, rate_version: int | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
@@ -222,6 +222,7 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     tenant's ``cache_salt`` the prompt's cached blocks are the tenant's alone: a client's
     own salt (a string) is mixed into it, so it can split its tenant's cache further but
     never reach another tenant's. ``model``: the served name, when the client sent an alias.
+    ``rate_version``: the version of a rate split over engines (``_rate_split``).
     """
     body = dict(req.body)
     if model is not None:
@@ -238,6 +239,10 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
         xargs[RATE_EXTRA_ARG] = rate
     else:
         xargs.pop(RATE_EXTRA_ARG, None)
+    if rate is not None and rate_version is not None:
+        xargs[RATE_VERSION_EXTRA_ARG] = rate_version
+    else:
+        xargs.pop(RATE_VERSION_EXTRA_ARG, None)
     body["vllm_xargs"] = xargs
     body["priority"] = priority
     body[req.max_tokens_field] = max_tokens

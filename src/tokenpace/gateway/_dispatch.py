@@ -323,11 +323,16 @@ class Dispatcher:
             return first
         return next((e for e in ranked[1:] if e.healthy), first)
 
+    splits_rates = True
+    """Whether a paced tenant may run on several engines, its rate split over them
+    (``_rate_split``); the shared dispatcher keeps it on one (no replica knows the
+    others' streams)."""
+
     def pinned(self, tenant: TenantState) -> bool:
         """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
-        tenant (its engine-side rate is one engine's quota)."""
-        return self._config.routing == "pinned" \
-            or tenant.config.output_tokens_per_second is not None
+        tenant where rates are not split (its engine-side rate is one engine's quota)."""
+        return self._config.routing == "pinned" or (
+            not self.splits_rates and tenant.config.output_tokens_per_second is not None)
 
     def preferred(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
         """The engine that counts the tenant's prompts before dispatch (``/tokenize``): its
@@ -349,6 +354,12 @@ class Dispatcher:
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
             return engine if engine.healthy and self._open(engine) else None
+        if tenant.config.output_tokens_per_second is not None:
+            # A paced tenant fills its first engine in rendezvous order and spills to the
+            # next only when that one is full: its rate, not an engine, bounds it, and each
+            # engine more is a share to move by control call as streams start and end.
+            return next((e for e in self._rank(tenant.id, pool)
+                         if e.healthy and self._open(e)), None)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
         for engine in self._rank(tenant.id, pool):

@@ -33,6 +33,7 @@ from ._admission import (
 from ._body import Kind, engine_body, parse_json_body, parse_request
 from ._dispatch import Lease, Pool, QueueFull
 from ._errors import GatewayError, error_response
+from ._rate_split import SplitFailed
 from ._relay import call, open_stream
 from ._runtime import Runtime
 from ._settle import Exchange, Outcome
@@ -83,11 +84,12 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         engine = ex.lease.engine
         upstream = rt.upstreams[engine.url]
         lane = rt.config.lane(tenant.config.lane)
+        rate, version = await _rate_share(ex, engine.url)
         body = engine_body(
-            req, user=tenant.id, rate=tenant.config.output_tokens_per_second,
+            req, user=tenant.id, rate=rate,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
-            model=model)
+            model=model, rate_version=version)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)
@@ -117,6 +119,25 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         if watch is not None:
             watch.stop()
         raise
+
+
+async def _rate_share(ex: Exchange, url: str) -> tuple[float | None, int | None]:
+    """The rate (and its version) the request carries to engine ``url``: the tenant's
+    rate, or with rates split over engines its share there, once the other engines'
+    shares are lowered (``_rate_split``; a 503 when one cannot be)."""
+    rt, tenant = ex.rt, ex.tenant
+    rate = tenant.config.output_tokens_per_second
+    if rate is None or rt.rate_split is None or rt.dispatcher.pinned(tenant):
+        return rate, None
+    try:
+        share = await rt.rate_split.start(tenant.id, rate, url)
+    except SplitFailed:
+        raise GatewayError(
+            503, f"could not move tenant {tenant.id!r}'s rate between engines (an engine did "
+            "not answer the rate-control call); retry", reason="rate_control_failed",
+            code="rate_control_failed", headers={"retry-after": "1"}) from None
+    ex.split_on = url
+    return share
 
 
 async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,

@@ -13,6 +13,7 @@ from ._config import GatewayConfig
 from ._dispatch import Dispatcher
 from ._ledger import Ledger
 from ._prompt_bound import PromptBounds
+from ._rate_split import RateSplitter
 from ._state import StateStore
 from ._tenants import Tenants
 from ._upstream import Upstream
@@ -35,3 +36,6 @@ class Runtime:
     settling: set[asyncio.Task[None]] = field(default_factory=set)
     # Template overheads learned per engine and model (prompt_count: bound).
     prompt_bounds: PromptBounds = field(default_factory=PromptBounds)
+    # Paced tenants' rates split over the engines their streams run on (in process only;
+    # None with a shared store, where a paced tenant keeps one engine).
+    rate_split: RateSplitter | None = None

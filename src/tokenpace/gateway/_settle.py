@@ -80,6 +80,7 @@ class Exchange:
     queue_s: float | None = None
     ttft_s: float | None = None
     lease: Lease | None = None  # set once an engine slot was granted
+    split_on: str | None = None  # the engine whose share of a split rate this stream holds
     finished: bool = field(default=False)
 
     @property
@@ -138,6 +139,9 @@ class Exchange:
         actual = (self.cost.of(self.prompt_tokens, self.completion_tokens)
                   if self.charge_usage else 0.0)
         settled = False
+        if self.split_on is not None and rt.rate_split is not None:
+            rt.rate_split.end(self.tenant.id, self.tenant.config.output_tokens_per_second,
+                              self.split_on)
         if self.lease is not None:
             self.charge_progress()
             # With shared slots the release and the settlement go in one store call.
