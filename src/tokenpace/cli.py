@@ -150,12 +150,14 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
 
     if args.quick:
         result = fleet.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
-                           streams=args.streams, max_inflight=args.max_inflight)
+                           streams=args.streams, max_inflight=args.max_inflight,
+                           paced_rate=args.paced_rate, paced_s=4.0)
     else:
         if args.warmup >= args.duration:
             raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
         result = fleet.run(_bench_model(args), args.duration, args.warmup, args.rounds,
-                           args.streams, args.max_inflight, args.tokens)
+                           args.streams, args.max_inflight, args.tokens, args.paced_rate,
+                           args.paced_seconds)
     return _bench_outputs(args, fleet, result)
 
 
@@ -339,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Three engines on the tiny model under two names (2 x tiny, 1 x "
         "tiny-code) and two gateways (routing: pool and pinned): a lone tenant's throughput "
         "against the pool's engines driven directly, the shares of two and three backlogged "
-        "tenants, and the CPU cost of the engine choice per request.",
+        "tenants, a paced tenant whose rate is split over both engines (even and uneven "
+        "streams, measured at the engines' event logs), and the CPU cost of the engine "
+        "choice per request.",
     )
     _bench_common(flt)
     flt.add_argument("--duration", type=_positive_float, default=20.0,
@@ -354,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests the gateway keeps on each engine (default 8)")
     flt.add_argument("--tokens", type=_positive_int, default=64,
                      help="output tokens per request (default 64)")
+    flt.add_argument("--paced-rate", type=_positive_float, default=80.0,
+                     help="the paced tenant's output_tokens_per_second (default 80)")
+    flt.add_argument("--paced-seconds", type=_positive_float, default=10.0,
+                     help="about how long each paced scenario's streams run (default 10)")
     flt.set_defaults(func=_cmd_bench_fleet)
 
     stb = bench_sub.add_parser(

@@ -228,3 +228,11 @@ def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
             assert set(shares) == set(result[name]["tenants"])
             assert abs(sum(s["median"] for s in shares.values()) - 1) < 0.01
     assert all(us > 0 for n in result["choice_cost_us"].values() for us in n.values())
+    # The paced tenant spread over both pool engines in both scenarios, the uneven one
+    # with fewer streams on the second; its rate is measured, not bounded from below here.
+    paced = result["paced"]
+    for name in ("even", "uneven"):
+        for r in paced[name]["rounds"]:
+            assert len(r["placement"]) == 2 and all(r["placement"]), r
+            assert r["rate_over_r"] > 0
+    assert [len(p) for p in paced["uneven"]["rounds"][0]["placement"]] in ([8, 4], [4, 8])

@@ -20,6 +20,17 @@ Measured in rounds, the order of the paths changing from round to round (``pair_
 - ``trio``: three tenants, two of which pinning puts on one engine: the shares, and the
   ratio of the smallest to the largest.
 
+- ``paced``: one tenant with ``output_tokens_per_second: R`` whose streams need both pool
+  engines (more than ``max_inflight`` of them), through the pool gateway, which splits R
+  over the engines in proportion to the tenant's streams there (``gateway`` rate split).
+  ``even``: twice ``max_inflight`` equal streams sent at once (half on each engine).
+  ``uneven``: ``max_inflight`` long streams fill the first engine, then half as many short
+  ones spill to the second and end halfway, after which the long ones must get R on
+  their own. Measured at the engines' event logs (every token's dispatch instant, on
+  either engine): the tenant's rate over the time its streams want tokens against R
+  (goal within 3%), and the most tokens in any window of W seconds against the seed's
+  bound for R, (W + 0.1) R plus ``SLACK_PER_ENGINE`` per engine.
+
 And, without any engine, what the engine choice costs per request on the real dispatcher:
 CPU time of ``acquire`` + ``release`` with ``routing: pool`` against ``pinned``, for pools
 of 2 and 8 engines.
@@ -31,6 +42,7 @@ ramp-up, when not everyone is backlogged yet).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import statistics
 import sys
@@ -43,11 +55,16 @@ import aiohttp
 
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ..up import CPU_BIND_ENV, cpu_binds
+from ..engine import read_charges
 from ._environment import environment
-from ._load import StreamRecord, record_chunk, sse_payloads
+from ._load import StreamRecord, record_chunk, sse_payloads, stream_aiohttp
 from ._paired import pair_order, ratio_summary
 
 ROUTINGS = ("pool", "pinned")
+PACED = "paced"  # the paced tenant's id (its engine-side user)
+ENGINE_KEY = "sk-bench-fleet-engine"  # rate control needs the engines locked with a key
+SLACK_PER_ENGINE = 3  # tokens beyond (W + 0.1) R per engine: GCRA's +1, a step in flight
+WINDOWS_S = (0.5, 1.0, 2.0, 5.0)
 PROMPT = [17, 42, 99, 7, 256, 31, 64, 128]  # the tiny model's ordinary token ids
 
 
@@ -69,16 +86,18 @@ def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _gateway_config(engines: list[str], code_engine: str, routing: str, max_inflight: int,
-                    tenants: list[str], ledger: Path) -> str:
+                    tenants: list[str], ledger: Path, paced_rate: float) -> str:
     import yaml
 
     return yaml.safe_dump({
         "engines": [{"url": url, "max_inflight": max_inflight, "max_engine_waiting": None,
-                     "models": ["tiny"]} for url in engines]
-        + [{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"]}],
+                     "models": ["tiny"], "api_key": ENGINE_KEY} for url in engines]
+        + [{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"],
+            "api_key": ENGINE_KEY}],
         "routing": routing,
         "ledger": f"sqlite:///{ledger}",
-        "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"} for t in tenants],
+        "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"} for t in tenants]
+        + [{"id": PACED, "api_keys": [f"sk-{PACED}"], "output_tokens_per_second": paced_rate}],
     })
 
 
@@ -146,8 +165,8 @@ def _via_gateway(url: str, tenants: list[str], streams: int) -> list[Target]:
 
 def _direct(engines: list[str], tenant: str, streams: int) -> list[Target]:
     """``streams`` split evenly over ``engines``, as the tenant's gateway identity."""
-    return [(engines[i % len(engines)], {}, {"vllm_xargs": {"output_rate_user": tenant}}, tenant)
-            for i in range(streams)]
+    return [(engines[i % len(engines)], {"authorization": f"Bearer {ENGINE_KEY}"},
+             {"vllm_xargs": {"output_rate_user": tenant}}, tenant) for i in range(streams)]
 
 
 def choice_cost(engines: int, routing: str, requests: int = 20000) -> float:
@@ -181,6 +200,7 @@ def choice_cost(engines: int, routing: str, requests: int = 20000) -> float:
 
 def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 3,
         streams: int = 16, max_inflight: int = 8, max_tokens: int = 64,
+        paced_rate: float = 80.0, paced_s: float = 10.0,
         workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fleet-"))
     ports = [free_port() for _ in range(3)]
@@ -188,11 +208,13 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
     # would measure like one engine: each gets cores of its own, as each would have its own
     # accelerator (the idle third shares with the first when there are fewer cores).
     binds = cpu_binds(3, sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
+    event_logs = [home / f"events-{port}.jsonl" for port in ports]
     engines = [Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
-                                           "--allow-unauthenticated-trusted-gateway",
-                                           "--max-num-seqs", str(2 * max_inflight)),
-                      port, home / f"engine-{port}.log", env={CPU_BIND_ENV: bind or ""})
-               for port, bind in zip(ports, binds)]
+                                           "--max-num-seqs", str(2 * max_inflight),
+                                           "--output-rate-event-log", str(log)),
+                      port, home / f"engine-{port}.log",
+                      env={CPU_BIND_ENV: bind or "", "VLLM_API_KEY": ENGINE_KEY})
+               for port, bind, log in zip(ports, binds, event_logs)]
     pool_urls = [e.base_url for e in engines[:2]]
     pair, trio = _tenant_names(pool_urls)
     gateways: dict[str, Server] = {}
@@ -200,7 +222,7 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         config = home / f"gateway-{routing}.yaml"
         config.write_text(_gateway_config(pool_urls, engines[2].base_url, routing,
                                           max_inflight, sorted({"lone", *pair, *trio}),
-                                          home / f"usage-{routing}.db"))
+                                          home / f"usage-{routing}.db", paced_rate))
         port = free_port()
         gateways[routing] = Server(
             [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
@@ -209,6 +231,9 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         start_all([*engines, *gateways.values()])
         results = asyncio.run(_measure(pool_urls, gateways, pair, trio, duration, warmup,
                                        rounds, streams, max_tokens))
+        results["paced"] = asyncio.run(_measure_paced(
+            gateways["pool"].base_url, event_logs[:2], paced_rate, max_inflight, paced_s,
+            rounds))
     finally:
         for server in (*gateways.values(), *engines):
             server.stop()
@@ -221,6 +246,7 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         "parameters": {"duration_s": duration, "warmup_s": warmup, "rounds": rounds,
                        "streams_per_tenant": streams, "max_inflight_per_engine": max_inflight,
                        "max_tokens": max_tokens, "engines": "2 x tiny + 1 x tiny-code",
+                       "paced_rate": paced_rate, "paced_s": paced_s,
                        "tenants": {"pair": pair, "trio": trio}},
         **results,
         **environment(),
@@ -267,6 +293,104 @@ async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list
     return out
 
 
+async def _one_shot(url: str, key: str, lengths: list[int]) -> list[StreamRecord]:
+    """One streamed request per entry of ``lengths`` (its output tokens), all at once."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout,
+                                     headers={"authorization": f"Bearer {key}"}) as session:
+        return list(await asyncio.gather(*(stream_aiohttp(session, url, {
+            "model": "tiny", "prompt": PROMPT, "max_tokens": n, "stream": True,
+            "ignore_eos": True}, PACED) for n in lengths)))
+
+
+def _engine_requests(logs: list[Path], since: float, tokens: int) -> list[list[list[float]]]:
+    """Per engine, the paced tenant's requests started since ``since``, each its token
+    instants (seconds, sorted), once the logs hold ``tokens`` (written every 200 ms)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [[sorted(t / 1e9 for t in stamps)
+                  for stamps in read_charges(log, {PACED}).values()
+                  if stamps and min(stamps) / 1e9 >= since] for log in logs]
+        if sum(len(r) for rs in found for r in rs) >= tokens or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def most_in_window(times: list[float], window: float) -> int:
+    """The most of ``times`` (sorted) in any closed window of ``window`` seconds."""
+    return max((bisect.bisect_right(times, t + window) - i for i, t in enumerate(times)),
+               default=0)
+
+
+def _rate(times: list[float], start: float, end: float) -> float:
+    """Tokens dispatched in [start, end) per second."""
+    return (bisect.bisect_left(times, end) - bisect.bisect_left(times, start)) / (end - start)
+
+
+async def _paced_round(url: str, logs: list[Path], rate: float, max_inflight: int,
+                       paced_s: float, uneven: bool) -> dict[str, Any]:
+    """One paced scenario through the pool gateway, measured at the engines' logs."""
+    key = f"sk-{PACED}"
+    since = time.monotonic()
+    if uneven:
+        # The long streams fill the first engine (the gateway sends a paced tenant to its
+        # first engine until that one is full) before the short ones spill to the second.
+        spilled = max(1, max_inflight // 2)
+        per_stream = rate / (max_inflight + spilled)
+        short = max(2, round(per_stream * paced_s / 2))
+        long = short + round(rate / max_inflight * paced_s / 2)
+        first = asyncio.create_task(_one_shot(url, key, [long] * max_inflight))
+        await asyncio.sleep(min(1.0, paced_s / 10))
+        await asyncio.gather(first, _one_shot(url, key, [short] * spilled))
+        lengths = [long] * max_inflight + [short] * spilled
+    else:
+        lengths = [max(2, round(rate / (2 * max_inflight) * paced_s))] * (2 * max_inflight)
+        await _one_shot(url, key, lengths)
+    found = _engine_requests(logs, since, sum(lengths))
+    placed = [sorted(len(r) for r in rs) for rs in found]
+    every = sorted(t for rs in found for r in rs for t in r)
+    # Every stream wants tokens until the first of the longest ones ends.
+    longest = [r for rs in found for r in rs if len(r) == max(lengths)]
+    start, end = every[0] + 0.5, min(r[-1] for r in longest)
+    out: dict[str, Any] = {
+        "placement": placed,
+        "rate_over_r": round(_rate(every, start, end) / rate, 4),
+        "window_s": round(end - start, 2),
+        "most_in_window_over_bound": {
+            str(w): round(most_in_window(every, w) / ((w + 0.1) * rate
+                                                      + SLACK_PER_ENGINE * len(logs)), 4)
+            for w in WINDOWS_S},
+    }
+    if uneven:
+        ends = sorted(r[-1] for rs in found for r in rs if len(r) < max(lengths))
+        if ends and ends[-1] + 0.5 < end:
+            out["alone_rate_over_r"] = round(_rate(every, ends[-1] + 0.5, end) / rate, 4)
+            out["spread_rate_over_r"] = round(_rate(every, start, ends[0]) / rate, 4)
+    return out
+
+
+async def _measure_paced(url: str, logs: list[Path], rate: float, max_inflight: int,
+                         paced_s: float, rounds: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"even": [], "uneven": []}
+    for _ in range(rounds):
+        for name in runs:
+            runs[name].append(await _paced_round(url, logs, rate, max_inflight, paced_s,
+                                                 uneven=name == "uneven"))
+    out: dict[str, Any] = {"rate": rate, "slack_per_engine": SLACK_PER_ENGINE}
+    for name, rs in runs.items():
+        figures = [k for k in ("rate_over_r", "spread_rate_over_r", "alone_rate_over_r")
+                   if all(k in r for r in rs)]
+        out[name] = {
+            "rounds": rs,
+            **{k: {"median": round(statistics.median(r[k] for r in rs), 4),
+                   "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)} for k in figures},
+            "worst_window_over_bound": max(max(r["most_in_window_over_bound"].values())
+                                           for r in rs),
+        }
+    return out
+
+
 def _print(result: dict[str, Any]) -> None:
     lone = result["lone"]
     print("lone tenant, output tok/s: " + ", ".join(
@@ -280,6 +404,12 @@ def _print(result: dict[str, Any]) -> None:
             shares = ", ".join(f"{t} {s['median']}" for t, s in data["shares"].items())
             print(f"{name} {routing}: shares {shares}; min/max {data['min_over_max_share']}; "
                   f"{statistics.median(data['output_tokens_per_s']):.0f} tok/s")
+    paced = result["paced"]
+    for name in ("even", "uneven"):
+        figures = "; ".join(f"{k} {v['median']} [{v['min']}, {v['max']}]"
+                            for k, v in paced[name].items() if isinstance(v, dict))
+        print(f"paced tenant at {paced['rate']} tok/s over two engines, {name}: {figures}; "
+              f"most tokens in a window / bound, worst {paced[name]['worst_window_over_bound']}")
     print(f"engine choice, CPU per acquire+release: {result['choice_cost_us']} us")
 
 

@@ -16,10 +16,12 @@ Which engine (``routing: pool``, the default): a tenant's engines are ranked by
 rendezvous hashing over the pool's URLs (a stable preference, so a tenant's prompts meet
 their own prefix cache); its request goes to the first engine in that order that has room,
 unless another engine with room has more than ``pool_affinity`` fewer requests in flight,
-in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` is the
-exception: its engine-side quota is paced per engine, so it stays on its first engine (as
-with ``routing: pinned``, where every tenant does) and one engine paces it at its rate; a
-rate split over several engines is not built. With ``repin_after`` set, a pinned tenant
+in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` fills
+its first engine and spreads to the next only when that one is full: each engine it runs on
+paces a share of its rate (``_rate_split``), and every engine more is a share to move. With
+``routing: pinned`` every tenant stays on its first engine, and so does a paced tenant when
+the dispatcher cannot split rates (``splits_rates``: several replicas, none of which sees
+all of the tenant's streams). With ``repin_after`` set, a pinned tenant
 whose engine has been down that long moves to the next engine in its rendezvous order (the
 drain period lets the old engine finish or drop what it held before the identity is paced
 somewhere else).
