@@ -417,13 +417,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     from ._plots import pyplot, save
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     lone = result["lone"]["output_tokens_per_s"]
     axes[0].bar(list(lone), [statistics.median(v) for v in lone.values()],
                 color=["tab:gray", "tab:blue", "tab:orange"])
     axes[0].set_title("lone tenant over a 2-engine pool")
     axes[0].set_ylabel("output tokens/s (median of rounds)")
-    for ax, name in zip(axes[1:], ("pair", "trio")):
+    for ax, name in zip(axes[1:3], ("pair", "trio")):
         tenants = result[name]["tenants"]
         width = 0.35
         for k, routing in enumerate(ROUTINGS):
@@ -433,4 +433,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks([i + width / 2 for i in range(len(tenants))], tenants, fontsize=8)
         ax.set_title(f"{name}: share of the pool's tokens")
         ax.legend(fontsize=8)
+    paced = result["paced"]
+    bars = [(f"{name}\n{figure.removesuffix('_rate_over_r').removesuffix('rate_over_r') or 'all'}",
+             paced[name][figure]) for name in ("even", "uneven")
+            for figure in ("rate_over_r", "spread_rate_over_r", "alone_rate_over_r")
+            if figure in paced[name]]
+    ax = axes[3]
+    ax.bar([b[0] for b in bars], [b[1]["median"] for b in bars], color="tab:green",
+           yerr=[[b[1]["median"] - b[1]["min"] for b in bars],
+                 [b[1]["max"] - b[1]["median"] for b in bars]], capsize=3)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="R")
+    ax.axhline(0.97, color="tab:red", lw=0.8, ls=":", label="0.97 R")
+    ax.set_ylim(0.8, 1.1)
+    ax.set_title(f"paced tenant over 2 engines (R = {paced['rate']:g} tok/s)")
+    ax.set_ylabel("rate at the engines / R")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
     save(fig, path)
