@@ -27,10 +27,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from tests._redis import RedisServer
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
 from tests.e2e._engine_log import engine_requests
 from tests.e2e._timing import expect
@@ -64,22 +66,44 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def gateway(engines: list[tuple[Server, Path]],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    home = tmp_path_factory.mktemp("rate-split-gateway")
-    gw = GatewayProcess(home, {
+def _config(engines: list[tuple[Server, Path]], home: Path) -> dict[str, Any]:
+    return {
         "engines": [{"url": server.base_url, "api_key": ENGINE_KEY, "max_inflight": 2,
                      "max_engine_waiting": None, "models": ["tiny"]}
                     for server, _ in engines],
         "ledger": f"sqlite:///{home / 'usage.db'}",
         "tenants": [{"id": TENANT, "api_keys": [KEY], "output_tokens_per_second": R}],
-    })
+    }
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: list[tuple[Server, Path]],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(tmp_path_factory.mktemp("rate-split-gateway"),
+                        _config(engines, tmp_path_factory.mktemp("rate-split-ledger")))
     gw.start()
     try:
         yield gw
     finally:
         gw.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(engines: list[tuple[Server, Path]],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
+    """Two gateway replicas sharing a ``redis-server``: each sees half of the streams."""
+    redis = RedisServer(tmp_path_factory.mktemp("rate-split-redis")).start()
+    gateways: list[GatewayProcess] = []
+    try:
+        for i in range(2):
+            config = _config(engines, tmp_path_factory.mktemp(f"rate-split-replica-{i}"))
+            config["state"] = {"url": redis.url, "timeout": "1s"}
+            gateways.append(GatewayProcess(tmp_path_factory.mktemp(f"replica-{i}"), config).start())
+        yield gateways
+    finally:
+        for gw in gateways:
+            gw.stop()
+        redis.stop()
 
 
 async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int,
@@ -97,14 +121,17 @@ async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int,
     return chunks
 
 
-async def _scenario(url: str) -> list[int]:
+async def _scenario(first: str, then: str) -> list[int]:
+    """The long streams through ``first``, the short ones through ``then`` (a gateway's
+    URL; another replica's to see the split kept across replicas)."""
     async with httpx.AsyncClient(timeout=120) as client:
         firsts = [asyncio.Event() for _ in range(4)]
-        long = [asyncio.create_task(_stream(client, url, LONG, firsts[i])) for i in range(2)]
+        long = [asyncio.create_task(_stream(client, first, LONG, firsts[i])) for i in range(2)]
         # Both long streams are in the first engine (it has room for two) before the short
         # ones are sent, so these spill to the other engine.
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts[:2])), 60)
-        short = [asyncio.create_task(_stream(client, url, SHORT, firsts[2 + i])) for i in range(2)]
+        short = [asyncio.create_task(_stream(client, then, SHORT, firsts[2 + i]))
+                 for i in range(2)]
         return list(await asyncio.gather(*long, *short))
 
 
@@ -115,8 +142,21 @@ def _most_in_window(times: list[float], window: float) -> int:
 
 def test_a_paced_tenant_over_two_engines_stays_within_one_rate_and_gets_it_back(
         engines: list[tuple[Server, Path]], gateway: GatewayProcess) -> None:
+    _check(engines, [gateway, gateway], "rate_split")
+
+
+def test_the_split_holds_across_two_gateway_replicas(
+        engines: list[tuple[Server, Path]], replicas: list[GatewayProcess]) -> None:
+    """The long streams through one replica, the spilled short ones through the other:
+    the second replica lowers the first engine's share (it reads the first replica's
+    streams in Redis), and the first raises it back once the second's streams ended."""
+    _check(engines, replicas, "rate_split_replicas")
+
+
+def _check(engines: list[tuple[Server, Path]], gateways: list[GatewayProcess],
+           test: str) -> None:
     since = time.monotonic()
-    chunks = asyncio.run(_scenario(gateway.url))
+    chunks = asyncio.run(_scenario(gateways[0].url, gateways[1].url))
     assert chunks[:2] == [LONG] * 2 and chunks[2:] == [SHORT] * 2, chunks
     total = 2 * LONG + 2 * SHORT
     deadline = time.monotonic() + 10  # the engines write their logs every 200 ms
@@ -126,10 +166,9 @@ def test_a_paced_tenant_over_two_engines_stays_within_one_rate_and_gets_it_back(
             break
         time.sleep(0.2)
     sizes = sorted(sorted(len(r.times) for r in rs) for rs in found)
-    assert sizes == [[SHORT, SHORT], [LONG, LONG]], (sizes, gateway.log())
+    assert sizes == [[SHORT, SHORT], [LONG, LONG]], (sizes, [gw.log() for gw in gateways])
     first, second = sorted(found, key=lambda rs: -len(rs[0].times))  # long ones, short ones
 
-    test = "rate_split"
     logs = [server.log_path for server, _ in engines] + [log for _, log in engines]
     every = sorted(t for rs in found for r in rs for t in r.times)
     for window in WINDOWS_S:

@@ -118,13 +118,6 @@ def test_a_paced_tenant_fills_its_first_engine_then_spills_over() -> None:
     asyncio.run(main())
 
 
-def test_with_replicas_a_paced_tenant_keeps_one_engine() -> None:
-    dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"], "output_tokens_per_second": 50}])
-    assert not dispatcher.pinned(tenants.get("a"))
-    dispatcher.splits_rates = False  # what SharedDispatcher says
-    assert dispatcher.pinned(tenants.get("a"))
-
-
 def test_two_backlogged_tenants_share_the_pool_by_weight() -> None:
     """One VTC queue over both engines: equal weights get alternate slots as slots free,
     whichever engine frees them."""

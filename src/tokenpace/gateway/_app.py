@@ -37,6 +37,7 @@ from ._errors import GatewayError, error_response
 from ._ledger import BudgetState, open_ledger
 from ._proxy import handle
 from ._rate_split import RateSplitter, http_send
+from ._shared_split import SharedSplitBook
 from ._runtime import Runtime
 from ._shared_budgets import SharedBudgetLevels
 from ._state import StateStore, open_store
@@ -139,8 +140,11 @@ class Gateway:
             self.rt = Runtime(self.config, tenants, make_dispatcher(self.config, self.clock, store),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
                               store=store)
-            if self.rt.dispatcher.splits_rates:
-                self.rt.rate_split = RateSplitter(http_send(clients))
+            # Paced tenants' rates split over the engines their streams run on: the book
+            # in process, or in the shared store where several replicas serve them.
+            self.rt.rate_split = RateSplitter(
+                http_send(clients), book=None if store is None else SharedSplitBook(store))
+            await self.rt.rate_split.book.start()
             # Model names first: a request for a model is routed (or refused with 404) by
             # them, so the gateway learns them before it takes requests.
             await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
@@ -169,8 +173,7 @@ class Gateway:
                 for task in tasks:
                     task.cancel()
                 await self.rt.dispatcher.close()
-                if self.rt.rate_split is not None:
-                    await self.rt.rate_split.close()
+                await self.rt.rate_split.close()
                 for client in clients.values():
                     await client.aclose()
                 for upstream in upstreams.values():

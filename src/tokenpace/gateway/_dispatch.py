@@ -19,9 +19,8 @@ unless another engine with room has more than ``pool_affinity`` fewer requests i
 in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` fills
 its first engine and spreads to the next only when that one is full: each engine it runs on
 paces a share of its rate (``_rate_split``), and every engine more is a share to move. With
-``routing: pinned`` every tenant stays on its first engine, and so does a paced tenant when
-the dispatcher cannot split rates (``splits_rates``: several replicas, none of which sees
-all of the tenant's streams). With ``repin_after`` set, a pinned tenant
+``routing: pinned`` every tenant stays on its first engine. With ``repin_after`` set, a
+pinned tenant
 whose engine has been down that long moves to the next engine in its rendezvous order (the
 drain period lets the old engine finish or drop what it held before the identity is paced
 somewhere else).
@@ -325,16 +324,9 @@ class Dispatcher:
             return first
         return next((e for e in ranked[1:] if e.healthy), first)
 
-    splits_rates = True
-    """Whether a paced tenant may run on several engines, its rate split over them
-    (``_rate_split``); the shared dispatcher keeps it on one (no replica knows the
-    others' streams)."""
-
     def pinned(self, tenant: TenantState) -> bool:
-        """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
-        tenant where rates are not split (its engine-side rate is one engine's quota)."""
-        return self._config.routing == "pinned" or (
-            not self.splits_rates and tenant.config.output_tokens_per_second is not None)
+        """Whether the tenant runs on one engine per pool (``routing: pinned``)."""
+        return self._config.routing == "pinned"
 
     def preferred(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
         """The engine that counts the tenant's prompts before dispatch (``/tokenize``): its

@@ -102,8 +102,6 @@ class SharedWaiter(Waiter):
 class SharedDispatcher(Dispatcher):
     """The dispatcher of one replica among several sharing ``store``."""
 
-    splits_rates = False  # a paced tenant keeps one engine: no replica sees all its streams
-
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
                  store: StateStore) -> None:
         self.store = store

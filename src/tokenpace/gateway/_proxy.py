@@ -84,7 +84,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         engine = ex.lease.engine
         upstream = rt.upstreams[engine.url]
         lane = rt.config.lane(tenant.config.lane)
-        rate, version = await _rate_share(ex, engine.url)
+        rate, version = await _rate_share(ex, pool, engine.url)
         body = engine_body(
             req, user=tenant.id, rate=rate,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
@@ -121,7 +121,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         raise
 
 
-async def _rate_share(ex: Exchange, url: str) -> tuple[float | None, int | None]:
+async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None, int | None]:
     """The rate (and its version) the request carries to engine ``url``: the tenant's
     rate, or with rates split over engines its share there, once the other engines'
     shares are lowered (``_rate_split``; a 503 when one cannot be)."""
@@ -136,6 +136,14 @@ async def _rate_share(ex: Exchange, url: str) -> tuple[float | None, int | None]
             503, f"could not move tenant {tenant.id!r}'s rate between engines (an engine did "
             "not answer the rate-control call); retry", reason="rate_control_failed",
             code="rate_control_failed", headers={"retry-after": "1"}) from None
+    except StateUnavailable:
+        # Several replicas and the store does not answer: nobody can count the tenant's
+        # streams. ``open`` keeps serving it on its first engine at R (as with one
+        # replica); anywhere else its rate could add to shares other engines hold.
+        if rt.config.state.on_failure != "open" \
+                or rt.dispatcher.engine_for(tenant.id, pool).url != url:
+            raise state_unavailable() from None
+        return rate, None
     ex.split_on = url
     return share
 

@@ -19,9 +19,10 @@ tenant's tokens stay within (W + 0.1) R (each engine's burst is a tenth of a sec
 own share) plus a few tokens per engine (a step in flight when a rate drops, a stream's
 last tokens between its end in the engine and in the gateway).
 
-Updates of one tenant run one at a time (a lock per tenant), so the lower-then-raise
-order holds between them too. The policy (``split``) is pure; ``RateSplitter`` does the
-calls through an injected ``send``.
+Updates of one tenant run one at a time (``SplitBook.hold``: a lock per tenant in
+process; with several replicas a lock in the state store, see ``_shared_split``), so the
+lower-then-raise order holds between them too. The policy (``split``) is pure;
+``RateSplitter`` does the calls through an injected ``send``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 
 import httpx
 
@@ -61,139 +62,177 @@ class SplitFailed(Exception):
     """A share could not be lowered: starting the stream would let the shares exceed R."""
 
 
-@dataclass
-class _Tenant:
-    streams: dict[str, int] = field(default_factory=dict)
-    applied: dict[str, float] = field(default_factory=dict)  # what each engine paces at
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0  # starts and ends holding or waiting for the lock: the state must stay
+class Split:
+    """One tenant's split as one change sees it: its streams per engine (on every replica),
+    the share each engine paces it at, and the last version given out for it."""
+
+    def __init__(self, streams: dict[str, int], applied: dict[str, float],
+                 version: int) -> None:
+        self.streams = streams
+        self.applied = applied
+        self.version = version
+        self.added: dict[str, int] = {}  # this change's own streams, per engine (+1 / -1)
+
+    def add(self, url: str) -> None:
+        self.streams[url] = self.streams.get(url, 0) + 1
+        self.added[url] = self.added.get(url, 0) + 1
+
+    def leave(self, url: str) -> None:
+        self.added[url] = self.added.get(url, 0) - 1
+        left = self.streams.get(url, 0) - 1
+        if left > 0:
+            self.streams[url] = left
+        else:
+            self.streams.pop(url, None)
+            self.applied.pop(url, None)  # no stream there: its share paces nothing
+
+
+class SplitBook:
+    """Where the splits are kept, and how one change of a tenant's split at a time is
+    ensured: in this process (an ``asyncio.Lock`` per tenant). ``_shared_split`` keeps them
+    in the state store for several replicas."""
+
+    def __init__(self, wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self._wall_ns = wall_ns
+        self._tenants: dict[str, tuple[Split, asyncio.Lock, list[int]]] = {}
+
+    @asynccontextmanager
+    async def hold(self, tenant_id: str) -> AsyncIterator[Split]:
+        """The tenant's split, for one change; kept while any change holds or waits for
+        it, forgotten by the last one when the tenant has no stream left (none waits for
+        its lock then, so no one can go on with a forgotten split)."""
+        entry = self._tenants.get(tenant_id)
+        if entry is None:
+            entry = self._tenants[tenant_id] = (Split({}, {}, self._wall_ns()),
+                                                asyncio.Lock(), [0])
+        split_, lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                split_.added = {}
+                yield split_
+        finally:
+            users[0] -= 1
+            if users[0] == 0 and not split_.streams and self._tenants.get(tenant_id) is entry:
+                del self._tenants[tenant_id]
+
+    def shares(self, tenant_id: str) -> dict[str, float]:
+        entry = self._tenants.get(tenant_id)
+        return {} if entry is None else dict(entry[0].applied)
+
+    async def start(self) -> None:
+        """Start background work (none in process)."""
+
+    async def close(self) -> None:
+        """Stop background work (none in process)."""
 
 
 class RateSplitter:
-    """The shares of every tenant spread over engines, kept in this process."""
+    """The shares of every tenant spread over engines, kept in ``book``."""
 
-    def __init__(self, send: Send, wall_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, send: Send, book: SplitBook | None = None,
+                 wall_ns: Callable[[], int] = time.time_ns) -> None:
         self._send = send
         self._wall_ns = wall_ns
-        self._version = 0
-        self._tenants: dict[str, _Tenant] = {}
+        self.book = book if book is not None else SplitBook(wall_ns)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def version(self) -> int:
-        """A version above every one given out before, here and by a predecessor process."""
-        self._version = max(self._version + 1, self._wall_ns())
-        return self._version
-
-    def advance_past(self, version: int) -> None:
-        """Number every later change above ``version`` (one an engine already holds)."""
-        self._version = max(self._version, version)
+    def _version(self, split_: Split) -> int:
+        """A version above every one given out for the tenant before, here, by another
+        replica or by a predecessor process (seeded from the wall clock)."""
+        split_.version = max(split_.version + 1, self._wall_ns())
+        return split_.version
 
     def shares(self, tenant_id: str) -> dict[str, float]:
-        """What each engine paces the tenant at now (for tests and /health)."""
-        state = self._tenants.get(tenant_id)
-        return {} if state is None else dict(state.applied)
+        """What each engine paces the tenant at now (in-process book; for tests)."""
+        return self.book.shares(tenant_id)
 
     async def start(self, tenant_id: str, rate: float, url: str) -> tuple[float, int]:
         """A stream of ``tenant_id`` (rate R = ``rate``) is about to be sent to ``url``:
         lower the other engines' shares, then return ``url``'s share and version for the
-        request to carry. Raises ``SplitFailed`` (nothing changed) when a lowering fails.
+        request to carry. Raises ``SplitFailed`` (nothing changed) when a lowering fails,
+        and the book's own error (``StateUnavailable``) when it cannot be read or written.
 
-        Cost: a lock and a few dict updates while the tenant runs on one engine; one
-        control call per other engine of the tenant when it spreads.
+        Cost: a lock and a few dict updates while the tenant runs on one engine (two
+        store round trips with a shared book); one control call per other engine of the
+        tenant when it spreads.
         """
-        state = self._tenants.setdefault(tenant_id, _Tenant())
-        state.users += 1
-        try:
-            async with state.lock:
-                state.streams[url] = state.streams.get(url, 0) + 1
-                target = split(rate, state.streams)
-                try:
-                    await self._lower(tenant_id, state, target, keep=url)
-                except SplitFailed:
-                    self._leave(state, url)
-                    raise
-                state.applied[url] = target[url]
-                return target[url], self.version()
-        finally:
-            self._release(tenant_id, state)
+        async with self.book.hold(tenant_id) as split_:
+            split_.add(url)
+            target = split(rate, split_.streams)
+            try:
+                await self._lower(tenant_id, split_, target, keep=url)
+            except SplitFailed:
+                split_.leave(url)
+                raise
+            split_.applied[url] = target[url]
+            return target[url], self._version(split_)
 
     def end(self, tenant_id: str, rate: float | None, url: str) -> None:
         """A stream started with ``start`` ended (however): move the shares in the
         background (``rate``: the tenant's rate now; None when it is no longer paced)."""
-        state = self._tenants.get(tenant_id)
-        if state is None:
-            return
-        state.users += 1
-        task = asyncio.get_running_loop().create_task(self._ended(tenant_id, state, rate, url))
+        task = asyncio.get_running_loop().create_task(self._ended(tenant_id, rate, url))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _ended(self, tenant_id: str, state: _Tenant, rate: float | None, url: str) -> None:
+    async def _ended(self, tenant_id: str, rate: float | None, url: str) -> None:
         try:
-            async with state.lock:
-                self._leave(state, url)
-                if rate is not None and state.streams:
-                    await self._rebalance(tenant_id, state, rate)
-        finally:
-            self._release(tenant_id, state)
+            async with self.book.hold(tenant_id) as split_:
+                split_.leave(url)
+                if rate is not None and split_.streams:
+                    await self._rebalance(tenant_id, split_, rate)
+        except Exception as exc:  # the shares stay lower than they could be: never above R
+            logger.warning("tenant %r: could not move its rate shares after a stream "
+                           "ended: %s: %s", tenant_id, type(exc).__name__, exc)
 
-    def _release(self, tenant_id: str, state: _Tenant) -> None:
-        """One user of the state is done; the last one forgets a tenant without streams
-        (none waits for its lock then, so no one can go on with a forgotten state)."""
-        state.users -= 1
-        if state.users == 0 and not state.streams and self._tenants.get(tenant_id) is state:
-            del self._tenants[tenant_id]
-
-    def _leave(self, state: _Tenant, url: str) -> None:
-        left = state.streams.get(url, 0) - 1
-        if left > 0:
-            state.streams[url] = left
-        else:
-            state.streams.pop(url, None)
-            state.applied.pop(url, None)  # no stream there: its share paces nothing
-
-    async def _rebalance(self, tenant_id: str, state: _Tenant, rate: float) -> None:
-        target = split(rate, state.streams)
+    async def _rebalance(self, tenant_id: str, split_: Split, rate: float) -> None:
+        target = split(rate, split_.streams)
         try:
-            await self._lower(tenant_id, state, target)
+            await self._lower(tenant_id, split_, target)
         except SplitFailed:
             return  # the shares stay where they are: at most R, some of it idle
-        raises = [(u, r) for u, r in target.items() if r > state.applied.get(u, 0.0)]
-        await self._apply(tenant_id, state, raises, raising=True)
+        raises = [(u, r) for u, r in target.items() if r > split_.applied.get(u, 0.0)]
+        await self._apply(tenant_id, split_, raises, raising=True)
 
-    async def _lower(self, tenant_id: str, state: _Tenant, target: dict[str, float],
+    async def _lower(self, tenant_id: str, split_: Split, target: dict[str, float],
                      keep: str | None = None) -> None:
-        lowers = [(u, target[u]) for u, applied in state.applied.items()
+        lowers = [(u, target[u]) for u, applied in split_.applied.items()
                   if u != keep and u in target and target[u] < applied]
-        if not await self._apply(tenant_id, state, lowers, raising=False):
+        if not await self._apply(tenant_id, split_, lowers, raising=False):
             raise SplitFailed(tenant_id)
 
-    async def _apply(self, tenant_id: str, state: _Tenant, changes: list[tuple[str, float]],
+    async def _apply(self, tenant_id: str, split_: Split, changes: list[tuple[str, float]],
                      raising: bool) -> bool:
         """Send ``changes`` together; True when all were answered. A failed lowering keeps
         the engine's old share in ``applied`` (it may still be in force); a failed raise
         leaves it at its lower value (the tenant gets less, never more)."""
         if not changes:
             return True
-        version = self.version()
+        version = self._version(split_)
         results = await asyncio.gather(
             *(self._send(u, tenant_id, r, version) for u, r in changes), return_exceptions=True)
         ok = True
         for (u, r), result in zip(changes, results):
             if isinstance(result, BaseException):
                 ok = False
-                if isinstance(result, NewerVersion):
-                    self.advance_past(result.version)
+                if isinstance(result, NewerVersion):  # number every later change above it
+                    split_.version = max(split_.version, result.version)
                 logger.warning("tenant %r: could not %s its rate share on %s to %.3g tok/s: %s",
                                tenant_id, "raise" if raising else "lower", u, r, result)
             else:
-                state.applied[u] = r
+                split_.applied[u] = r
         return ok
+
+    async def drain(self) -> None:
+        """Wait until every ended stream's move of the shares is done (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.book.close()
 
 
 def http_send(clients: Mapping[str, httpx.AsyncClient], timeout_s: float = 5.0) -> Send:

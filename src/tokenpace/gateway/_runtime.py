@@ -36,6 +36,6 @@ class Runtime:
     settling: set[asyncio.Task[None]] = field(default_factory=set)
     # Template overheads learned per engine and model (prompt_count: bound).
     prompt_bounds: PromptBounds = field(default_factory=PromptBounds)
-    # Paced tenants' rates split over the engines their streams run on (in process only;
-    # None with a shared store, where a paced tenant keeps one engine).
+    # Paced tenants' rates split over the engines their streams run on (set at start-up;
+    # its book is in the shared store with several replicas).
     rate_split: RateSplitter | None = None

@@ -215,6 +215,28 @@ class StateStore(ABC):
         if reservation is not None:
             await reservation.store.settle(reservation, actual)
 
+    # -- a paced tenant's rate split over engines (shared stores only) -----------------
+
+    async def split_read(self, tenant: str, replica: str, token: str,
+                         lock_ms: int) -> dict[str, str] | None:
+        """Take the lock of ``tenant``'s split for ``lock_ms`` under ``token`` and read it:
+        its fields (``n|<replica>|<url>`` counts of live replicas, ``a|<url>`` shares,
+        ``v`` the last version), or None while another change holds the lock. Also marks
+        ``replica`` alive for a lease time."""
+        raise NotImplementedError("the rate split keeps its state in a shared store only")
+
+    async def split_write(self, tenant: str, replica: str, token: str, body: str) -> None:
+        """Apply one change read with ``split_read`` and release its lock: ``body`` is
+        JSON ``{"d": {url: streams added}, "a": {url: share}, "v": version}``."""
+        raise NotImplementedError("the rate split keeps its state in a shared store only")
+
+    async def split_alive(self, replica: str) -> None:
+        """Mark ``replica`` alive for another lease time (its stream counts stay)."""
+        raise NotImplementedError("the rate split keeps its state in a shared store only")
+
+    #: How often a replica marks itself alive (a third of the lease time).
+    split_renew_s: float = 1.0
+
     # -- life cycle ------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -185,6 +185,22 @@ class FailoverStore(StateStore):
             if reservation is not None and reservation.cost != actual:
                 self.lost_settlements += 1
 
+    # -- rate split: no fallback (StateUnavailable goes to the caller, see _shared_split)
+
+    async def split_read(self, tenant: str, replica: str, token: str,
+                         lock_ms: int) -> dict[str, str] | None:
+        return await self.primary.split_read(tenant, replica, token, lock_ms)
+
+    async def split_write(self, tenant: str, replica: str, token: str, body: str) -> None:
+        await self.primary.split_write(tenant, replica, token, body)
+
+    async def split_alive(self, replica: str) -> None:
+        await self.primary.split_alive(replica)
+
+    @property
+    def split_renew_s(self) -> float:  # type: ignore[override]
+        return self.primary.split_renew_s
+
     # -- life cycle ------------------------------------------------------------------
 
     async def start(self) -> None:

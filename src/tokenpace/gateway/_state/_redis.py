@@ -73,7 +73,7 @@ class RedisStore(StateStore):
         self._scripts = {name: self._redis.register_script(getattr(_scripts, name))
                          for name in ("RESERVE", "SETTLE", "LEVELS", "ACQUIRE", "RENEW",
                                       "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH",
-                                      "FINISH")}
+                                      "FINISH", "SPLIT_READ", "SPLIT_WRITE", "SPLIT_ALIVE")}
         self.healthy = True
         self._retry_at = 0.0
         self._probing = False
@@ -397,6 +397,28 @@ class RedisStore(StateStore):
             args[2] = repr(float(reservation.cost - actual))
             args += bargs
         await self._script("FINISH", keys, args)
+
+    # -- a paced tenant's rate split (``gateway._shared_split``) -----------------------
+
+    def _split_keys(self, tenant: str, replica: str) -> list[str]:
+        return [self._k("sp", tenant), self._k("spl", tenant), self._k("spa", replica)]
+
+    async def split_read(self, tenant: str, replica: str, token: str,
+                         lock_ms: int) -> dict[str, str] | None:
+        out = await self._script("SPLIT_READ", self._split_keys(tenant, replica),
+                                 [token, lock_ms, self.lease_ms, self._k("spa", "")])
+        return None if out is None else dict(zip(out[::2], out[1::2]))
+
+    async def split_write(self, tenant: str, replica: str, token: str, body: str) -> None:
+        await self._script("SPLIT_WRITE", self._split_keys(tenant, replica),
+                           [token, replica, self.lease_ms, self._k("spa", ""), body])
+
+    async def split_alive(self, replica: str) -> None:
+        await self._script("SPLIT_ALIVE", [self._k("spa", replica)], [self.lease_ms])
+
+    @property
+    def split_renew_s(self) -> float:
+        return self.lease_ms / 3000
 
     # -- life cycle ------------------------------------------------------------------
 

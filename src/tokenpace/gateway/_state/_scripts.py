@@ -323,3 +323,62 @@ for i = 1, #KEYS do
 end
 return out
 """
+
+# A paced tenant's rate split (``_shared_split``), in hash ``P sp:<tenant>``: fields
+# ``n|<replica>|<engine url>`` (that replica's streams there), ``a|<engine url>`` (the
+# share the engine paces the tenant at) and ``v`` (the last version given out, a decimal
+# string: too large for Lua's numbers). ``P spl:<tenant>`` is the lock of one change;
+# ``P spa:<replica>`` says the replica is alive (its counts are ignored, then pruned, once
+# it has not renewed it for a lease time). The hash expires a day after its last change.
+_SPLIT_LIVE = """
+local function live_replica(field, alive_prefix)
+  local replica = string.match(field, '^n|([^|]*)|')
+  return redis.call('EXISTS', alive_prefix .. replica) == 1
+end
+"""
+
+# KEYS: hash, lock, own alive key. ARGV: token, lock ms, lease ms, alive key prefix.
+# Nil when another change holds the lock; else the hash's fields (live replicas' counts).
+SPLIT_READ = _SPLIT_LIVE + """
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+local flat = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #flat, 2 do
+  local f = flat[i]
+  if string.sub(f, 1, 2) ~= 'n|' or live_replica(f, ARGV[4]) then
+    out[#out + 1] = f
+    out[#out + 1] = flat[i + 1]
+  end
+end
+return out
+"""
+
+# KEYS: hash, lock, own alive key. ARGV: token, replica, lease ms, alive key prefix, then
+# a JSON object {d: {url: +-n}, a: {url: "share"}, v: "version"}. Applies this
+# replica's stream changes, replaces the shares, prunes dead replicas' counts, unlocks.
+SPLIT_WRITE = _SPLIT_LIVE + """
+local body = cjson.decode(ARGV[5])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+for url, d in pairs(body.d) do
+  local f = 'n|' .. ARGV[2] .. '|' .. url
+  if redis.call('HINCRBY', KEYS[1], f, d) <= 0 then redis.call('HDEL', KEYS[1], f) end
+end
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local kind = string.sub(f, 1, 2)
+  if kind == 'a|' or (kind == 'n|' and not live_replica(f, ARGV[4])) then
+    redis.call('HDEL', KEYS[1], f)
+  end
+end
+for url, r in pairs(body.a) do redis.call('HSET', KEYS[1], 'a|' .. url, r) end
+redis.call('HSET', KEYS[1], 'v', body.v)
+redis.call('PEXPIRE', KEYS[1], 86400000)
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+# KEYS: own alive key. ARGV: lease ms.
+SPLIT_ALIVE = """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+return 1
+"""
