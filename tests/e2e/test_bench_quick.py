@@ -218,9 +218,9 @@ def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
     measured in docs/benchmarks.md, not asserted here (a quick round is 8 s on 2 cores)."""
     result = _bench("fleet", tiny_model, tmp_path)
     lone = result["lone"]
-    assert set(lone["output_tokens_per_s"]) == {"direct", "pool", "pinned"}
+    assert set(lone["output_tokens_per_s"]) == {"direct", "by_hand", "pool", "pinned"}
     assert all(v[0] > 0 for v in lone["output_tokens_per_s"].values())
-    assert lone["pool_over_direct"]["pairs"] == 1
+    assert lone["pool_over_direct"]["pairs"] == 1 and lone["pool_over_by_hand"]["pairs"] == 1
     for name, count in (("pair", 2), ("trio", 3)):
         assert len(result[name]["tenants"]) == count
         for routing in ("pool", "pinned"):

@@ -178,3 +178,11 @@ def test_both_paths_send_the_same_work() -> None:
     assert prompt_for("n", 3) == prompt_for("n", 3)
     starts = {prompt_for("n", i)[:12] for i in range(200)}
     assert len(starts) == 200
+
+
+def test_four_paths_take_turns_first_within_a_few_pairs() -> None:
+    names = ["direct", "by_hand", "pool", "pinned"]
+    orders = [pair_order(names, i) for i in range(8)]
+    assert sorted(o[0] for o in orders[:4]) == sorted(names)
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders[4] != orders[0]  # the second cycle runs reversed

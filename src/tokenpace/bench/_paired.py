@@ -30,7 +30,14 @@ def pair_order(names: Sequence[str], index: int) -> list[str]:
     Two paths: as given for even pairs, reversed for odd. Three: the 6 orderings, so over
     each 6 pairs every path is first, second and last twice and comes before each other
     path 3 times (reversing alone would leave the middle path always in the middle).
+    Four or more: rotations (each path first once every ``len(names)`` pairs; a few rounds
+    of the 24 orderings of four would put the same path first every time), reversed every
+    other cycle.
     """
+    if len(names) >= 4:
+        k = index % len(names)
+        order = list(names[k:]) + list(names[:k])
+        return order[::-1] if (index // len(names)) % 2 else order
     orders = list(itertools.permutations(names))
     return list(orders[index % len(orders)])
 

@@ -14,6 +14,9 @@ Measured in rounds, the order of the paths changing from round to round (``pair_
 - ``lone``: one tenant, against the two pool engines driven directly (its streams split
   evenly over them, the best a client could do by hand), through the pool gateway and
   through the pinned one: output tokens/s, and each gateway's ratio to direct per round.
+  A fourth path splits the streams by hand over two gateways of one engine each: pool /
+  by hand is what the pool's routing costs with the gateway's own CPU on both sides (on
+  a machine whose cores the engines fill, any gateway process takes cores from them).
 - ``pair``: two tenants of equal weight through each gateway: each tenant's share of the
   tokens (the two were picked so that pinning puts both on one engine, as it does for one
   pair in two with two engines), and the throughput.
@@ -218,6 +221,18 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
     pool_urls = [e.base_url for e in engines[:2]]
     pair, trio = _tenant_names(pool_urls)
     gateways: dict[str, Server] = {}
+    # Two more gateways of one pool engine each, for the lone tenant's streams split over
+    # them by hand: the same relay work as the pool gateway with a perfect split, so
+    # pool / by hand is what routing costs, apart from what a gateway process costs on
+    # cores it shares with the engines (pool / direct has both).
+    for i, url in enumerate(pool_urls):
+        config = home / f"gateway-hand-{i}.yaml"
+        config.write_text(_gateway_config([url], engines[2].base_url, "pool", max_inflight,
+                                          ["lone"], home / f"usage-hand-{i}.db", paced_rate))
+        port = free_port()
+        gateways[f"hand-{i}"] = Server(
+            [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
+             "--port", str(port), "--log-level", "warning"], port, home / f"gateway-hand-{i}.log")
     for routing in ROUTINGS:
         config = home / f"gateway-{routing}.yaml"
         config.write_text(_gateway_config(pool_urls, engines[2].base_url, routing,
@@ -258,13 +273,20 @@ async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list
                    max_tokens: int) -> dict[str, Any]:
     # Warm every path once (a fresh engine's first batch sizes are slow).
     await _round(_direct(pool_urls, "warmup", streams), 3.0, 0.0, max_tokens)
-    lone: dict[str, list[dict[str, Any]]] = {"direct": [], "pool": [], "pinned": []}
+    lone: dict[str, list[dict[str, Any]]] = {"direct": [], "by_hand": [], "pool": [],
+                                             "pinned": []}
+    hand = [gateways[f"hand-{i}"].base_url for i in range(len(pool_urls))]
     groups: dict[str, dict[str, list[dict[str, Any]]]] = {
         "pair": {r: [] for r in ROUTINGS}, "trio": {r: [] for r in ROUTINGS}}
     for i in range(rounds):
         for path in pair_order(list(lone), i):
-            targets = (_direct(pool_urls, "lone", streams) if path == "direct"
-                       else _via_gateway(gateways[path].base_url, ["lone"], streams))
+            if path == "direct":
+                targets = _direct(pool_urls, "lone", streams)
+            elif path == "by_hand":
+                targets = [(hand[i % len(hand)], {"authorization": "Bearer sk-lone"}, {}, "lone")
+                           for i in range(streams)]
+            else:
+                targets = _via_gateway(gateways[path].base_url, ["lone"], streams)
             lone[path].append(await _round(targets, duration, warmup, max_tokens))
         for name, tenants in (("pair", pair), ("trio", trio)):
             for routing in pair_order(list(ROUTINGS), i):
@@ -275,7 +297,10 @@ async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list
         "output_tokens_per_s": {p: [r["output_tokens_per_s"] for r in rs] for p, rs in lone.items()},
         **{f"{p}_over_direct": ratio_summary([r["output_tokens_per_s"] for r in lone[p]],
                                              [r["output_tokens_per_s"] for r in lone["direct"]])
-           for p in ROUTINGS}}}
+           for p in (*ROUTINGS, "by_hand")},
+        "pool_over_by_hand": ratio_summary([r["output_tokens_per_s"] for r in lone["pool"]],
+                                           [r["output_tokens_per_s"] for r in lone["by_hand"]]),
+    }}
     for name, tenants in (("pair", pair), ("trio", trio)):
         entry: dict[str, Any] = {"tenants": tenants}
         for routing in ROUTINGS:
@@ -395,9 +420,11 @@ def _print(result: dict[str, Any]) -> None:
     lone = result["lone"]
     print("lone tenant, output tok/s: " + ", ".join(
         f"{p} {statistics.median(v):.0f}" for p, v in lone["output_tokens_per_s"].items()))
-    for routing in ROUTINGS:
+    for routing in (*ROUTINGS, "by_hand"):
         r = lone[f"{routing}_over_direct"]
         print(f"  {routing}/direct: {r['median']} {r['interval95']}")
+    r = lone["pool_over_by_hand"]
+    print(f"  pool/by hand (through two one-engine gateways): {r['median']} {r['interval95']}")
     for name in ("pair", "trio"):
         for routing in ROUTINGS:
             data = result[name][routing]
@@ -419,8 +446,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     lone = result["lone"]["output_tokens_per_s"]
-    axes[0].bar(list(lone), [statistics.median(v) for v in lone.values()],
-                color=["tab:gray", "tab:blue", "tab:orange"])
+    axes[0].bar([p.replace("_", " ") for p in lone], [statistics.median(v) for v in lone.values()],
+                color=["tab:gray", "tab:green", "tab:blue", "tab:orange"][:len(lone)])
     axes[0].set_title("lone tenant over a 2-engine pool")
     axes[0].set_ylabel("output tokens/s (median of rounds)")
     for ax, name in zip(axes[1:3], ("pair", "trio")):
