@@ -177,3 +177,20 @@ def test_the_gateway_sees_the_engine_runs_fcfs_under_priority_lanes(gateway: Gat
     assert health["scheduling_policy"] == {"configured": "priority", "engine": "fcfs"}
     assert "lanes lose their priority" in health["warning"]
     assert "lanes lose their priority" in gateway.log()
+
+
+def test_tenants_count_and_decode_through_the_gateway(gateway: GatewayProcess) -> None:
+    """``/tokenize`` and ``/detokenize`` of the real engine, for a tenant's key (the engine
+    refuses anyone without its own key, which only the gateway holds)."""
+    auth = {"authorization": f"Bearer {KEYS['a']}"}
+    resp = httpx.post(f"{gateway.url}/tokenize", headers=auth, timeout=30,
+                      json={"model": "tiny", "prompt": "hello world"})
+    assert resp.status_code == 200, resp.text
+    counted = resp.json()
+    assert counted["count"] == len(counted["tokens"]) > 0
+    back = httpx.post(f"{gateway.url}/detokenize", headers=auth, timeout=30,
+                      json={"model": "tiny", "tokens": counted["tokens"]})
+    assert back.status_code == 200, back.text
+    assert "hello world" in back.json()["prompt"]
+    assert httpx.post(f"{gateway.url}/tokenize", timeout=30,
+                      json={"model": "tiny", "prompt": "hi"}).status_code == 401

@@ -64,6 +64,7 @@ class FakeEngine:
     active: int = 0  # completions being worked on now (held at the gate included)
     peak: int = 0  # the most at once since the last reset_peak()
     models: tuple[str, ...] = ("fake",)  # the names /v1/models lists (--served-model-name)
+    models_status: int = 200  # another status: /v1/models answers it, with no body
 
     def reset_peak(self) -> None:
         self.peak = self.active
@@ -125,6 +126,8 @@ class FakeEngine:
 
     async def _models(self, request: Request) -> Response:
         self._note(request)
+        if self.models_status != 200:
+            return Response(status_code=self.models_status)
         return JSONResponse({"object": "list",
                              "data": [{"id": m, "object": "model"} for m in self.models]})
 

@@ -110,3 +110,67 @@ def test_one_tenant_uses_both_engines_of_its_pool(fleet: Any) -> None:
             gate.set()
         for t in threads:
             t.join()
+
+
+def test_an_engine_whose_names_cannot_be_read_is_reported_once(make_gateway: Any,
+                                                               tmp_path: Any) -> None:
+    """The gateway asks again with every health check (every 2 s); the warning that says
+    to set ``engines[].models`` is logged once per answer, not every time."""
+    broken = EngineServer(FakeEngine(models_status=404)).start()
+    good = EngineServer(FakeEngine(models=("chat",))).start()
+    try:
+        gw = make_gateway({"engines": [{"url": broken.url}, {"url": good.url}],
+                           "ledger": f"sqlite:///{tmp_path / 'u.db'}",
+                           "tenants": [{"id": "all", "api_keys": [KEY_ALL]}]})
+        deadline = 100
+        while deadline and sum(p == "/v1/models" for p, _ in broken.engine.other_calls) < 3:
+            threading.Event().wait(0.1)
+            deadline -= 1
+        assert sum(p == "/v1/models" for p, _ in broken.engine.other_calls) >= 3
+        assert complete(gw, KEY_ALL, "chat").status_code == 200
+        assert gw.log().count("cannot read its model names") == 1, gw.log()
+    finally:
+        broken.stop()
+        good.stop()
+
+
+def test_tokenize_reaches_the_models_pool_and_is_never_charged(fleet: Any) -> None:
+    """``POST /tokenize`` for tenants: routed by model (an alias becomes its served name),
+    404 for a model the tenant may not use, 401 without a key, the tenant's only model
+    when it names none; no ledger row, nothing reserved."""
+    gw, engines = fleet
+
+    def tokenize(key: str | None, body: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{gw.url}/tokenize", headers=headers, timeout=30,
+                          content=body if isinstance(body, bytes) else None,
+                          json=None if isinstance(body, bytes) else body)
+
+    resp = tokenize(KEY_CHAT, {"model": "gpt-4o", "prompt": "hello there"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["count"] == engines[0].engine.prompt_tokens({"prompt": "hello there"})
+    seen = [b for e in engines for b in e.engine.tokenize_bodies]
+    assert seen[-1] == {"model": "chat", "prompt": "hello there"}
+    assert tokenize(KEY_CHAT, {"prompt": "hi"}).status_code == 200  # its only model
+    missing = tokenize(KEY_ALL, {"prompt": "hi"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+    refused = tokenize(KEY_CHAT, {"model": "code", "prompt": "hi"})
+    assert refused.status_code == 404
+    assert refused.json()["error"]["code"] == "model_not_found"
+    assert tokenize(None, {"model": "chat", "prompt": "hi"}).status_code == 401
+    bad = tokenize(KEY_ALL, b'{"model": "chat", "prompt": NaN}')
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_number"
+    assert engines[2].engine.tokenized == 0  # the code engine was never asked
+    assert gw.rows(0, timeout_s=0.5) == []
+
+
+def test_a_route_the_gateway_does_not_serve_names_those_it_does(fleet: Any) -> None:
+    gw, _ = fleet
+    resp = httpx.post(f"{gw.url}/v1/embeddings", headers={"authorization": f"Bearer {KEY_ALL}"},
+                      json={"model": "chat", "input": "hi"}, timeout=30)
+    assert resp.status_code == 404
+    error = resp.json()["error"]
+    assert error["code"] == "not_found"
+    for route in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
+                  "POST /tokenize", "POST /detokenize"):
+        assert route in error["message"], error["message"]

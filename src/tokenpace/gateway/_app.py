@@ -38,6 +38,8 @@ from ._ledger import BudgetState, open_ledger
 from ._proxy import handle
 from ._rate_split import RateSplitter, http_send
 from ._shared_split import SharedSplitBook
+from ._tokenize import PATHS as TOKENIZE_PATHS
+from ._tokenize import handle_tokenize
 from ._runtime import Runtime
 from ._shared_budgets import SharedBudgetLevels
 from ._state import StateStore, open_store
@@ -76,12 +78,14 @@ class Gateway:
         self.workers = 1
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self._started = int(time.time())  # the "created" of /v1/models entries
+        self._models_problem: dict[str, int] = {}  # engine -> status last warned about
         self.app = self  # the ASGI application to serve (``__call__``)
         self._routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._not_started, methods=["POST"]),
                 Route("/v1/completions", self._not_started, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                *(Route(path, self._tokenize, methods=["POST"]) for path in TOKENIZE_PATHS),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/admin/reload", self._admin_reload, methods=["POST"]),
@@ -266,10 +270,13 @@ class Gateway:
             return
         names = _model_ids(content) if status == 200 else None
         if names is None:
-            if engine.models is None:
+            # Once per engine and answer, not with every health check (every 2 s).
+            if engine.models is None and self._models_problem.get(engine.url) != status:
+                self._models_problem[engine.url] = status
                 logger.warning("engine %s: cannot read its model names from /v1/models "
                                "(HTTP %s); set engines[].models", engine.url, status)
             return
+        self._models_problem.pop(engine.url, None)
         if self.rt.dispatcher.set_models(engine, names):
             logger.info("engine %s serves %s", engine.url, ", ".join(sorted(names)))
 
@@ -369,8 +376,16 @@ class Gateway:
                                   code="invalid_config")
         return JSONResponse({"reloaded": str(new.source), "tenants": [t.id for t in new.tenants]})
 
+    async def _tokenize(self, request: Request) -> Response:
+        assert self.rt is not None
+        return await handle_tokenize(self.rt, request)
+
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.url.path}", code="not_found")
+        served = ", ".join(f"{' '.join(sorted(set(r.methods or ()) - {'HEAD'}))} {r.path}"
+                           for r in self._routes.routes if isinstance(r, Route)
+                           and not r.path.startswith("/admin"))
+        return error_response(404, f"no route {request.url.path}; this gateway serves "
+                              f"{served} (and POST /admin/reload)", code="not_found")
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
