@@ -23,7 +23,8 @@ URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 def config() -> Any:
     return parse_config({
-        "engines": [{"url": u, "max_inflight": 1, "models": ["m"]} for u in URLS],
+        "engines": [{"url": u, "max_inflight": 1, "models": ["m"], "api_key": "sk-engine"}
+                    for u in URLS],
         "tenants": [{"id": "u", "api_keys": ["k"]},
                     {"id": "paced", "api_keys": ["kp"], "output_tokens_per_second": 10}],
         "ledger": "sqlite:///unused.db",

@@ -17,10 +17,13 @@ URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 
 def setup(tenants: list[dict[str, Any]] | None = None, max_inflight: int = 4,
-          **top: Any) -> tuple[Dispatcher, Tenants]:
+          key: str | None = "sk-engine", **top: Any) -> tuple[Dispatcher, Tenants]:
+    locked = {"api_key": key} if key else {}
     config = parse_config({
-        "engines": [{"url": u, "max_inflight": max_inflight, "models": ["chat"]} for u in URLS]
-        + [{"url": "http://127.0.0.1:3", "max_inflight": max_inflight, "models": ["code"]}],
+        "engines": [{"url": u, "max_inflight": max_inflight, "models": ["chat"], **locked}
+                    for u in URLS]
+        + [{"url": "http://127.0.0.1:3", "max_inflight": max_inflight, "models": ["code"],
+            **locked}],
         "tenants": tenants or [{"id": "a", "api_keys": ["ka"]}, {"id": "b", "api_keys": ["kb"]}],
         "ledger": "sqlite:///unused.db", **top,
     })
@@ -114,6 +117,21 @@ def test_a_paced_tenant_fills_its_first_engine_then_spills_over() -> None:
         assert sorted(e.inflight for e in dispatcher.pools["chat"].engines) == [2, 4]
         assert first.inflight == 4
         for t in tasks + more:
+            t.cancel()
+    asyncio.run(main())
+
+
+def test_without_engine_keys_a_paced_tenant_keeps_its_first_engine() -> None:
+    """The shares are moved by a control call that needs each engine's key: without keys a
+    paced tenant stays on one engine, paced there at its whole rate (as before pools)."""
+    async def main() -> None:
+        dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"],
+                                      "output_tokens_per_second": 50}], key=None)
+        assert not dispatcher.splits_rates and dispatcher.pinned(tenants.get("a"))
+        tasks = grab(dispatcher, tenants, "a", 6)
+        await asyncio.sleep(0)
+        assert sorted(e.inflight for e in dispatcher.pools["chat"].engines) == [0, 4]
+        for t in tasks:
             t.cancel()
     asyncio.run(main())
 

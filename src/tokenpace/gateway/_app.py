@@ -146,9 +146,15 @@ class Gateway:
                               store=store)
             # Paced tenants' rates split over the engines their streams run on: the book
             # in process, or in the shared store where several replicas serve them.
-            self.rt.rate_split = RateSplitter(
-                http_send(clients), book=None if store is None else SharedSplitBook(store))
-            await self.rt.rate_split.book.start()
+            if self.rt.dispatcher.splits_rates:
+                self.rt.rate_split = RateSplitter(
+                    http_send(clients), book=None if store is None else SharedSplitBook(store))
+                await self.rt.rate_split.book.start()
+            elif len(self.config.engines) > 1 and any(
+                    t.output_tokens_per_second is not None for t in self.config.tenants):
+                logger.warning("engines without api_key: a paced tenant stays on one engine "
+                               "per model, paced there at its whole rate (moving its rate "
+                               "between engines needs each engine's key)")
             # Model names first: a request for a model is routed (or refused with 404) by
             # them, so the gateway learns them before it takes requests.
             await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
@@ -177,7 +183,8 @@ class Gateway:
                 for task in tasks:
                     task.cancel()
                 await self.rt.dispatcher.close()
-                await self.rt.rate_split.close()
+                if self.rt.rate_split is not None:
+                    await self.rt.rate_split.close()
                 for client in clients.values():
                     await client.aclose()
                 for upstream in upstreams.values():

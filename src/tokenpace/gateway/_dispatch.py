@@ -18,9 +18,10 @@ their own prefix cache); its request goes to the first engine in that order that
 unless another engine with room has more than ``pool_affinity`` fewer requests in flight,
 in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` fills
 its first engine and spreads to the next only when that one is full: each engine it runs on
-paces a share of its rate (``_rate_split``), and every engine more is a share to move. With
-``routing: pinned`` every tenant stays on its first engine. With ``repin_after`` set, a
-pinned tenant
+paces a share of its rate (``_rate_split``), and every engine more is a share to move; it
+stays on its first engine where engines have no ``api_key`` (the shares are moved by a
+control call that needs it). With ``routing: pinned`` every tenant stays on its first
+engine. With ``repin_after`` set, a pinned tenant
 whose engine has been down that long moves to the next engine in its rendezvous order (the
 drain period lets the old engine finish or drop what it held before the identity is paced
 somewhere else).
@@ -222,6 +223,10 @@ class Dispatcher:
         self._clock = clock
         self._config = config
         self.engines = [EngineSlots(e) for e in config.engines]
+        # Whether a paced tenant's rate can be split over engines: the rate-control call
+        # that moves the shares needs each engine's key (``engines[].api_key``). Engines
+        # are fixed for the life of the process.
+        self.splits_rates = all(e.api_key for e in config.engines)
         self.pools: dict[str, Pool] = {}
         self.repin_after_s = config.repin_after_s
         self._states: dict[str, TenantState] = {}
@@ -325,8 +330,10 @@ class Dispatcher:
         return next((e for e in ranked[1:] if e.healthy), first)
 
     def pinned(self, tenant: TenantState) -> bool:
-        """Whether the tenant runs on one engine per pool (``routing: pinned``)."""
-        return self._config.routing == "pinned"
+        """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
+        tenant whose rate cannot be split (``splits_rates``): one engine paces it."""
+        return self._config.routing == "pinned" or (
+            tenant.config.output_tokens_per_second is not None and not self.splits_rates)
 
     def preferred(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
         """The engine that counts the tenant's prompts before dispatch (``/tokenize``): its
