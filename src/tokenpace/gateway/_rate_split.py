@@ -136,11 +136,15 @@ class RateSplitter:
         self._wall_ns = wall_ns
         self.book = book if book is not None else SplitBook(wall_ns)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._last_version = 0
 
     def _version(self, split_: Split) -> int:
         """A version above every one given out for the tenant before, here, by another
-        replica or by a predecessor process (seeded from the wall clock)."""
-        split_.version = max(split_.version + 1, self._wall_ns())
+        replica (the shared book keeps the last one) or by a predecessor process (seeded
+        from the wall clock), and above every one this process gave out (a tenant's split
+        forgotten while idle starts again above them, even if the wall clock stepped back)."""
+        split_.version = max(split_.version + 1, self._wall_ns(), self._last_version + 1)
+        self._last_version = split_.version
         return split_.version
 
     def shares(self, tenant_id: str) -> dict[str, float]:
