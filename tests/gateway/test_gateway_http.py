@@ -54,13 +54,11 @@ def test_identity_priority_and_rate_are_overwritten(gateway: GatewayProcess, eng
                                    "output_rate_version": 2**63 - 1, "other": "kept"},
                     "priority": -100})
     body = engine.engine.requests[-1].body
-    xargs = body["vllm_xargs"]
-    # The rate's version is the gateway's (``_rate_split``): a client's own, however high,
-    # never reaches the engine, where it would freeze the tenant's rate.
-    version = xargs.pop("output_rate_version")
-    assert isinstance(version, int) and version < 2**63 - 1
-    assert xargs == {"output_rate_user": "team-a", "output_rate_tokens_per_second": 100,
-                     "other": "kept"}
+    # A client's own rate version, however high, never reaches the engine, where it would
+    # freeze the tenant's rate. This engine has no api_key: rates are not split, so no
+    # version is sent at all (see the next test for the gateway's own).
+    assert body["vllm_xargs"] == {"output_rate_user": "team-a",
+                                  "output_rate_tokens_per_second": 100, "other": "kept"}
     # The engine runs FCFS (the default): vLLM would refuse any other priority.
     assert body["priority"] == 0
     client(gateway, KEY_B).chat.completions.create(
@@ -70,6 +68,25 @@ def test_identity_priority_and_rate_are_overwritten(gateway: GatewayProcess, eng
     body = engine.engine.requests[-1].body
     # team-b has no rate of its own: a client-supplied one must not survive either.
     assert body["vllm_xargs"] == {"output_rate_user": "team-b"}
+
+
+def test_a_rate_split_over_keyed_engines_carries_the_gateways_version(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    """With every engine's key configured the tenant's rate is split over engines
+    (``_rate_split``) and each request carries the gateway's version of its share; a
+    client's own version is replaced."""
+    config = base_config(engine.url, tmp_path / "u.db")
+    config["engines"][0]["api_key"] = "sk-engine-test"
+    gw = make_gateway(config)
+    client(gw).completions.create(
+        model="fake", prompt="hi", max_tokens=3,
+        extra_body={"vllm_xargs": {"output_rate_version": 2**63 - 1}})
+    seen = engine.engine.requests[-1]
+    xargs = seen.body["vllm_xargs"]
+    version = xargs.pop("output_rate_version")
+    assert isinstance(version, int) and version < 2**63 - 1
+    assert xargs == {"output_rate_user": "team-a", "output_rate_tokens_per_second": 100}
+    assert seen.headers["authorization"] == "Bearer sk-engine-test"
 
 
 def test_lane_priority_reaches_a_priority_engine(engine: EngineServer, make_gateway: Any,
