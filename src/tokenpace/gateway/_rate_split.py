@@ -20,7 +20,7 @@ own share) plus a few tokens per engine (a step in flight when a rate drops, a s
 last tokens between its end in the engine and in the gateway).
 
 Updates of one tenant run one at a time (``SplitBook.hold``: a lock per tenant in
-process; with several replicas a lock in the state store, see ``_shared_split``), so the
+process, ``LocalSplitBook``; with several replicas a lock in the state store, see ``_shared_split``), so the
 lower-then-raise order holds between them too. The policy (``split``) is pure;
 ``RateSplitter`` does the calls through an injected ``send``.
 """
@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
 
@@ -87,10 +88,24 @@ class Split:
             self.applied.pop(url, None)  # no stream there: its share paces nothing
 
 
-class SplitBook:
+class SplitBook(ABC):
     """Where the splits are kept, and how one change of a tenant's split at a time is
-    ensured: in this process (an ``asyncio.Lock`` per tenant). ``_shared_split`` keeps them
-    in the state store for several replicas."""
+    ensured: in this process (``LocalSplitBook``), or in the state store for several
+    replicas (``_shared_split``)."""
+
+    @abstractmethod
+    def hold(self, tenant_id: str) -> AbstractAsyncContextManager[Split]:
+        """The tenant's split for one change, which nobody else changes meanwhile."""
+
+    async def start(self) -> None:
+        """Start background work (none in process)."""
+
+    async def close(self) -> None:
+        """Stop background work (none in process)."""
+
+
+class LocalSplitBook(SplitBook):
+    """The splits in this process: an ``asyncio.Lock`` per tenant."""
 
     def __init__(self, wall_ns: Callable[[], int] = time.time_ns) -> None:
         self._wall_ns = wall_ns
@@ -98,9 +113,9 @@ class SplitBook:
 
     @asynccontextmanager
     async def hold(self, tenant_id: str) -> AsyncIterator[Split]:
-        """The tenant's split, for one change; kept while any change holds or waits for
-        it, forgotten by the last one when the tenant has no stream left (none waits for
-        its lock then, so no one can go on with a forgotten split)."""
+        """Kept while any change holds or waits for it, forgotten by the last one when the
+        tenant has no stream left (none waits for its lock then, so no one can go on with
+        a forgotten split)."""
         entry = self._tenants.get(tenant_id)
         if entry is None:
             entry = self._tenants[tenant_id] = (Split({}, {}, self._wall_ns()),
@@ -117,14 +132,9 @@ class SplitBook:
                 del self._tenants[tenant_id]
 
     def shares(self, tenant_id: str) -> dict[str, float]:
+        """What each engine paces the tenant at now."""
         entry = self._tenants.get(tenant_id)
         return {} if entry is None else dict(entry[0].applied)
-
-    async def start(self) -> None:
-        """Start background work (none in process)."""
-
-    async def close(self) -> None:
-        """Stop background work (none in process)."""
 
 
 class RateSplitter:
@@ -134,7 +144,7 @@ class RateSplitter:
                  wall_ns: Callable[[], int] = time.time_ns) -> None:
         self._send = send
         self._wall_ns = wall_ns
-        self.book = book if book is not None else SplitBook(wall_ns)
+        self.book = book if book is not None else LocalSplitBook(wall_ns)
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_version = 0
 
@@ -149,6 +159,7 @@ class RateSplitter:
 
     def shares(self, tenant_id: str) -> dict[str, float]:
         """What each engine paces the tenant at now (in-process book; for tests)."""
+        assert isinstance(self.book, LocalSplitBook), "a shared split is read from the store"
         return self.book.shares(tenant_id)
 
     async def start(self, tenant_id: str, rate: float, url: str) -> tuple[float, int]:

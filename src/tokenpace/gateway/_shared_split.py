@@ -52,7 +52,6 @@ class SharedSplitBook(SplitBook):
     """The splits of every tenant, kept in a shared ``store`` for all replicas."""
 
     def __init__(self, store: StateStore, replica: str | None = None) -> None:
-        super().__init__()
         self._store = store
         self.replica = replica or f"{os.getpid()}-{os.urandom(4).hex()}"
         # Stream changes a write could not deliver, per tenant: sent with the next one.
@@ -100,9 +99,6 @@ class SharedSplitBook(SplitBook):
             except StateUnavailable:
                 self._unwritten[tenant_id] = added
                 raise
-
-    def shares(self, tenant_id: str) -> dict[str, float]:
-        raise NotImplementedError("a shared split is read from the store")
 
     async def start(self) -> None:
         if self._task is None:
