@@ -89,6 +89,8 @@ DIRECT_SALT = hashlib.sha256(b"tokenpace-bench-direct").hexdigest()
 digits), and different from it, so the engine hashes the same amount and neither path
 reuses the other's cached prefix."""
 CPU_ROUNDS = 3
+CPU_MIN_REQUESTS = 60  # a CPU phase spans several 10 ms ticks of the process clock
+# (the quick run's 10 requests, ~13 ms of gateway CPU, could read 0: seen once in CI)
 REDIS_PATH = "gateway_redis"
 """The path of the gateway with ``state`` in Redis (``--state redis``)."""
 SETTLE_S = 0.05
@@ -432,7 +434,7 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
         bursts = asyncio.run(_bursts(urls, {p: a.gateway for p, a in arms.items()}, redis,
                                      rounds, streams, stream_tokens, nonce, relay))
-        cpu = _cpu_rounds(arms, requests, redis)
+        cpu = _cpu_rounds(arms, max(requests, CPU_MIN_REQUESTS), redis)
     finally:
         for srv in reversed(servers):
             srv.stop()
