@@ -147,8 +147,9 @@ def test_malformed_and_oversized_bodies(engine: EngineServer, make_gateway: Any,
     resp = httpx.post(gw.url + "/v1/completions", content=chunks(),
                       headers={"authorization": f"Bearer {KEY_A}"})
     assert resp.status_code == 413
-    resp = post(gw, {"model": "fake", "prompt": ["a", "b"]})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    for prompt in (["a", [1, 2]], [], {"text": "a"}, [["a"]]):  # a batch takes one shape
+        resp = post(gw, {"model": "fake", "prompt": prompt})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", prompt
     resp = post(gw, {"model": "fake", "prompt": "hi", "max_tokens": "ten"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     assert engine.engine.requests == []

@@ -12,7 +12,9 @@ refusal's ledger row shows it.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -21,7 +23,7 @@ from starlette.types import Receive
 
 from ..fairness import BudgetRefusal
 from . import _metrics as metrics
-from ._body import ParsedRequest, prompt_token_ids, tokenize_body
+from ._body import ParsedRequest, count_calls, prompt_token_ids
 from ._dispatch import EngineSlots, Pool
 from ._errors import GatewayError
 from ._prompt_bound import bound as prompt_bound
@@ -44,6 +46,15 @@ def bearer_key(authorization: str | None) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header value, else None."""
     scheme, _, key = (authorization or "").partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def authorization_of(headers: Mapping[str, str]) -> str | None:
+    """The request's ``Authorization`` value, or one made of its ``x-api-key`` header (how
+    the anthropic SDK sends its key)."""
+    value = headers.get("authorization")
+    if value is None and (key := headers.get("x-api-key")) is not None:
+        return f"Bearer {key}"
+    return value
 
 
 def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
@@ -138,7 +149,8 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     _cheap_refusals(rt, ex, req)
     ids = prompt_token_ids(req)
     if ids is not None:
-        return await _admit_counted(rt, ex, req, len(ids), None, counted=True)
+        return await _admit_counted(rt, ex, req, sum(map(len, ids)), None, counted=True,
+                                    longest=max(map(len, ids)))
     if not _needs_count(tenant, req):
         # No decision depends on the prompt's size: it is counted by the engine, and
         # the engine's first usage chunk (or its answer) brings the exact number.
@@ -149,24 +161,29 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
         if admission is not None:
             return admission
     async with tenant.tokenize_slots:
-        prompt_tokens, max_model_len = await _count_prompt(client, req)
-    return await _admit_counted(rt, ex, req, prompt_tokens, max_model_len, counted=True)
+        prompt_tokens, longest, max_model_len = await _count_prompt(client, req)
+    return await _admit_counted(rt, ex, req, prompt_tokens, max_model_len, counted=True,
+                                longest=longest)
 
 
 async def _admit_counted(rt: Runtime, ex: Exchange, req: ParsedRequest, prompt_tokens: int,
-                         max_model_len: int | None, *, counted: bool) -> Admission:
+                         max_model_len: int | None, *, counted: bool,
+                         longest: int | None = None) -> Admission:
     """Caps and reservation with the prompt's size known exactly (``counted``), or not
-    needed by any decision (0: the engine's usage brings it)."""
+    needed by any decision (0: the engine's usage brings it). ``prompt_tokens``: all the
+    request's prompts together (a batch of completion prompts is capped and reserved as
+    a whole); ``longest``: its longest prompt, which bounds the room left for output."""
     tenant = ex.tenant
     ex.prompt_counted = counted
     ex.prompt_tokens = prompt_tokens
-    max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len)
-    reserved = ex.cost.of(prompt_tokens, max_tokens * req.n)
+    max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len,
+                              prompt_tokens if longest is None else longest)
+    reserved = ex.cost.of(prompt_tokens, max_tokens * req.sequences)
     refusal = await _reserve(rt, ex, reserved)
     if refusal is not None:
         raise budget_error(refusal)
     ex.reserved = reserved
-    ex.max_completion_tokens = max_tokens * req.n
+    ex.max_completion_tokens = max_tokens * req.sequences
     return Admission(prompt_tokens, max_tokens, reserved)
 
 
@@ -182,6 +199,8 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
     one pass over the prompt's strings (O(1) each when ASCII); no round trip.
     """
     tenant, cfg = ex.tenant, ex.tenant.config
+    if req.kind not in ("chat", "completion") or req.prompts > 1:
+        return None  # the probes learn chat templates and plain prompts only
     if req.max_tokens is None and cfg.max_output_tokens is None:
         return None  # the room left beside the prompt, sent as max_tokens, needs its size
     learned = await rt.prompt_bounds.learned(client, engine, req.model, req.kind,
@@ -199,14 +218,14 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
             return None  # the room beside the prompt needs its exact size
         max_tokens = cfg.max_output_tokens
     else:
-        max_tokens = _admit_sizes(tenant, req, 0, None)  # max_output_tokens
-    reserved = ex.cost.of(bound, max_tokens * req.n)
+        max_tokens = _admit_sizes(tenant, req, 0, None, 0)  # max_output_tokens
+    reserved = ex.cost.of(bound, max_tokens * req.sequences)
     if await _reserve(rt, ex, reserved) is not None:
         return None  # the bound does not fit; the exact count may
     ex.prompt_tokens, ex.prompt_counted = 0, False
     ex.prompt_bound, ex.bound_source = bound, learned
     ex.reserved = reserved
-    ex.max_completion_tokens = max_tokens * req.n
+    ex.max_completion_tokens = max_tokens * req.sequences
     return Admission(0, max_tokens, reserved)
 
 
@@ -260,10 +279,10 @@ def _cheap_refusals(rt: Runtime, ex: Exchange, req: ParsedRequest) -> None:
             400, f"the prompt has {size} bytes, at least {least_tokens} tokens; tenant "
             f"{tenant.id!r} may send at most {cfg.max_input_tokens} (max_input_tokens)",
             reason="max_input_tokens", code="max_input_tokens_exceeded",
-            param="messages" if req.kind == "chat" else "prompt")
+            param=req.prompt_param)
     output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
     if cfg.budgets:
-        least = ex.cost.of(least_tokens, (output or 0) * req.n)
+        least = ex.cost.of(least_tokens, (output or 0) * req.sequences)
         refusal = tenant.budgets.would_refuse(least, rt.clock())
         if refusal is not None:
             raise budget_error(refusal)
@@ -271,22 +290,37 @@ def _cheap_refusals(rt: Runtime, ex: Exchange, req: ParsedRequest) -> None:
 
 def prompt_bytes(req: ParsedRequest) -> int:
     """A lower bound of the prompt text's UTF-8 size: the characters of the completion
-    prompt, or of the messages' text content (images and other parts are not text and
-    are left out). One pass over the messages, nothing encoded."""
-    if req.kind != "chat":
-        prompt = req.body.get("prompt")
+    prompts, of the messages' text content (and a Messages ``system``), of a Responses
+    ``instructions`` and its input's text (images and other parts are not text and are
+    left out). One pass over the messages, nothing encoded."""
+    body = req.body
+    if req.kind == "completion":
+        prompt = body.get("prompt")
         if isinstance(prompt, str):
             return len(prompt)
         return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
-    size = 0
-    for message in req.body.get("messages") or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            size += len(content)
-        elif isinstance(content, list):
-            size += sum(len(part["text"]) for part in content
-                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    if req.kind == "responses":
+        size = _text_size(body.get("instructions"))
+        items = body.get("input")
+        if isinstance(items, str):
+            return size + len(items)
+        return size + sum(_text_size(item.get("content")) for item in items or ()
+                          if isinstance(item, dict))
+    size = _text_size(body.get("system")) if req.kind == "messages" else 0
+    for message in body.get("messages") or ():
+        if isinstance(message, dict):
+            size += _text_size(message.get("content"))
     return size
+
+
+def _text_size(content: object) -> int:
+    """Characters of a content: a string, or the ``text`` of its parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0
 
 
 def queue_full(tenant: TenantState, waiting: int | None = None) -> GatewayError:
@@ -308,13 +342,21 @@ def retry_headers(wait_s: float) -> dict[str, str]:
             "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
 
 
-async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[int, int | None]:
-    """Prompt tokens as the engine counts them (its own ``/tokenize``), and its context size."""
-    ids = prompt_token_ids(req)
-    if ids is not None:
-        return len(ids), None
+async def _count_prompt(client: httpx.AsyncClient,
+                        req: ParsedRequest) -> tuple[int, int, int | None]:
+    """The prompts' tokens as the engine counts them (its own ``/tokenize``, or the
+    Messages API's ``count_tokens``): all together, the longest, and the context size
+    when the engine reports it. The prompts of a batch are counted concurrently."""
+    answers = await asyncio.gather(*(_count_one(client, path, body)
+                                     for path, body in count_calls(req)))
+    counts = [count for count, _ in answers]
+    return sum(counts), max(counts), answers[0][1]
+
+
+async def _count_one(client: httpx.AsyncClient, path: str,
+                     body: dict[str, object]) -> tuple[int, int | None]:
     try:
-        resp = await client.post("/tokenize", json=tokenize_body(req), timeout=30.0)
+        resp = await client.post(path, json=body, timeout=30.0)
     except httpx.HTTPError as exc:
         raise GatewayError(502, f"cannot count prompt tokens: engine unreachable ({type(exc).__name__})",
                            reason="engine_unavailable", code="engine_unavailable") from None
@@ -325,7 +367,8 @@ async def _count_prompt(client: httpx.AsyncClient, req: ParsedRequest) -> tuple[
                            reason="bad_request" if resp.status_code < 500 else "engine_error",
                            code="invalid_prompt")
     data = resp.json()
-    return int(data["count"]), data.get("max_model_len")
+    count = data["input_tokens"] if "input_tokens" in data else data["count"]
+    return int(count), data.get("max_model_len")
 
 
 def _engine_message(resp: httpx.Response) -> str:
@@ -340,14 +383,15 @@ def _engine_message(resp: httpx.Response) -> str:
 
 
 def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,
-                 max_model_len: int | None) -> int:
-    """Check the per-request caps; return the ``max_tokens`` to reserve and send."""
+                 max_model_len: int | None, longest: int) -> int:
+    """Check the per-request caps; return the ``max_tokens`` to reserve and send.
+    ``longest``: the longest prompt's tokens (the output's room is what it leaves)."""
     cfg = tenant.config
     if cfg.max_input_tokens is not None and prompt_tokens > cfg.max_input_tokens:
         raise GatewayError(
             400, f"the prompt has {prompt_tokens} tokens; tenant {tenant.id!r} may send at most "
             f"{cfg.max_input_tokens} (max_input_tokens)", reason="max_input_tokens",
-            code="max_input_tokens_exceeded", param="messages" if req.kind == "chat" else "prompt")
+            code="max_input_tokens_exceeded", param=req.prompt_param)
     if req.max_tokens is not None:
         if cfg.max_output_tokens is not None and req.max_tokens > cfg.max_output_tokens:
             raise GatewayError(
@@ -356,7 +400,7 @@ def _admit_sizes(tenant: TenantState, req: ParsedRequest, prompt_tokens: int,
                 reason="max_output_tokens", code="max_output_tokens_exceeded",
                 param=req.max_tokens_field)
         return req.max_tokens
-    room = None if max_model_len is None else max(1, max_model_len - prompt_tokens)
+    room = None if max_model_len is None else max(1, max_model_len - longest)
     if cfg.max_output_tokens is not None:
         return min(cfg.max_output_tokens, room) if room is not None else cfg.max_output_tokens
     if room is not None:

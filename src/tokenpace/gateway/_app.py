@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import _metrics as metrics
-from ._admission import authenticate, bearer_key, tenant_models
+from ._admission import authenticate, authorization_of, bearer_key, tenant_models
 from ._body import Kind
 from ._config import ConfigError, EngineConfig, GatewayConfig, keep_engine_keys, load_config
 from ._dispatch import EngineSlots
@@ -64,7 +64,9 @@ a proxy in between) as a request is sent on it, the request goes again on a new 
 
 
 _COMPLETION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
-                                     "/v1/completions": "completion"}
+                                     "/v1/completions": "completion",
+                                     "/v1/responses": "responses",
+                                     "/v1/messages": "messages"}
 
 
 class Gateway:
@@ -84,6 +86,8 @@ class Gateway:
             routes=[
                 Route("/v1/chat/completions", self._not_started, methods=["POST"]),
                 Route("/v1/completions", self._not_started, methods=["POST"]),
+                Route("/v1/responses", self._not_started, methods=["POST"]),
+                Route("/v1/messages", self._not_started, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 *(Route(path, self._tokenize, methods=["POST"]) for path in TOKENIZE_PATHS),
                 Route("/health", self._health, methods=["GET"]),
@@ -97,7 +101,7 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI application (``app`` is the gateway itself).
 
-        The two completion routes go straight to the proxy: per request that saves
+        The generation routes go straight to the proxy: per request that saves
         Starlette's route matching, its ``Request`` and the two middleware layers that
         wrap every ``send`` (once per streamed read, on the relay's path). The proxy
         answers its own errors, including a bug's 500. Everything else (other routes,
@@ -333,7 +337,7 @@ class Gateway:
         rt = self.rt
         assert rt is not None
         try:
-            tenant = authenticate(rt, request.headers.get("authorization"))
+            tenant = authenticate(rt, authorization_of(request.headers))
         except GatewayError as exc:
             return exc.response()
         data = []

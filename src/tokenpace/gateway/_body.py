@@ -18,7 +18,17 @@ from typing import Any, Literal
 from ..engine import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 from ._errors import GatewayError
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses", "messages"]
+"""The generation routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
+(OpenAI's Responses API) and ``/v1/messages`` (Anthropic's Messages API)."""
+
+ROUTES: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+                          "responses": "/v1/responses", "messages": "/v1/messages"}
+"""Each kind's path, at the engine and at the gateway alike (and in the ledger's rows)."""
+
+MAX_TOKENS_FIELD: dict[str, str] = {"chat": "max_tokens", "completion": "max_tokens",
+                                    "responses": "max_output_tokens", "messages": "max_tokens"}
+"""Each API's own name for the output limit (chat also takes ``max_completion_tokens``)."""
 
 # Fields of a chat request that change how the engine renders the prompt: the token count
 # request must carry them too, or the count would differ from the engine's.
@@ -37,6 +47,22 @@ class ParsedRequest:
     n: int
     max_tokens: int | None
     max_tokens_field: str
+    prompts: int = 1
+    """Completion prompts in the request (a batch); 1 for every other kind."""
+
+    @property
+    def sequences(self) -> int:
+        """Outputs the engine generates, each up to ``max_tokens``: ``n`` per prompt."""
+        return self.n * self.prompts
+
+    @property
+    def prompt_param(self) -> str:
+        """The body field that holds the prompt, for an error's ``param``."""
+        return _PROMPT_FIELD[self.kind]
+
+
+_PROMPT_FIELD: dict[str, str] = {"chat": "messages", "completion": "prompt",
+                                 "responses": "input", "messages": "messages"}
 
 
 # A lone surrogate can only enter a parsed body through a ``\uD800``-``\uDFFF`` escape or
@@ -149,13 +175,13 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
     if not isinstance(options, dict):
         raise GatewayError(400, "'stream_options' must be an object", reason="bad_request",
                            code="invalid_value", param="stream_options")
-    n = body.get("n", 1)
+    n = body.get("n", 1) if kind in ("chat", "completion") else 1
     if n is None:
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise GatewayError(400, "'n' must be an integer >= 1", reason="bad_request",
                            code="invalid_value", param="n")
-    field = "max_tokens"
+    field = MAX_TOKENS_FIELD[kind]
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         field = "max_completion_tokens"
     max_tokens = body.get(field)
@@ -163,58 +189,166 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
                                    or max_tokens < 1):
         raise GatewayError(400, f"'{field}' must be an integer >= 1", reason="bad_request",
                            code="invalid_value", param=field)
-    if kind == "chat":
+    prompts = 1
+    if kind == "chat" or kind == "messages":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise GatewayError(400, "'messages' must be a non-empty list", reason="bad_request",
                                code="invalid_value", param="messages")
+        if kind == "messages" and max_tokens is None:
+            # The Messages API requires it (Anthropic and vLLM alike).
+            raise GatewayError(400, "'max_tokens' is required", reason="bad_request",
+                               code="invalid_value", param="max_tokens")
+    elif kind == "responses":
+        _check_responses(body)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if not (isinstance(prompt, str) or _is_token_ids(prompt)):
-            raise GatewayError(
-                400, "'prompt' must be one string or one list of token ids; the gateway "
-                "does not take batched prompts (send one request per prompt)",
-                reason="bad_request", code="invalid_value", param="prompt")
+        prompts = _completion_prompts(body.get("prompt"))
     return ParsedRequest(
         kind=kind, body=body, model=model, stream=stream,
         client_wants_usage=bool(options.get("include_usage")),
         client_wants_continuous_usage=bool(options.get("continuous_usage_stats")),
-        n=n, max_tokens=max_tokens, max_tokens_field=field,
+        n=n, max_tokens=max_tokens, max_tokens_field=field, prompts=prompts,
     )
 
 
-def prompt_token_ids(req: ParsedRequest) -> list[int] | None:
-    """The prompt's token ids when the client sent ids (no tokenizer call needed)."""
+def _completion_prompts(prompt: Any) -> int:
+    """How many prompts a completion request holds: one string or list of token ids, or
+    a batch of them (a list of strings or of lists of ids); a 400 for anything else."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return 1
+    if isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)):
+        return len(prompt)
+    raise GatewayError(
+        400, "'prompt' must be a string, a list of token ids, or a non-empty list of either "
+        "(a batch)", reason="bad_request", code="invalid_value", param="prompt")
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """A Responses request the gateway can serve: an ``input``, and nothing that needs a
+    response kept in an engine's memory.
+
+    vLLM keeps stored responses (``store``, ``previous_response_id``, ``background``) in
+    the memory of the one API server that made them, unbounded, with no owner: behind a
+    gateway a follow-up could land on another engine, and any tenant that learnt an id
+    could read another tenant's conversation. The gateway therefore asks engines not to
+    store (``store: false``) and refuses the two fields that need a stored response.
+    """
+    value = body.get("input")
+    if not (isinstance(value, str) and value) and not (isinstance(value, list) and value):
+        raise GatewayError(400, "'input' must be a non-empty string or list of input items",
+                           reason="bad_request", code="invalid_value", param="input")
+    if body.get("previous_response_id") is not None:
+        raise GatewayError(
+            400, "'previous_response_id' is not served by this gateway: it keeps no responses "
+            "(an engine's stored responses would be reachable by any tenant); send the "
+            "conversation so far in 'input'", reason="bad_request", code="unsupported_parameter",
+            param="previous_response_id")
+    if body.get("background"):
+        raise GatewayError(
+            400, "'background' is not served by this gateway: a response that runs after the "
+            "request ends can be neither paced nor charged; stream it instead",
+            reason="bad_request", code="unsupported_parameter", param="background")
+
+
+def prompt_token_ids(req: ParsedRequest) -> list[list[int]] | None:
+    """Each prompt's token ids when the client sent ids (no tokenizer call needed)."""
     if req.kind != "completion":
         return None
     prompt = req.body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    return prompt if _is_token_ids(prompt) else None
+    if _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and all(_is_token_ids(p) for p in prompt):
+        return prompt
+    return None
 
 
-def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
-    """The engine ``/tokenize`` request that counts this prompt as the engine will."""
+def count_calls(req: ParsedRequest) -> list[tuple[str, dict[str, Any]]]:
+    """The engine calls (path, body) that count this request's prompts as the engine will:
+    ``/tokenize`` for chat, each completion prompt and a Responses input (rendered as the
+    chat messages vLLM makes of it); the engine's own ``/v1/messages/count_tokens`` for
+    the Messages API. The answer's ``count`` (or ``input_tokens``) is the prompt's size."""
     body = req.body
     if req.kind == "chat":
         out = {"model": req.model, "messages": body["messages"]}
         for name in _CHAT_TEMPLATE_FIELDS:
             if body.get(name) is not None:
                 out[name] = body[name]
-        return out
+        return [("/tokenize", out)]
+    if req.kind == "messages":
+        return [("/v1/messages/count_tokens",
+                 {k: v for k, v in body.items() if k in _MESSAGES_COUNT_FIELDS} | {
+                     "model": req.model})]
+    if req.kind == "responses":
+        return [("/tokenize", responses_as_chat(req.model, body))]
     prompt = body["prompt"]
-    if isinstance(prompt, list):
-        prompt = prompt[0]
-    out = {"model": req.model, "prompt": prompt}
-    if body.get("add_special_tokens") is not None:
-        out["add_special_tokens"] = body["add_special_tokens"]
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    calls = []
+    for text in prompts:
+        out = {"model": req.model, "prompt": text}
+        if body.get("add_special_tokens") is not None:
+            out["add_special_tokens"] = body["add_special_tokens"]
+        calls.append(("/tokenize", out))
+    return calls
+
+
+_MESSAGES_COUNT_FIELDS = ("messages", "system", "tools", "tool_choice", "thinking",
+                          "chat_template_kwargs")
+
+
+def responses_as_chat(model: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/tokenize`` request with the chat messages and tools vLLM renders a Responses
+    request into: ``instructions`` as the system message, a string ``input`` as the user's,
+    message items with their text, function calls and their outputs as tool calls and tool
+    messages. An item of another type is counted on its JSON text (an over-count)."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        items = []
+    for item in items:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(item, dict) and "role" in item and kind in (None, "message"):
+            messages.append({"role": item["role"], "content": _chat_content(item.get("content"))})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            messages.append({"role": "user", "content": json.dumps(item)})
+    out: dict[str, Any] = {"model": model, "messages": messages}
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
+                                                                 "parameters") if k in t}}
+             for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+    if tools:
+        out["tools"] = tools
     return out
+
+
+def _chat_content(content: Any) -> Any:
+    """A Responses message's content as chat content: text parts become chat text parts."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+        else:
+            parts.append({"type": "text", "text": json.dumps(part)})
+    return parts
 
 
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
                 max_tokens: int, cache_salt: str | None = None,
-                model: str | None = None, rate_version: int | None = None) -> bytes:
+                model: str | None = None, rate_version: int | None = None,
+                request_id: str | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
@@ -223,6 +357,7 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     own salt (a string) is mixed into it, so it can split its tenant's cache further but
     never reach another tenant's. ``model``: the served name, when the client sent an alias.
     ``rate_version``: the version of a rate split over engines (``_rate_split``).
+    ``request_id``: the gateway's, given to the engine where the body names it (Responses).
     """
     body = dict(req.body)
     if model is not None:
@@ -244,9 +379,21 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     else:
         xargs.pop(RATE_VERSION_EXTRA_ARG, None)
     body["vllm_xargs"] = xargs
-    body["priority"] = priority
+    if req.kind == "messages":
+        # vLLM's Messages request has no priority field (one sent would be ignored): the
+        # tenant's lane orders the gateway's queue, the engine runs it at priority 0.
+        body.pop("priority", None)
+    else:
+        body["priority"] = priority
     body[req.max_tokens_field] = max_tokens
-    if req.stream:
+    if req.kind == "responses":
+        # Nothing is kept in the engine's memory (see ``_check_responses``); the engine's
+        # request id is the gateway's, so both logs name the request alike.
+        body["store"] = False
+        if request_id is not None:
+            body["request_id"] = f"resp_{request_id}"
+        return json.dumps(body).encode()
+    if req.stream and req.kind != "messages":
         # Usage in every chunk: the gateway then knows how many tokens were generated at
         # any moment, also when the client or the engine goes away mid-stream.
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

@@ -32,7 +32,7 @@ from ._admission import (
 )
 from ._body import Kind, engine_body, parse_json_body, parse_request
 from ._dispatch import Lease, Pool, QueueFull
-from ._errors import GatewayError, error_response
+from ._errors import GatewayError
 from ._rate_split import SplitFailed
 from ._relay import call, open_stream
 from ._runtime import Runtime
@@ -56,10 +56,13 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             authorization = value.decode("latin-1")
         elif name == b"content-length":
             declared = value.decode("latin-1")
+        elif name == b"x-api-key" and authorization is None:
+            # How the anthropic SDK sends its key; a Bearer header, if any, comes first.
+            authorization = "Bearer " + value.decode("latin-1")
     try:
         tenant = authenticate(rt, authorization)
     except GatewayError as exc:
-        return exc.response(request_id)
+        return exc.response(request_id, kind)
     ex = Exchange(rt, request_id, kind, tenant, arrived, time.time())
     watch: ClientWatch | None = None
     try:
@@ -89,7 +92,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             req, user=tenant.id, rate=rate,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
-            model=model, rate_version=version)
+            model=model, rate_version=version, request_id=request_id)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)
@@ -99,7 +102,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         ex.finish(Outcome.REJECTED, exc.reason)
         if watch is not None:
             watch.stop()
-        return exc.response(request_id)
+        return exc.response(request_id, kind)
     except ClientDisconnect:
         # The client left while sending its body: nothing was asked of the engine.
         ex.charge_usage = False
@@ -112,8 +115,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         ex.finish(Outcome.ERROR)
         if watch is not None:
             watch.stop()
-        return error_response(500, f"internal error in the gateway (request id {request_id})",
-                              code="internal_error", headers={"x-request-id": request_id})
+        return GatewayError(500, f"internal error in the gateway (request id {request_id})",
+                            reason="error", code="internal_error").response(request_id, kind)
     except BaseException:
         ex.finish(Outcome.ERROR)
         if watch is not None:

@@ -14,15 +14,16 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ._body import Kind, ParsedRequest
-from ._errors import GatewayError, error_body
+from ._body import ROUTES, ParsedRequest
+from ._errors import GatewayError, anthropic_error_body, error_body, stream_error_event
 from ._settle import Exchange, Outcome
 from ._stream import ChunkRewriter, EventSplitter
+from ._usage import EventScanner, answer_usage
 from ._upstream import Response as UpstreamResponse
 from ._upstream import Upstream, UpstreamError
 from ._watch import ClientWatch
 
-PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS = ROUTES
 
 
 def _upstream_headers(ex: Exchange) -> dict[str, str]:
@@ -60,14 +61,10 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                             media_type=resp.headers.get("content-type"),
                             headers={"x-request-id": ex.id})
         try:
-            data = json.loads(content)
-            usage = data.get("usage") or {}
-            ex.completion_tokens = int(usage.get("completion_tokens") or 0)
-            reported = int(usage.get("prompt_tokens") or 0)
+            reported, ex.completion_tokens, reason = answer_usage(ex.kind, json.loads(content))
             if reported:
-                ex.learn_prompt(reported)
-            reasons = [c.get("finish_reason") for c in data.get("choices") or [] if isinstance(c, dict)]
-            outcome, detail = Outcome.FINISHED, next((r for r in reasons if r), None)
+                ex.learn_prompt(int(reported))
+            outcome, detail = Outcome.FINISHED, reason
         except (ValueError, AttributeError, TypeError):
             outcome = Outcome.UPSTREAM_ERROR
         return Response(content, status_code=200, media_type="application/json",
@@ -83,10 +80,11 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
 
 
 def _timeout_response(ex: Exchange) -> Response:
-    return Response(
-        json.dumps(error_body(504, f"the request did not finish within request_timeout "
-                              f"({ex.rt.config.request_timeout_s:g} s)", "timeout")),
-        status_code=504, media_type="application/json", headers={"x-request-id": ex.id})
+    message = f"the request did not finish within request_timeout ({ex.rt.config.request_timeout_s:g} s)"
+    body = (anthropic_error_body(504, message, "timeout") if ex.kind == "messages"
+            else error_body(504, message, "timeout"))
+    return Response(json.dumps(body), status_code=504, media_type="application/json",
+                    headers={"x-request-id": ex.id})
 
 
 async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
@@ -141,12 +139,23 @@ class StreamResponse:
                  watch: ClientWatch, deadline: float) -> None:
         self.ex = ex
         self.upstream = upstream
-        self.rewriter = ChunkRewriter(req.client_wants_usage, req.client_wants_continuous_usage)
+        self.batch = req.prompts > 1
+        # Chat and completion chunks are rewritten (usage cut out as the client asked);
+        # Responses and Messages events go through unchanged, only read (``_usage``).
+        self.rewriter: ChunkRewriter | None = None
+        self.scanner: EventScanner | None = None
+        if req.kind in ("chat", "completion"):
+            self.rewriter = ChunkRewriter(req.client_wants_usage,
+                                          req.client_wants_continuous_usage, req.n, req.prompts)
+            self.progress = self.rewriter.progress
+        else:
+            self.scanner = EventScanner()
+            self.progress = self.scanner.progress
         self.watch = watch
         self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex, progress = self.ex, self.rewriter.progress
+        ex, progress = self.ex, self.progress
         outcome, detail = Outcome.CANCELLED, None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
@@ -178,7 +187,9 @@ class StreamResponse:
             else:
                 self.upstream.close()  # the engine sees the connection go and aborts
             ex.completion_tokens = progress.completion_tokens
-            if progress.prompt_tokens is not None:
+            if progress.prompt_tokens is not None and not (
+                    self.batch and progress.prompt_tokens < ex.prompt_tokens):
+                # (A batch cut short reported only some prompts: the admission's count stands.)
                 ex.learn_prompt(progress.prompt_tokens)
             ex.finish(outcome, detail)
             self.watch.stop()
@@ -187,36 +198,49 @@ class StreamResponse:
         """Copy events until the engine ends the stream; return a failure description.
 
         The events of one network read go out in one ``send``: one write per read, not
-        per event.
+        per event. Responses and Messages streams go out as read (their events are only
+        scanned) and are read to their end: their last event is not followed by a
+        ``[DONE]`` line, and its closing blank line may come in a later read.
         """
-        ex, rewriter = self.ex, self.rewriter
-        progress = rewriter.progress
+        ex, rewriter, scanner = self.ex, self.rewriter, self.scanner
+        progress = self.progress
         splitter = EventSplitter()
         try:
             upstream = self.upstream
             # Per read: one await on the connection; per event a few bytes operations
-            # (EventSplitter, ChunkRewriter); one send per read.
+            # (EventSplitter, ChunkRewriter or EventScanner); one send per read.
             while data := await upstream.chunk():
-                out = []
-                for payload in splitter.feed(data):
-                    event = rewriter.event(payload)
-                    if event is not None:
-                        out.append(b"data: " + event + b"\n\n")
+                if scanner is not None:
+                    for payload in splitter.feed(data):
+                        scanner.event(payload)
+                    body = data
+                else:
+                    assert rewriter is not None
+                    out = []
+                    for payload in splitter.feed(data):
+                        event = rewriter.event(payload)
+                        if event is not None:
+                            out.append(b"data: " + event + b"\n\n")
+                    body = b"".join(out)
                 if progress.first_token and ex.ttft_s is None:
                     ex.ttft_s = ex.rt.clock() - ex.arrived
-                if progress.prompt_tokens is not None and not ex.prompt_counted:
+                if progress.prompt_tokens is not None and not ex.prompt_counted \
+                        and not self.batch:
                     # The first usage: the exact prompt count (once; corrects a reservation
                     # made on the prompt's byte bound).
                     ex.learn_prompt(progress.prompt_tokens)
                 if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": True})
-                if progress.done:
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                if progress.done and scanner is None:
                     return None
             for payload in splitter.flush():
+                if scanner is not None:
+                    scanner.event(payload)
+                    continue
+                assert rewriter is not None
                 event = rewriter.event(payload)
                 if event is not None:
                     await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
@@ -226,6 +250,6 @@ class StreamResponse:
         return None
 
     async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
-        event = b"data: " + json.dumps(error_body(status, message, code)).encode() + b"\n\n"
+        event = stream_error_event(self.ex.kind, status, message, code)
         with anyio.move_on_after(1.0, shield=True):
             await send({"type": "http.response.body", "body": event, "more_body": True})

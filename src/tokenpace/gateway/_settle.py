@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..fairness import CostModel
 from . import _metrics as metrics
-from ._body import Kind
+from ._body import ROUTES, Kind
 from ._dispatch import Lease
 from ._ledger import UsageRecord
 from ._prompt_bound import Learned
@@ -190,4 +190,5 @@ class Exchange:
             e2e_ms=e2e * 1000.0, finish_reason=reason,
             started_at=self.started_at, ended_at=time.time(),
             served=self.charge_usage and self.lease is not None,
+            route=ROUTES[self.kind],
         ))

@@ -97,6 +97,9 @@ class StreamProgress:
     """Latest continuous count of each choice: vLLM's per-chunk usage counts the tokens of
     that chunk's choice only (n > 1, or several prompts), so the request's total is the sum."""
     final: bool = False  # the usage-only chunk (the engine's own total) was seen
+    per_prompt: dict[int, int] = field(default_factory=dict)
+    """Prompt tokens of each prompt of a batch (completions): a chunk's usage counts its
+    own prompt only, so the request's prompt tokens are the sum."""
 
     def count(self, index: int, completion_tokens: int) -> None:
         if self.final:
@@ -111,10 +114,13 @@ class StreamProgress:
 
 
 class ChunkRewriter:
-    def __init__(self, wants_usage: bool, wants_continuous_usage: bool) -> None:
+    def __init__(self, wants_usage: bool, wants_continuous_usage: bool, n: int = 1,
+                 prompts: int = 1) -> None:
         self.wants_usage = wants_usage
         self.wants_continuous = wants_usage and wants_continuous_usage
         self.progress = StreamProgress()
+        self.n = n  # choices per prompt: a chunk of choice i belongs to prompt i // n
+        self.batch = prompts > 1
 
     def event(self, data: bytes) -> bytes | None:
         """One ``data:`` payload from the engine -> the payload to send on, or None to drop."""
@@ -173,8 +179,13 @@ class ChunkRewriter:
                 progress.total(completion)
             else:
                 progress.count(index, completion)
-        if isinstance(usage.get("prompt_tokens"), int):
-            progress.prompt_tokens = usage["prompt_tokens"]
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int):
+            if self.batch and index is not None:
+                progress.per_prompt[index // self.n] = prompt
+                progress.prompt_tokens = sum(progress.per_prompt.values())
+            else:
+                progress.prompt_tokens = prompt
 
     def _slow(self, data: bytes) -> None:
         """A chunk without the usage the gateway asked for (or an error): parse it whole."""

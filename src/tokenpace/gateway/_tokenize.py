@@ -1,4 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize`` for tenants: how clients count before they send.
+"""``POST /tokenize``, ``/detokenize`` and ``/v1/messages/count_tokens`` for tenants: how
+clients count before they send.
 
 Authenticated with the tenant's key (401 without one); the model, or an alias of it, is
 routed as a completion's is (404 ``model_not_found`` for one the tenant may not use),
@@ -15,19 +16,21 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ._admission import authenticate, read_body, route, tenant_models
+from ._admission import authenticate, authorization_of, read_body, route, tenant_models
 from ._body import parse_json_body
 from ._errors import GatewayError
 from ._runtime import Runtime
 
-PATHS = ("/tokenize", "/detokenize")
+PATHS = ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 TIMEOUT_S = 30.0
 
 
 async def handle_tokenize(rt: Runtime, request: Request) -> Response:
-    """Forward one ``/tokenize`` or ``/detokenize`` call of a tenant to an engine."""
+    """Forward one counting call of a tenant to an engine (errors of the Messages API's
+    ``count_tokens`` in Anthropic's format)."""
+    kind = "messages" if request.url.path.startswith("/v1/messages") else None
     try:
-        tenant = authenticate(rt, request.headers.get("authorization"))
+        tenant = authenticate(rt, authorization_of(request.headers))
         body = parse_json_body(await read_body(request.receive,
                                                request.headers.get("content-length"),
                                                rt.config.max_body_bytes))
@@ -51,6 +54,6 @@ async def handle_tokenize(rt: Runtime, request: Request) -> Response:
             raise GatewayError(502, f"the engine did not answer: {type(exc).__name__}",
                                reason="engine_error", code="engine_error") from None
     except GatewayError as exc:
-        return exc.response()
+        return exc.response(kind=kind)
     return Response(resp.content, status_code=resp.status_code,
                     media_type=resp.headers.get("content-type", "application/json"))

@@ -42,11 +42,16 @@ class PostgresBackend:
                     "SELECT 1 FROM information_schema.columns WHERE table_schema = "
                     "current_schema() AND table_name = 'requests' AND column_name = 'served'"
                 ).fetchone() is not None
+                has_route = conn.execute(
+                    "SELECT 1 FROM information_schema.columns WHERE table_schema = "
+                    "current_schema() AND table_name = 'requests' AND column_name = 'route'"
+                ).fetchone() is not None
                 for statement in migrations(
                     has_served,
                     dedupe="DELETE FROM requests a USING requests b "
                            "WHERE a.request_id = b.request_id AND a.ctid > b.ctid",
                     add_served="ALTER TABLE requests ADD COLUMN served BIGINT NOT NULL DEFAULT 1",
+                    has_route=has_route,
                 ):
                     conn.execute(statement)
         except psycopg.Error as exc:

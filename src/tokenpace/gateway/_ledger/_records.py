@@ -34,6 +34,7 @@ class UsageRecord:
     # gateway's token metrics. A refused request, or one cancelled while queued, keeps
     # its counted prompt size in ``prompt_tokens`` but is not served.
     served: bool = True
+    route: str = ""  # the path the client called, e.g. "/v1/responses"
 
 
 @dataclass(frozen=True)

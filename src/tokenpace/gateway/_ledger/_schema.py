@@ -27,6 +27,7 @@ RECORD_COLUMNS = (
     "started_at",
     "ended_at",
     "served",
+    "route",
 )
 
 
@@ -47,7 +48,8 @@ def schema(text: str, integer: str, real: str) -> list[str]:
             finish_reason {text} NOT NULL,
             started_at {real} NOT NULL,
             ended_at {real} NOT NULL,
-            served {integer} NOT NULL DEFAULT 1
+            served {integer} NOT NULL DEFAULT 1,
+            route {text} NOT NULL DEFAULT ''
         )""",
         "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
         "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
@@ -70,7 +72,12 @@ _BACKFILL_SERVED = (
 )
 
 
-def migrations(has_served: bool, dedupe: str, add_served: str) -> list[str]:
+_ADD_ROUTE = "ALTER TABLE requests ADD COLUMN route TEXT NOT NULL DEFAULT ''"
+"""Rows written before the route was kept have ``''`` (they were chat or completions)."""
+
+
+def migrations(has_served: bool, dedupe: str, add_served: str,
+               has_route: bool = True) -> list[str]:
     """Statements that bring a ledger of an older version up to this schema.
 
     ``requests.request_id`` became unique, so that a batch written again after its commit
@@ -78,6 +85,8 @@ def migrations(has_served: bool, dedupe: str, add_served: str) -> list[str]:
     older ledgers may already hold such duplicates, which are removed first.
     """
     out = [] if has_served else [add_served, _BACKFILL_SERVED]
+    if not has_route:
+        out.append(_ADD_ROUTE)
     return out + [dedupe, _UNIQUE_ID_INDEX]
 
 
@@ -116,6 +125,7 @@ def record_row(rec: UsageRecord) -> tuple[Any, ...]:
         float(rec.started_at),
         float(rec.ended_at),
         int(bool(rec.served)),
+        rec.route,
     )
 
 
@@ -137,4 +147,5 @@ def record_from_row(r: tuple[Any, ...]) -> UsageRecord:
         started_at=float(r[11]),
         ended_at=float(r[12]),
         served=bool(r[13]),
+        route=r[14],
     )

@@ -49,6 +49,7 @@ class SqliteBackend:
                 dedupe="DELETE FROM requests WHERE rowid NOT IN "
                        "(SELECT MIN(rowid) FROM requests GROUP BY request_id)",
                 add_served="ALTER TABLE requests ADD COLUMN served INTEGER NOT NULL DEFAULT 1",
+                has_route="route" in columns,
             ):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")
