@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -22,7 +23,12 @@ from tokenpace.gateway._body import parse_request
 from tokenpace.gateway._prompt_bound import PromptBounds, bound
 
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
-from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
+from tests.e2e._engine_log import (
+    all_dispatches,
+    engine_requests,
+    paced_rate,
+    wait_for_engine_requests,
+)
 from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess
 
@@ -244,3 +250,129 @@ def test_a_budgeted_tenant_admitted_on_the_bound_is_charged_the_engines_count(
     level = gateway.metric("tokenpace_gateway_budget_remaining_tokens", tenant="budgeted")
     # refill 0.12 per second: within 2 for the 16 s these requests may take under load
     assert level == pytest.approx(BUDGET - spent, abs=2)
+
+
+# -- the Responses and Messages APIs, batched prompts ------------------------------------------
+
+def claude(gw: GatewayProcess, key: str) -> anthropic.Anthropic:
+    """The anthropic SDK as Claude Code configures it: the key in ``x-api-key``."""
+    return anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=120)
+
+
+def test_responses_api_plain_and_streamed_are_admitted_and_charged(gateway: GatewayProcess) -> None:
+    """The openai SDK's ``responses.create`` through the gateway, for a tenant with a cap
+    and a budget (its prompt is counted before dispatch): the ledger holds what the
+    client was told, on the route it called."""
+    t0 = time.time()
+    client = api(gateway, KEY_BUDGET)
+    plain = client.responses.create(model="tiny", instructions="You are terse.",
+                                    input="Hello there", max_output_tokens=7)
+    reported = [(plain.usage.input_tokens, plain.usage.output_tokens)]
+    assert plain.status == "incomplete" and plain.usage.output_tokens == 7
+    completed = None
+    for event in client.responses.create(model="tiny", input=[{"role": "user", "content": "Hi"}],
+                                         max_output_tokens=9, stream=True):
+        if event.type == "response.completed":
+            completed = event.response
+    assert completed is not None and completed.usage.output_tokens == 9
+    reported.append((completed.usage.input_tokens, completed.usage.output_tokens))
+    rows = gateway.rows_since(t0, 2)
+    assert sorted((r.prompt_tokens, r.completion_tokens) for r in rows) == sorted(reported)
+    assert {(r.route, r.finish_reason) for r in rows} == {("/v1/responses", "length")}
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny", input="Hi", previous_response_id=plain.id)
+
+
+def test_messages_api_plain_streamed_and_counted(gateway: GatewayProcess) -> None:
+    """The anthropic SDK's ``messages.create`` (plain, streamed) and ``count_tokens``: the
+    count equals the engine's usage, the ledger equals what the client received."""
+    t0 = time.time()
+    client = claude(gateway, KEY_BUDGET)
+    messages = [{"role": "user", "content": "Hello there"}]
+    counted = client.messages.count_tokens(model="tiny", system="You are terse.",
+                                           messages=messages).input_tokens
+    plain = client.messages.create(model="tiny", system="You are terse.", max_tokens=6,
+                                   messages=messages)
+    assert plain.usage.input_tokens == counted and plain.usage.output_tokens == 6
+    assert plain.stop_reason == "max_tokens"
+    with client.messages.stream(model="tiny", max_tokens=8, messages=messages) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.output_tokens == 8 and isinstance(text, str)
+    rows = gateway.rows_since(t0, 2)
+    assert sorted((r.prompt_tokens, r.completion_tokens) for r in rows) == sorted(
+        [(counted, 6), (final.usage.input_tokens, 8)])
+    assert {(r.route, r.finish_reason) for r in rows} == {("/v1/messages", "length")}
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        claude(gateway, "sk-nobody").messages.create(model="tiny", max_tokens=4,
+                                                     messages=messages)
+    assert info.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_responses_request_carries_the_tenants_identity_and_rate(gateway: GatewayProcess,
+                                                                  engine: Server) -> None:
+    """At the engine (its event log), a Responses request of the paced tenant runs as that
+    tenant, under the gateway's request id, at the tenant's rate (20 tok/s, within 10%
+    as the chat test above, net of the engine's absences)."""
+    tokens = 40
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+    t0 = time.time()
+    done = api(gateway, KEY_SLOW).responses.create(
+        model="tiny", input="Hello", max_output_tokens=tokens, extra_body={"ignore_eos": True})
+    assert done.usage.output_tokens == tokens
+    [request] = wait_for_engine_requests(events, {"slow"}, since, tokens)
+    [row] = gateway.rows_since(t0, 1)
+    assert request.request_id.startswith(f"resp_{row.request_id}")
+    assert len(request.times) == tokens and row.route == "/v1/responses"
+    rate = paced_rate(request.times, 20, all_dispatches(events, since))
+    logs = [engine.log_path, events]
+    for bound, upper in ((0.9 * 20, False), (1.1 * 20, True)):
+        expect("gateway_engine", "Responses request's paced rate (20 tok/s)", rate.paced_rate,
+               bound, upper=upper, logs=logs, **rate.as_series())
+
+
+def test_an_abandoned_responses_stream_is_charged_what_it_relayed(gateway: GatewayProcess,
+                                                                 engine: Server) -> None:
+    """A Responses stream the client leaves after 10 text events: the engine aborts it,
+    and the ledger charges the events relayed, one token each: never more than the
+    engine generated (its event log), at least what the client received."""
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+    t0 = time.time()
+    received = 0
+    with httpx.stream("POST", f"{gateway.url}/v1/responses",
+                      headers={"authorization": f"Bearer {KEY_SLOW}"}, timeout=60,
+                      json={"model": "tiny", "input": "Hello", "max_output_tokens": 1000,
+                            "ignore_eos": True, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                received += 1
+                if received == 10:
+                    break
+    [row] = gateway.rows_since(t0, 1)
+    assert row.finish_reason == "cancelled" and row.route == "/v1/responses"
+    [request] = wait_for_engine_requests(events, {"slow"}, since, row.completion_tokens)
+    time.sleep(0.5)  # the event log is written every 200 ms: the abort's last tokens
+    [request] = [r for r in engine_requests(events, {"slow"}, since)
+                 if r.request_id == request.request_id]
+    assert received <= row.completion_tokens <= len(request.times) < 1000
+
+
+def test_batched_completion_prompts_are_admitted_and_charged_whole(gateway: GatewayProcess) -> None:
+    """A list of prompts with n=2: the cap and budget take the whole batch; the ledger
+    holds the engine's totals, streamed (usage chunks of each prompt summed) or not."""
+    t0 = time.time()
+    client = api(gateway, KEY_BUDGET)
+    plain = client.completions.create(model="tiny", prompt=["Hello there", "a b c"],
+                                      max_tokens=3, n=2)
+    assert len(plain.choices) == 4 and plain.usage.completion_tokens == 12
+    last = None
+    for chunk in client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]],
+                                           max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}):
+        last = chunk
+    assert last is not None and last.usage.prompt_tokens == 5
+    rows = gateway.rows_since(t0, 2)
+    assert sorted((r.prompt_tokens, r.completion_tokens) for r in rows) == sorted(
+        [(plain.usage.prompt_tokens, 12), (5, last.usage.completion_tokens)])

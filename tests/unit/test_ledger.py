@@ -54,6 +54,7 @@ def record(
         finish_reason=finish,
         started_at=end - 0.5,
         ended_at=end,
+        route=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")[i % 4],
     )
 
 
@@ -130,7 +131,7 @@ def check_budgets_survive_restart(url: str) -> None:
 
 
 def check_usage_totals(url: str) -> None:
-    """Totals per tenant, model and lane, with `since` and the rejected count."""
+    """Totals per tenant, model, lane and route, with `since` and the rejected count."""
     ledger = open_ledger(url, flush_interval_s=60)
     try:
         for rec in mixed_records():
@@ -149,6 +150,13 @@ def check_usage_totals(url: str) -> None:
         assert ledger.usage(by="lane") == [
             UsageTotal("batch", 2, 8, 7, 8 + 2 * 7.0, 0),
             UsageTotal("interactive", 6, 118, 79, 118 + 2 * 79.0, 3),
+        ]
+        assert ledger.usage(by="route") == [
+            UsageTotal("", 1, 0, 0, 0.0, 1),
+            UsageTotal("/v1/chat/completions", 2, 110, 70, 110 + 2 * 70.0, 0),
+            UsageTotal("/v1/completions", 1, 5, 7, 5 + 2 * 7.0, 0),
+            UsageTotal("/v1/messages", 2, 0, 0, 0.0, 2),
+            UsageTotal("/v1/responses", 2, 11, 9, 11 + 2 * 9.0, 0),
         ]
         # `since` is inclusive and applies to ended_at.
         assert ledger.usage(since=T0 + 4) == [
@@ -216,8 +224,8 @@ def check_an_old_ledger_is_migrated(url: str, execute: Any, integer: str, real: 
     execute(old.format(id="c", p=9, c=0, cost=0.0, finish="cancelled", t=T0 + 2))
     ledger = open_ledger(url, flush_interval_s=60)
     try:
-        assert [(r.request_id, r.served) for r in ledger.rows()] == [
-            ("a", True), ("b", False), ("c", False)]
+        assert [(r.request_id, r.served, r.route) for r in ledger.rows()] == [
+            ("a", True, ""), ("b", False, ""), ("c", False, "")]  # route unknown before
         assert ledger.usage() == [UsageTotal("acme", 3, 10, 5, 20.0, 1, 49)]
         ledger.record(record(0))
         ledger.record(record(0))

@@ -234,6 +234,8 @@ def _choice_index(data: bytes) -> int:
     if at < 0:
         return 0
     at += len(_INDEX_KEY)
+    while data[at:at + 1] == b" ":
+        at += 1
     end = at
     while data[end:end + 1].isdigit():
         end += 1

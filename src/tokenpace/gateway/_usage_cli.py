@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         help="only requests that ended at or after T: an ISO-8601 date or time (naive = UTC), "
         "or a duration ago: 90s, 15m, 2h, 7d",
     )
-    parser.add_argument("--by", choices=("tenant", "model", "lane"), default="tenant")
+    parser.add_argument("--by", choices=("tenant", "model", "lane", "route"), default="tenant")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     return parser
 

@@ -16,7 +16,7 @@ from ._schema import RECORD_COLUMNS, record_from_row
 Query = Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]
 """Runs one SELECT with its parameters and returns every row."""
 
-_GROUP_COLUMNS = ("tenant", "model", "lane")
+_GROUP_COLUMNS = ("tenant", "model", "lane", "route")
 
 
 def load_budgets(query: Query) -> list[BudgetState]:
@@ -37,7 +37,7 @@ def rows(query: Query, placeholder: str, since: float | None) -> list[UsageRecor
 
 
 def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[UsageTotal]:
-    """Totals per tenant, model or lane (``by``) for rows that ended at or after ``since``,
+    """Totals per tenant, model, lane or route (``by``) for rows that ended at or after ``since``,
     ordered by key."""
     if by not in _GROUP_COLUMNS:
         raise ValueError(f"by must be one of {', '.join(_GROUP_COLUMNS)}, got {by!r}")

@@ -1,0 +1,172 @@
+"""The Responses and Messages APIs' usage, read from vLLM 0.32's own bytes (captured from
+``/v1/responses`` and ``/v1/messages`` on the tiny model), and their request bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenpace.gateway._body import count_calls, engine_body, parse_request, responses_as_chat
+from tokenpace.gateway._errors import GatewayError
+from tokenpace.gateway._stream import ChunkRewriter, EventSplitter
+from tokenpace.gateway._usage import EventScanner, answer_usage
+
+RESPONSES_STREAM = (
+    b'event: response.created\ndata: {"response":{"id":"resp_1","status":"in_progress",'
+    b'"usage":null},"sequence_number":0,"type":"response.created"}\n\n'
+    b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"Pac","item_id":"m",'
+    b'"logprobs":[],"output_index":0,"sequence_number":4,"type":"response.output_text.delta"}\n\n'
+    b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"ho\\"}type\\":\\"x",'
+    b'"item_id":"m","logprobs":[],"output_index":0,"sequence_number":5,'
+    b'"type":"response.output_text.delta"}\n\n'
+    b'event: response.output_text.done\ndata: {"content_index":0,"item_id":"m","logprobs":[],'
+    b'"output_index":0,"sequence_number":7,"text":"Pacho","type":"response.output_text.done"}\n\n'
+    b'event: response.completed\ndata: {"response":{"id":"resp_1","incomplete_details":'
+    b'{"reason":"max_output_tokens"},"output":[{"content":[{"type":"output_text"}],'
+    b'"type":"message"}],"status":"incomplete","usage":{"input_tokens":23,"input_tokens_details":'
+    b'{"cached_tokens":0},"output_tokens":5,"output_tokens_details":{"reasoning_tokens":0},'
+    b'"total_tokens":28}},"sequence_number":10,"type":"response.completed"}\n\n'
+)
+
+MESSAGES_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-1",'
+    b'"type":"message","role":"assistant","content":[],"model":"tiny","stop_reason":null,'
+    b'"stop_sequence":null,"usage":{"input_tokens":23,"output_tokens":0}}}\n\n'
+    b'event: content_block_start\ndata: {"type":"content_block_start","content_block":'
+    b'{"type":"text","text":""},"index":0}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":'
+    b'"text_delta","text":" many"},"index":0}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":'
+    b'"text_delta","text":"\xef\xbf\xbd0123"},"index":0}\n\n'
+    b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens",'
+    b'"stop_sequence":null},"usage":{"input_tokens":23,"output_tokens":4}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+def scan(stream: bytes, cut: int) -> list[tuple[int | None, int, bool]]:
+    """Feed ``stream`` in pieces of ``cut`` bytes; the progress after each event."""
+    scanner, splitter, seen = EventScanner(), EventSplitter(), []
+    for at in range(0, len(stream), cut):
+        for payload in splitter.feed(stream[at:at + cut]):
+            scanner.event(payload)
+            p = scanner.progress
+            seen.append((p.prompt_tokens, p.completion_tokens, p.done))
+    return seen
+
+
+@pytest.mark.parametrize("cut", [1, 7, 100_000])
+def test_a_responses_stream_counts_deltas_then_takes_the_final_usage(cut: int) -> None:
+    seen = scan(RESPONSES_STREAM, cut)
+    # One token per delta until response.completed gives the engine's counts; a delta's
+    # text that looks like a "type" key does not confuse the event's type.
+    assert seen == [(None, 0, False), (None, 1, False), (None, 2, False), (None, 2, False),
+                    (23, 5, True)]
+
+
+@pytest.mark.parametrize("cut", [1, 13, 100_000])
+def test_a_messages_stream_takes_the_prompt_at_once_and_the_output_at_the_end(cut: int) -> None:
+    seen = scan(MESSAGES_STREAM, cut)
+    assert seen[0] == (23, 0, False)  # message_start: the prompt, before any output
+    assert seen[-2:] == [(23, 4, False), (23, 4, True)]
+    assert [s[1] for s in seen] == [0, 0, 1, 2, 2, 4, 4]
+
+
+def test_finish_reasons_are_the_ledgers_usual_ones() -> None:
+    scanner = EventScanner()
+    for payload in EventSplitter().feed(MESSAGES_STREAM):
+        scanner.event(payload)
+    assert scanner.progress.finish_reason == "length"
+    assert answer_usage("messages", {"stop_reason": "end_turn", "usage": {
+        "input_tokens": 3, "output_tokens": 2}}) == (3, 2, "stop")
+    assert answer_usage("responses", {"status": "completed", "usage": {
+        "input_tokens": 3, "output_tokens": 2}}) == (3, 2, "stop")
+    assert answer_usage("responses", {"status": "incomplete", "incomplete_details": {
+        "reason": "max_output_tokens"}, "usage": {"input_tokens": 3, "output_tokens": 9}}) \
+        == (3, 9, "length")
+
+
+def test_errors_end_a_stream_with_an_error() -> None:
+    scanner = EventScanner()
+    scanner.event(b'{"type":"error","error":{"type":"overloaded_error","message":"busy"}}')
+    assert scanner.progress.error == {"type": "overloaded_error", "message": "busy"}
+    scanner = EventScanner()
+    scanner.event(b'{"response":{"status":"failed","error":{"code":"server_error"}},'
+                  b'"sequence_number":3,"type":"response.failed"}')
+    assert scanner.progress.done and scanner.progress.error == {"code": "server_error"}
+
+
+def test_batched_completion_chunks_sum_each_prompts_count() -> None:
+    """vLLM's per-chunk usage counts its own prompt: choice i of n belongs to prompt i // n."""
+    rewriter = ChunkRewriter(False, False, n=2, prompts=2)
+    for index, prompt, done in ((0, 5, 1), (2, 6, 1), (3, 6, 1), (1, 5, 1), (0, 5, 2)):
+        rewriter.event(json.dumps({"choices": [{"index": index, "text": "x"}], "usage": {
+            "prompt_tokens": prompt, "completion_tokens": done}}).encode())
+    assert rewriter.progress.prompt_tokens == 11 and rewriter.progress.completion_tokens == 5
+
+
+def body(kind: str, **fields: object) -> dict[str, object]:
+    return {"model": "tiny", **fields}
+
+
+def test_each_api_names_its_own_output_limit() -> None:
+    req = parse_request("responses", body("responses", input="hi", max_output_tokens=7))
+    assert (req.max_tokens, req.max_tokens_field, req.n) == (7, "max_output_tokens", 1)
+    req = parse_request("messages", body("messages", messages=[{"role": "user", "content": "x"}],
+                                         max_tokens=5))
+    assert (req.max_tokens, req.max_tokens_field) == (5, "max_tokens")
+    with pytest.raises(GatewayError, match="'max_tokens' is required"):
+        parse_request("messages", body("messages", messages=[{"role": "user", "content": "x"}]))
+    req = parse_request("completion", body("completion", prompt=["a", "b", "c"], n=2))
+    assert (req.prompts, req.sequences) == (3, 6)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": ""}, "input"),
+    ({}, "input"),
+])
+def test_responses_that_need_a_stored_response_are_refused(fields: dict, param: str) -> None:
+    with pytest.raises(GatewayError) as info:
+        parse_request("responses", body("responses", **fields))
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_the_engine_gets_the_tenants_identity_and_no_store() -> None:
+    req = parse_request("responses", body("responses", input="hi", store=True, priority=-5,
+                                          request_id="resp_theirs",
+                                          vllm_xargs={"output_rate_user": "other"}))
+    sent = json.loads(engine_body(req, user="acme", rate=20.0, priority=10, max_tokens=9,
+                                  request_id="tpg-1"))
+    assert sent["vllm_xargs"]["output_rate_user"] == "acme"
+    assert (sent["store"], sent["priority"], sent["max_output_tokens"], sent["request_id"]) \
+        == (False, 10, 9, "resp_tpg-1")
+    assert "stream_options" not in sent
+    req = parse_request("messages", body("messages", messages=[{"role": "user", "content": "x"}],
+                                         max_tokens=5, stream=True, priority=-5))
+    sent = json.loads(engine_body(req, user="acme", rate=None, priority=10, max_tokens=5))
+    assert "priority" not in sent and "stream_options" not in sent
+    assert sent["vllm_xargs"] == {"output_rate_user": "acme"}
+
+
+def test_prompts_are_counted_as_the_engine_renders_them() -> None:
+    req = parse_request("responses", body("responses", instructions="Be terse.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"}],
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]))
+    [(path, sent)] = count_calls(req)
+    assert path == "/tokenize" and sent == responses_as_chat("tiny", req.body)
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "assistant", "tool"]
+    assert sent["messages"][1]["content"] == [{"type": "text", "text": "hi"}]
+    assert sent["tools"] == [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]
+    req = parse_request("messages", body("messages", system="s", max_tokens=3,
+                                         messages=[{"role": "user", "content": "x"}]))
+    [(path, sent)] = count_calls(req)
+    assert path == "/v1/messages/count_tokens" and "max_tokens" not in sent
+    req = parse_request("completion", body("completion", prompt=["a", "b"]))
+    assert [c[1]["prompt"] for c in count_calls(req)] == ["a", "b"]
