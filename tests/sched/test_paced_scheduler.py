@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.sched._harness import NS, Sim, make_sim, max_in_window
+from tokenpace.engine._aborted import tokenpace_aborted_outputs
 from tokenpace.pacing import MAX_IDLE_WAIT_S
 
 pytestmark = pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -220,6 +221,30 @@ def test_abort_of_a_throttled_request(tiny_model, is_async):
     assert "r1" not in sim.scheduler.requests
     assert_rate(sim, "u", 2, 2.5)
     assert sim.per_request("u")["r0"] >= 4  # r0 carries on alone
+
+
+def test_an_aborted_requests_count_is_kept_for_the_gateway(tiny_model, is_async):
+    """The client left a Responses stream: the API server aborts the request, and the
+    gateway asks what it generated, by the id it knows (vLLM's random suffix off)."""
+    rid = "resp_tpg-1f2e-abcdef12"
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20))
+    sim.add(rid, "u", max_tokens=100)
+    sim.add("other", "u", max_tokens=3)
+    sim.run(1.0)
+    generated = sim.scheduler.requests[rid].num_output_tokens
+    assert generated >= 10
+    sim.abort(rid)
+    sim.drain()  # "other" finishes normally: only aborts are kept
+    book = sim.scheduler.aborted_outputs
+    assert book.lookup([rid, "resp_tpg-1f2e", "other", "nobody"]) == {
+        rid: generated, "resp_tpg-1f2e": generated}
+
+    class Core:  # what the engine process runs for the utility call
+        scheduler = sim.scheduler
+
+    assert tokenpace_aborted_outputs(Core, ["resp_tpg-1f2e"]) == {
+        "output_tokens": {"resp_tpg-1f2e": generated}}
+    assert tokenpace_aborted_outputs(Core, [])["status"] == 400
 
 
 def test_idle_wait_when_every_request_is_throttled(tiny_model, is_async):

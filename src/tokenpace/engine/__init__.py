@@ -20,10 +20,12 @@ if TYPE_CHECKING:
     from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
+    from ._aborted import ABORTED_PATH
     from ._control import RATES_PATH
     from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
 _WHERE = {
+    "ABORTED_PATH": "_aborted",
     "EngineAuth": "_auth",
     "PacingConfig": "_config",
     "PacingConfigError": "_config",

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
+from ._aborted import ABORTED_PATH, handle_aborted
 from ._control import RATES_PATH, handle_rates
 from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
@@ -100,6 +101,9 @@ class RequestGuard:
             return
         if scope["type"] == "http" and scope.get("path") == RATES_PATH:
             await handle_rates(scope, receive, send)  # checks the engine key itself
+            return
+        if scope["type"] == "http" and scope.get("path") == ABORTED_PATH:
+            await handle_aborted(scope, receive, send)  # behind EngineAuth when keyed
             return
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)

@@ -46,6 +46,7 @@ import time
 from typing import Any
 
 from ._config import PacingConfig
+from ._aborted import install_aborted_outputs
 from ._control import install_rate_control
 from ._step_hint import StepHint
 
@@ -95,6 +96,7 @@ def register() -> None:
     if core is not None:
         install_idle_wait(core.EngineCoreProc)
         install_rate_control(core.EngineCoreProc)
+        install_aborted_outputs(core.EngineCoreProc)
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:
         install_worker_spin_limit(executor.WorkerProc)

@@ -50,6 +50,7 @@ from ..pacing import (
 )
 from ._config import PacingConfig
 from ._events import EventLog
+from ._aborted import AbortedOutputs, install_aborted_outputs
 from ._control import install_rate_control
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
 from ._modes import unsupported_modes
@@ -133,6 +134,11 @@ class _PacingMixin:
         # per user that a versioned rate was sent for, kept like the overrides it guards.
         self._rate_versions: dict[str, int] = {}
         self._steps = 0
+        # What aborted requests had generated, for the gateway (``_aborted``).
+        self.aborted_outputs = AbortedOutputs()
+        engine_core = sys.modules.get("vllm.v1.engine.core")
+        if engine_core is not None:
+            install_aborted_outputs(engine_core.EngineCoreProc)
         if not config.enabled:
             return
         refused = unsupported_modes(self.vllm_config, self)
@@ -141,7 +147,6 @@ class _PacingMixin:
                 "tokenpace output pacing does not support " + "; ".join(refused)
             )
         assert config.limits is not None
-        engine_core = sys.modules.get("vllm.v1.engine.core")
         if engine_core is not None:  # also when the plugin entry point is not loaded
             install_idle_wait(engine_core.EngineCoreProc)
             install_rate_control(engine_core.EngineCoreProc)
@@ -292,6 +297,14 @@ class _PacingMixin:
             # grants no fresh burst. Cost: a copy of the override table, per change.
             limiter.set_limits(UserRateLimits(limits.default, {**limits.overrides, **changed}))
             logger.debug("tokenpace: paced at %s tok/s (sent by the gateway)", changed)
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        """vLLM's, then the output counts of the requests it aborted are kept (the client
+        left: the API server aborts them). Cost: two dict inserts per aborted request."""
+        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        if finished_status == RequestStatus.FINISHED_ABORTED and finished:
+            self.aborted_outputs.record(finished)
+        return finished
 
     def shutdown(self) -> None:
         release_step_hint()

@@ -44,6 +44,7 @@ SCHEDULER_METHODS = (
     "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
     # (bound on the instance for a step that starts with requests waiting, see _scheduler)
     "shutdown",
+    "finish_requests",  # (request_ids, status) -> the requests it finished: aborts (_aborted)
 )
 # Request fields used to decide whether a step samples and to skip it.
 REQUEST_ATTRIBUTES = (
@@ -59,6 +60,7 @@ REQUEST_ATTRIBUTES = (
     "num_output_placeholders",
     "next_decode_eligible_step",
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
+    "num_output_tokens",  # an aborted request's count, kept for the gateway (_aborted)
 )
 
 # Methods wrapped outside the scheduler (see _hooks), as (module, class, method), and the
@@ -80,7 +82,10 @@ HOOKED_METHODS = (
 # data_parallel_hybrid_lb.
 # Rate control (_control): the API server's app.state.engine_client (AsyncLLM) has
 # engine_core with call_utility_async(method, *args); EngineCoreProc._handle_client_request
-# runs a UTILITY request as getattr(engine_core, method)(*args) in the engine's busy loop.
+# runs a UTILITY request as getattr(engine_core, method)(*args) in the engine's busy loop;
+# call_utility_all_async(method, *args) gives one answer per data-parallel rank (_aborted).
+# The API server gives each request an id of its own plus "-" and 8 random characters
+# (InputProcessor.assign_request_id), the id the scheduler's Request has.
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
 # _spin_condition whose busy_loop_s is the spin time after each message.
 SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")

@@ -8,12 +8,15 @@ one ``Exchange.finish`` with its ``Outcome``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anyio
+import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..engine import ABORTED_PATH
 from ._body import ROUTES, ParsedRequest
 from ._errors import GatewayError, anthropic_error_body, error_body, stream_error_event
 from ._settle import Exchange, Outcome
@@ -24,6 +27,54 @@ from ._upstream import Upstream, UpstreamError
 from ._watch import ClientWatch
 
 PATHS = ROUTES
+
+
+ABORT_WAIT_S = 2.0
+"""How long the gateway asks an engine for an aborted request's count: the abort reaches
+the engine's scheduler a few milliseconds after the connection closes, unless the engine
+is slow to notice; past this, the stream's own lower bound is charged."""
+ASK_EVERY_S = 0.05
+
+TURNS_ASKED = 8
+
+
+def _engine_ids(ex: Exchange) -> list[str]:
+    """The ids vLLM's API server gives the engine requests of the gateway's request ``ex``:
+    Messages, ``chatcmpl-`` and its ``x-request-id`` header; Responses, the ``request_id``
+    the gateway set, then ``_`` and the turn (``_0``; a response with built-in tools may take
+    more turns, the first ``TURNS_ASKED`` are asked for)."""
+    if ex.kind == "messages":
+        return [f"chatcmpl-{ex.id}"]
+    return [f"resp_{ex.id}_{turn}" for turn in range(TURNS_ASKED)]
+
+
+async def engine_output_count(ex: Exchange) -> int | None:
+    """The tokens the engine generated for ``ex``'s aborted request, from tokenpace's
+    engine (``POST /tokenpace/v1/aborted``); None where the engine cannot tell (plain
+    vLLM answers 404, the request finished rather than aborted, no answer in time).
+    Called only for a Responses or Messages stream that ended early: about 1 to 3 calls."""
+    assert ex.lease is not None
+    ids = _engine_ids(ex)
+    client = ex.rt.clients[ex.lease.engine.url]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ABORT_WAIT_S
+    while True:
+        try:
+            resp = await client.post(ABORTED_PATH, json={"request_ids": ids},
+                                     timeout=ABORT_WAIT_S)
+            counts = resp.json().get("output_tokens") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(counts, dict):
+            return None  # plain vLLM (404), or an engine that cannot tell
+        found = [c for c in counts.values() if isinstance(c, int)]
+        if found:
+            # Earlier turns that finished (not aborted) are not in the book: a response
+            # with built-in tools cut short in a later turn is charged that turn's count.
+            return sum(found)
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(ASK_EVERY_S)
 
 
 def _upstream_headers(ex: Exchange) -> dict[str, str]:
@@ -191,6 +242,26 @@ class StreamResponse:
                     self.batch and progress.prompt_tokens < ex.prompt_tokens):
                 # (A batch cut short reported only some prompts: the admission's count stands.)
                 ex.learn_prompt(progress.prompt_tokens)
+            if self.scanner is not None and not progress.final and ex.lease is not None \
+                    and ex.charge_usage:
+                # A Responses or Messages stream cut short: only the engine knows its count.
+                task = asyncio.get_running_loop().create_task(
+                    self._settle_with_engine_count(outcome, detail))
+                ex.rt.settling.add(task)
+                task.add_done_callback(ex.rt.settling.discard)
+            else:
+                ex.finish(outcome, detail)
+                self.watch.stop()
+
+    async def _settle_with_engine_count(self, outcome: Outcome, detail: str | None) -> None:
+        """Settle once the engine said what the aborted request generated (the slot is
+        held until then: the engine works on it until the abort lands)."""
+        ex = self.ex
+        try:
+            count = await engine_output_count(ex)
+            if count is not None:
+                ex.completion_tokens = count
+        finally:
             ex.finish(outcome, detail)
             self.watch.stop()
 

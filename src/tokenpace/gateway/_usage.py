@@ -13,7 +13,8 @@ module reads what they do say:
   a lower bound: vLLM's API server sends one event per engine step, but merges steps it
   could not send in time, and holds back a token that ends inside a UTF-8 character. A
   stream that ends before its final count (the client left, the time ran out) is charged
-  this bound; see docs/gateway.md.
+  what tokenpace's engine says the aborted request generated, or this bound where the
+  engine cannot tell (``_relay.engine_output_count``; docs/gateway.md).
 
 Cost per event: one ``bytes.startswith`` or ``rfind`` for the event's type; only the two
 or three events that carry usage are parsed as JSON.
