@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._asgi import Receive, Scope, Send, error_payload, send_json
+from ._control import install_utility
 
 ABORTED_PATH = "/tokenpace/v1/aborted"
 UTILITY_METHOD = "tokenpace_aborted_outputs"
@@ -88,15 +89,7 @@ def tokenpace_aborted_outputs(core: Any, request_ids: Any) -> dict[str, Any]:
 
 def install_aborted_outputs(engine_core_proc_cls: type) -> bool:
     """Add ``tokenpace_aborted_outputs`` to vLLM's engine-core class (once); True if added."""
-    if getattr(engine_core_proc_cls, UTILITY_METHOD, None) is not None:
-        return False
-
-    def method(self: Any, request_ids: Any) -> dict[str, Any]:
-        return tokenpace_aborted_outputs(self, request_ids)
-
-    method.__name__ = UTILITY_METHOD
-    setattr(engine_core_proc_cls, UTILITY_METHOD, method)
-    return True
+    return install_utility(engine_core_proc_cls, UTILITY_METHOD, tokenpace_aborted_outputs)
 
 
 # -- the API server ------------------------------------------------------------------------

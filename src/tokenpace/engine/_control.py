@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
@@ -90,20 +91,27 @@ def tokenpace_set_rates(core: Any, rates: Any) -> dict[str, Any]:
     return {"rates": {u: {"rate": r, "version": v} for u, (r, v) in applied.items()}}
 
 
-def install_rate_control(engine_core_proc_cls: type) -> bool:
-    """Add ``tokenpace_set_rates`` to vLLM's engine-core class (once); True if added.
+def install_utility(engine_core_proc_cls: type, name: str,
+                    function: Callable[..., dict[str, Any]]) -> bool:
+    """Add ``function(core, *args)`` to vLLM's engine-core class as method ``name`` (once);
+    True if added.
 
     vLLM runs a utility call by ``getattr(engine_core, method_name)`` in the engine
     process, so a method on the class is all a utility needs."""
-    if getattr(engine_core_proc_cls, UTILITY_METHOD, None) is not None:
+    if getattr(engine_core_proc_cls, name, None) is not None:
         return False
 
-    def method(self: Any, rates: Any) -> dict[str, Any]:
-        return tokenpace_set_rates(self, rates)
+    def method(self: Any, *args: Any) -> dict[str, Any]:
+        return function(self, *args)
 
-    method.__name__ = UTILITY_METHOD
-    setattr(engine_core_proc_cls, UTILITY_METHOD, method)
+    method.__name__ = name
+    setattr(engine_core_proc_cls, name, method)
     return True
+
+
+def install_rate_control(engine_core_proc_cls: type) -> bool:
+    """Add ``tokenpace_set_rates`` to vLLM's engine-core class (once); True if added."""
+    return install_utility(engine_core_proc_cls, UTILITY_METHOD, tokenpace_set_rates)
 
 
 # -- the API server ------------------------------------------------------------------------
