@@ -171,9 +171,12 @@ def test_a_burst_larger_than_the_engine_waits_in_the_gateway(engine: Server, gat
 
     async def watch(stop: asyncio.Event) -> None:
         nonlocal highest
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10,
+                                     headers={"authorization": f"Bearer {KEY}"}) as client:
             while not stop.is_set():
-                text = (await client.get(f"{engine.base_url}/metrics")).text
+                resp = await client.get(f"{engine.base_url}/metrics")
+                assert resp.status_code == 200, resp.text  # (the engine's key: 401 without)
+                text = resp.text
                 running = waiting = 0.0
                 for line in text.splitlines():
                     if line.startswith("vllm:num_requests_running{"):
@@ -193,10 +196,27 @@ def test_a_burst_larger_than_the_engine_waits_in_the_gateway(engine: Server, gat
     asyncio.run(main())
     rows = gateway.rows_since(t0, 96)
     assert len(rows) == 96
-    held = [r for r in rows if r.queue_ms is not None and r.queue_ms > 50]  # ~ a stream's length
-    print(f"engine held at most {highest:.0f} requests; {len(held)} of 96 waited > 50 ms in the gateway")
+    # The engine's gauges, as sampled (under load the watcher, in the client's loop, may
+    # get no sample in before the burst ends: the ledger check below carries the property).
     assert highest <= MAX_NUM_SEQS + 4
-    assert len(held) >= 96 - MAX_NUM_SEQS - 4 - 8  # margin: requests arriving after a slot freed
+    # Measured at the source, the gateway's own ledger. No slot frees before the first
+    # token of the burst (every request must first be prefilled, then decode 63 more
+    # tokens before it ends), so: of the requests that arrived before that first token, at
+    # most 36 may be dispatched before it; the others waited in the gateway. Counting the
+    # requests that waited over 50 ms instead failed once in a fresh-clone CI run beside
+    # other engines (under load the 96 streams arrive spread out), and so did taking the
+    # first request's end as the reference (the engine ends requests a while before the
+    # gateway has relayed their last byte, and the gate reads the engine's gauges).
+    # Margin 8: a gauge reading taken while dispatches are still on their way to the engine
+    # lets a few more through (quiet: 36 exactly; beside 2-3 busy loops on 2 cores: 36-38).
+    dispatched = {r.request_id: r.started_at + (r.queue_ms or 0.0) / 1000 for r in rows}
+    first_token = min(r.started_at + r.ttft_ms / 1000 for r in rows if r.ttft_ms is not None)
+    early = [r for r in rows if r.started_at < first_token]
+    waited = [r for r in early if dispatched[r.request_id] >= first_token]
+    print(f"engine held at most {highest:.0f} requests; {len(early)} of 96 arrived before the "
+          f"first token, {len(waited)} of them were dispatched after it")
+    assert len(early) - len(waited) <= MAX_NUM_SEQS + 4 + 8
+    assert len(early) >= MAX_NUM_SEQS + 4 + 10  # the burst did overrun the engine
 
 
 def test_huge_prompts_a_tenant_may_not_send_do_not_stall_others(engine: Server, gateway: GatewayProcess) -> None:
