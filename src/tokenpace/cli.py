@@ -170,6 +170,29 @@ def _cmd_bench_state(args: argparse.Namespace) -> int:
     return _bench_outputs(args, state, result)
 
 
+def _cmd_bench_tenants(args: argparse.Namespace) -> int:
+    from .bench import tenants
+
+    if args.quick:
+        args.configured, args.requests, args.repeats, args.events = [20, 2000], 400, 2, 2
+    if len(args.configured) < 2:
+        raise SystemExit("tokenpace bench tenants: error: --configured needs two counts or more "
+                         "(the first is the baseline of the CPU ratio)")
+    result = tenants.run(args.configured, args.active, args.requests, args.clients,
+                         args.repeats, args.events, args.format)
+    return _bench_outputs(args, tenants, result)
+
+
+def _counts(value: str) -> list[int]:
+    try:
+        counts = [int(v) for v in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(c <= 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"expected positive counts such as 100,10000; got {value!r}")
+    return counts
+
+
 def _modes(value: str) -> list[str]:
     modes = value.split(",")
     if not modes or any(m not in ("sync", "async") for m in modes):
@@ -377,6 +400,27 @@ def build_parser() -> argparse.ArgumentParser:
     stb.add_argument("--redis", metavar="URL", default=None,
                      help="an existing Redis (default: start a redis-server for the run)")
     stb.set_defaults(func=_cmd_bench_state)
+
+    tnb = bench_sub.add_parser(
+        "tenants", help="gateway cost against the number of configured tenants (fast upstream)",
+    )
+    _bench_common(tnb)
+    tnb.add_argument("--configured", type=_counts, default=[100, 10000],
+                     help="tenant counts to configure, one gateway each (default 100,10000; "
+                     "the first is the baseline of the CPU ratio)")
+    tnb.add_argument("--active", type=_positive_int, default=100,
+                     help="tenants that send the load, the same in every arm (default 100)")
+    tnb.add_argument("--requests", type=_positive_int, default=3000,
+                     help="streamed requests per repeat (default 3000)")
+    tnb.add_argument("--clients", type=_positive_int, default=256,
+                     help="concurrent clients (default 256)")
+    tnb.add_argument("--repeats", type=_positive_int, default=3,
+                     help="load repeats and fresh start-ups per arm (default 3)")
+    tnb.add_argument("--events", type=_positive_int, default=5,
+                     help="scrapes and reloads timed against a probe request (default 5 each)")
+    tnb.add_argument("--format", choices=("yaml", "json"), default="yaml",
+                     help="how the configuration file is written (default yaml)")
+    tnb.set_defaults(func=_cmd_bench_tenants)
     return parser
 
 

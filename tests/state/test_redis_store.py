@@ -207,7 +207,7 @@ def test_closed_fails_fast_and_recovers(redis_server: RedisServer, failure: str)
             for _ in range(10):
                 for call in (lambda: store.reserve("a", [spec], 100),
                              lambda: store.acquire([running_slot("a", 4)]),
-                             lambda: store.lift("l", "a", ["b"])):
+                             lambda: store.lift("l", "a")):
                     took, result = await _timed(call)
                     waits.append(took)
                     assert isinstance(result, StateUnavailable)
@@ -255,7 +255,7 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
         try:
             held = await store.acquire([running_slot("a", 4)])
             assert isinstance(held, Lease) and held.store is store.primary
-            admitted = await store.admit("b", [spec], 100, queued_slot("b", 4), "l", ["a"])
+            admitted = await store.admit("b", [spec], 100, queued_slot("b", 4), "l")
             assert isinstance(admitted, Admission)
             redis_server.kill()
             # Admitted through Redis, dispatched and settled while it is down: no error.
@@ -318,15 +318,22 @@ def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
             await one.flush()
             assert await two.counters("batch", ["a", "b"]) == {"a": 42.5, "b": 0.0}
             # Nobody backlogged: b is lifted to the largest counter of the lane.
-            assert await two.lift("batch", "b", ["a", "c"]) == 42.5
+            assert await two.lift("batch", "b") == 42.5
+            assert await two.lift("batch", "c") == 42.5  # b never took a queued place
             waiting = await one.acquire([queued_slot("c", None)])
             assert isinstance(waiting, Lease)
-            two.charge("batch", "c", 10.0)
+            await two.lift("batch", "c")
+            assert await two.counters("batch", ["c"]) == {"c": 42.5}
+            # c is backlogged with counter 42.5: d is lifted to 42.5; a counter above the
+            # floor is never lowered.
+            two.charge("batch", "a", 100.0)
             await two.flush()
-            # c is backlogged with counter 10 < 42.5: d is lifted to 10 only.
-            assert await one.lift("batch", "d", ["a", "b", "c"]) == 10.0
-            # A counter above the floor is never lowered.
-            assert await one.lift("batch", "a", ["b", "c", "d"]) == 42.5
+            assert await one.lift("batch", "d") == 42.5
+            assert await one.lift("batch", "a") == 142.5
+            # c's place given back: it left the backlog, and the lane's largest counter
+            # (a's 142.5) is what a newcomer is lifted to.
+            await one.release(waiting)
+            assert await one.lift("batch", "e") == 142.5
             await one.record_dispatch("batch", 100.0)
             await two.record_dispatch("interactive", 300.0)
             assert await one.lane_costs(["batch", "interactive", "x"], 30.0) == {
@@ -389,12 +396,12 @@ def test_stage_calls_admit_dispatch_finish(redis_server: RedisServer, kind: str)
             store.charge("batch", "b", 70.0)
             if isinstance(store, RedisStore):
                 await store.flush()
-            admitted = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch", ["b"])
+            admitted = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch")
             assert isinstance(admitted, Admission)
             assert admitted.counter == 70.0  # lifted to b's counter (b idle: the largest)
-            full = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch", ["b"])
+            full = await store.admit("a", [spec], 300, queued_slot("a", 1), "batch")
             assert isinstance(full, SlotRefusal) and full.claim.key == "queued:a"
-            poor = await store.admit("a", [spec], 800, queued_slot("a", 5), "batch", ["b"])
+            poor = await store.admit("a", [spec], 800, queued_slot("a", 5), "batch")
             assert isinstance(poor, BudgetRefusal)
             assert poor.remaining == pytest.approx(700, abs=0.01)  # nothing taken by refusals
             engine = SlotClaim("engine:e1", 1)

@@ -1,5 +1,5 @@
 """Gauges read at scrape time: a budget's level is the bucket's level now, and a tenant a
-reload removed has no series (issue 15.6)."""
+reload removed has no series (issue 15.6); only active tenants have series (issue 28)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def cfg(*tenants: dict[str, Any]) -> Any:
 
 def levels() -> dict[tuple[str, str], float]:
     out = {}
-    for family in metrics.REGISTRY.collect():
+    for family in metrics._Page([g.family() for g in metrics.LIVE]).collect():
         for sample in family.samples:
             if sample.name == "tokenpace_gateway_budget_remaining_tokens":
                 out[(sample.labels["tenant"], sample.labels["budget"])] = sample.value
@@ -31,6 +31,9 @@ def test_budget_level_is_read_when_scraped_and_removed_tenants_vanish() -> None:
     tenants = Tenants(cfg(a, b), lambda: now[0])
     metrics.BUDGET_REMAINING.source = tenants.budget_samples
     try:
+        assert levels() == {}  # no traffic yet: no series
+        tenants.touch(tenants.get("a"))
+        tenants.touch(tenants.get("b"))
         tenants.get("a").try_reserve(300.0, now[0])
         assert levels()[("a", "300/1m")] == 0.0
         now[0] = 30.0  # no request since: the pushed gauge stayed at 0
@@ -39,3 +42,4 @@ def test_budget_level_is_read_when_scraped_and_removed_tenants_vanish() -> None:
         assert set(levels()) == {("a", "300/1m")}
     finally:
         metrics.BUDGET_REMAINING.source = None
+        metrics.forget_tenant("a")

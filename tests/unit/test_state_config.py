@@ -108,12 +108,17 @@ def test_local_lift_forfeits_idle_credit() -> None:
     async def run() -> None:
         store.charge("l", "a", 100.0)
         # Nobody backlogged: b is lifted to the largest counter of the lane.
-        assert await store.lift("l", "b", ["a"]) == 100.0
+        assert await store.lift("l", "b") == 100.0
         store.charge("l", "b", 50.0)
         lease = await store.acquire([queued_slot("b", None)])
         assert isinstance(lease, Lease)
         # b is backlogged at 150: c is lifted to 150, the smallest backlogged counter.
-        assert await store.lift("l", "c", ["a", "b"]) == 150.0
+        assert await store.lift("l", "c") == 150.0
+        await store.release(lease)
+        store.charge("l", "c", 500.0)
+        # b left the backlog (its place given back): d goes to c's 650, the only one waiting.
+        await store.acquire([queued_slot("c", None)])
+        assert await store.lift("l", "d") == 650.0
 
     asyncio.run(run())
 

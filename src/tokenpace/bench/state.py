@@ -52,7 +52,7 @@ ROUND_TRIPS = 3
 
 async def _one(store: StateStore, tenant: str) -> None:
     admitted = await store.admit(tenant, [BUDGET], 300.0, queued_slot(tenant, 10_000),
-                                 "default", TENANTS)
+                                 "default")
     assert isinstance(admitted, Admission)
     running = await store.dispatch(
         [running_slot(tenant, 10_000), engine_slot("http://e1", 10_000)], admitted.queued,

@@ -29,13 +29,19 @@ the store: the dispatcher reads it and hands the values in.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
+
+_COMPACT_SLACK = 32
+"""A lane's heap is rebuilt from its backlog once it holds more than twice as many entries
+as backlogged tenants plus this: stale entries (a counter charged while its tenant waits
+pushes a new one) are dropped lazily, and this bounds what they can pile up to."""
 
 
 @dataclass(frozen=True)
@@ -64,23 +70,43 @@ class _Tenant(Generic[T]):
     counter: float = 0.0  # service / weight
     queue: deque[_Entry[T]] = field(default_factory=deque)
     queued_cost: float = 0.0
+    stamp: int = 0  # bumped whenever its place in its lane's heap changes
+
+
+@dataclass
+class _Backlog(Generic[T]):
+    """One lane's backlogged tenants, and a heap that orders them for dispatch.
+
+    Heap entries are ``(counter, seq of the tenant's oldest request, stamp, tenant)`` (the
+    counter is 0 in FCFS order); an entry whose stamp is not its tenant's current one is
+    stale and skipped. Only tenants with waiting requests are here, so the cost of a choice
+    depends on how many tenants wait, never on how many are configured.
+    """
+
+    tenants: dict[str, _Tenant[T]] = field(default_factory=dict)
+    heap: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
 class FairQueue(Generic[T]):
-    """Waiting requests of one engine, in the order lanes and VTC dispatch them.
+    """Waiting requests of one engine pool, in the order lanes and VTC dispatch them.
 
     ``fair=False`` turns the queue into first come, first served across tenants (lanes
     still apply): the baseline the fairness tests and benchmarks compare against.
+
+    Cost: every operation is O(log w) in the ``w`` tenants waiting in a lane (a heap per
+    lane), plus the tenants the dispatcher's ``eligible`` test turns down on the way; none
+    depends on how many tenants are declared. Declaring one is a dict entry.
     """
 
     def __init__(self, lanes: Sequence[LaneSpec], clock: Callable[[], float],
                  share_window_s: float = 30.0, *, fair: bool = True, lift: bool = True) -> None:
         self._clock = clock
         self.share_window_s = share_window_s
-        self.fair = fair
+        self._fair = fair
         self.lift = lift
         self._seq = count()
         self._tenants: dict[str, _Tenant[T]] = {}
+        self._backlogs: dict[str, _Backlog[T]] = {}
         self._where: dict[T, str] = {}
         self._last_left: dict[str, float] = {}
         self._window: deque[tuple[float, str, float]] = deque()
@@ -93,9 +119,23 @@ class FairQueue(Generic[T]):
 
     # -- configuration ---------------------------------------------------------------
 
+    @property
+    def fair(self) -> bool:
+        return self._fair
+
+    @fair.setter
+    def fair(self, value: bool) -> None:
+        """Switch between VTC and FCFS order (the heaps are keyed on it: rebuilt)."""
+        if value != self._fair:
+            self._fair = value
+            for backlog in self._backlogs.values():
+                self._rebuild(backlog)
+
     def set_lanes(self, lanes: Sequence[LaneSpec]) -> None:
         self._lanes = sorted(lanes, key=lambda lane: lane.priority)
         self._lane_names = {lane.name for lane in self._lanes}
+        for lane in self._lanes:
+            self._backlogs.setdefault(lane.name, _Backlog())
 
     def set_tenant(self, tenant: str, lane: str, weight: float) -> None:
         """Declare or update a tenant. Its counter is kept: the new weight only divides
@@ -110,50 +150,55 @@ class FairQueue(Generic[T]):
         if state.lane != lane and not state.queue:
             state.lane = lane
 
+    def declared(self, tenant: str) -> bool:
+        return tenant in self._tenants
+
+    def declared_tenants(self) -> list[str]:
+        return list(self._tenants)
+
     # -- queue operations ------------------------------------------------------------
 
     def push(self, item: T, tenant: str, prompt_cost: float, estimate: float) -> None:
         """Queue ``item``. ``prompt_cost`` is charged at dispatch; ``estimate`` (prompt +
         max output cost) is what the lane shares count."""
         state = self._tenants[tenant]
-        if not state.queue and self.lift:
-            floor = self._lift_floor(state.lane, exclude=tenant)
-            if floor is not None and floor > state.counter:
-                state.counter = floor
-        state.queue.append(_Entry(item, next(self._seq), prompt_cost, estimate))
+        entry = _Entry(item, next(self._seq), prompt_cost, estimate)
+        if not state.queue:
+            if self.lift:
+                floor = self._lift_floor(state.lane)
+                if floor is not None and floor > state.counter:
+                    state.counter = floor
+            state.queue.append(entry)
+            self._backlogs[state.lane].tenants[tenant] = state
+            self._place(tenant, state)
+        else:
+            state.queue.append(entry)  # its oldest request, and so its place, is unchanged
         state.queued_cost += estimate
         self._where[item] = tenant
 
     def remove(self, item: T) -> bool:
-        """Take a waiting item out (cancelled, timed out); False if it is not queued."""
+        """Take a waiting item out (cancelled, timed out); False if it is not queued.
+        O(the tenant's queue)."""
         tenant = self._where.pop(item, None)
         if tenant is None:
             return False
         state = self._tenants[tenant]
-        for entry in state.queue:
-            if entry.item == item:
-                state.queue.remove(entry)
-                state.queued_cost -= entry.estimate
-                break
-        if not state.queue:
-            self._last_left[state.lane] = state.counter
+        self._unlink(tenant, state, next(e for e in state.queue if e.item == item))
         return True
 
     def pop(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
         """The next item to dispatch among tenants for which ``eligible(tenant)`` holds."""
         now = self._clock()
         self._trim(now)
-        lane = self._choose_lane(eligible)
-        if lane is None:
+        chosen = self._choose(eligible)
+        if chosen is None:
             return None
-        tenant, state = self._choose_tenant(lane, eligible)
-        entry = state.queue.popleft()
-        state.queued_cost -= entry.estimate
+        tenant, state = chosen
+        entry = state.queue[0]
         del self._where[entry.item]
         state.counter += entry.prompt_cost / state.weight
-        if not state.queue:
-            self._last_left[lane] = state.counter
-        self._count(now, lane, entry.estimate)
+        self._unlink(tenant, state, entry)
+        self._count(now, state.lane, entry.estimate)
         return entry.item
 
     def peek(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
@@ -161,12 +206,10 @@ class FairQueue(Generic[T]):
 
         For a dispatcher that must ask someone else before it dispatches (gateway replicas
         take a global slot in a shared store first): ``take`` it once the answer is yes.
-        Same cost as ``pop``'s choice: O(tenants)."""
+        Same cost as ``pop``'s choice."""
         self._trim(self._clock())
-        lane = self._choose_lane(eligible)
-        if lane is None:
-            return None
-        return self._choose_tenant(lane, eligible)[1].queue[0].item
+        chosen = self._choose(eligible)
+        return None if chosen is None else chosen[1].queue[0].item
 
     def take(self, item: T) -> bool:
         """Dispatch ``item`` (chosen by ``peek``) with ``pop``'s accounting: its prompt cost
@@ -177,31 +220,34 @@ class FairQueue(Generic[T]):
             return False
         state = self._tenants[tenant]
         entry = next(e for e in state.queue if e.item == item)
-        state.queue.remove(entry)
-        state.queued_cost -= entry.estimate
         state.counter += entry.prompt_cost / state.weight
-        if not state.queue:
-            self._last_left[state.lane] = state.counter
+        self._unlink(tenant, state, entry)
         self._count(self._clock(), state.lane, entry.estimate)
         return True
 
     def charge(self, tenant: str, cost: float) -> None:
-        """Service delivered to ``tenant`` after dispatch (output tokens as they stream)."""
+        """Service delivered to ``tenant`` after dispatch (output tokens as they stream).
+        O(1), or O(log w) while the tenant also has requests waiting (its place moves)."""
         state = self._tenants.get(tenant)
         if state is not None:
             state.counter += cost / state.weight
+            if state.queue and self._fair:
+                self._place(tenant, state)
 
     def set_counters(self, counters: Mapping[str, float]) -> None:
         """Adopt counters kept elsewhere (several gateway replicas share them in a store).
 
         A replica dispatches among its own waiting requests by the shared counters, so a
         tenant's service on every replica counts; the store also does the lift (construct
-        the queue with ``lift=False`` then). Unknown tenants are ignored. O(len(counters)).
+        the queue with ``lift=False`` then). Unknown tenants are ignored.
+        O(len(counters) x log w).
         """
         for tenant, value in counters.items():
             state = self._tenants.get(tenant)
-            if state is not None:
+            if state is not None and state.counter != value:
                 state.counter = value
+                if state.queue and self._fair:
+                    self._place(tenant, state)
 
     def set_lane_costs(self, costs: Mapping[str, float] | None) -> None:
         """Adopt each lane's cost dispatched within the window as measured elsewhere
@@ -219,10 +265,8 @@ class FairQueue(Generic[T]):
     def shares_matter(self) -> bool:
         """Whether the next choice may depend on the lane shares: two or more lanes have
         waiting requests and one below the first has a ``min_share``. Otherwise the
-        lane costs need not be fresh (a dispatcher reads shared ones only then).
-        O(tenants)."""
-        waiting = {s.lane for s in self._tenants.values() if s.queue}
-        ready = [lane for lane in self._lanes if lane.name in waiting]
+        lane costs need not be fresh (a dispatcher reads shared ones only then). O(lanes)."""
+        ready = [lane for lane in self._lanes if self._backlogs[lane.name].tenants]
         return len(ready) >= 2 and any(lane.min_share > 0 for lane in ready[1:])
 
     # -- observation -----------------------------------------------------------------
@@ -238,13 +282,19 @@ class FairQueue(Generic[T]):
         state = self._tenants.get(tenant)
         return (len(state.queue), state.queued_cost) if state else (0, 0.0)
 
+    def backlogged(self) -> Iterator[tuple[str, str]]:
+        """``(tenant, lane)`` of every tenant with a waiting request. O(w)."""
+        for lane, backlog in self._backlogs.items():
+            for tenant in backlog.tenants:
+                yield tenant, lane
+
     def debt(self, tenant: str) -> float:
         """Counter minus the smallest counter among the lane's backlogged tenants: how far
         ahead of the neediest competitor this tenant is (0 when nobody else waits)."""
         state = self._tenants.get(tenant)
         if state is None:
             return 0.0
-        floor = self._lift_floor(state.lane, exclude=None)
+        floor = self._backlog_floor(state.lane)
         return 0.0 if floor is None else state.counter - floor
 
     def lane_costs(self) -> dict[str, float]:
@@ -260,12 +310,80 @@ class FairQueue(Generic[T]):
 
     # -- internals -------------------------------------------------------------------
 
-    def _lift_floor(self, lane: str, exclude: str | None) -> float | None:
-        backlogged = [s.counter for t, s in self._tenants.items()
-                      if s.lane == lane and s.queue and t != exclude]
-        if backlogged:
-            return min(backlogged)
-        return self._last_left.get(lane)
+    def _place(self, tenant: str, state: _Tenant[T]) -> None:
+        """(Re)insert a backlogged tenant in its lane's heap at its current key."""
+        state.stamp += 1
+        backlog = self._backlogs[state.lane]
+        heapq.heappush(backlog.heap, (state.counter if self._fair else 0.0,
+                                      state.queue[0].seq, state.stamp, tenant))
+        if len(backlog.heap) > 2 * len(backlog.tenants) + _COMPACT_SLACK:
+            self._rebuild(backlog)
+
+    def _rebuild(self, backlog: _Backlog[T]) -> None:
+        """The heap from the lane's backlog alone (drops every stale entry). O(w)."""
+        backlog.heap = [(s.counter if self._fair else 0.0, s.queue[0].seq, s.stamp, t)
+                        for t, s in backlog.tenants.items()]
+        heapq.heapify(backlog.heap)
+
+    def _unlink(self, tenant: str, state: _Tenant[T], entry: _Entry[T]) -> None:
+        """``entry`` leaves ``tenant``'s queue; the tenant's place follows (O(log w))."""
+        head = state.queue[0] is entry
+        if head:
+            state.queue.popleft()
+        else:
+            state.queue.remove(entry)
+        state.queued_cost -= entry.estimate
+        if not state.queue:
+            state.stamp += 1  # its heap entries are stale now
+            del self._backlogs[state.lane].tenants[tenant]
+            self._last_left[state.lane] = state.counter
+        elif head:
+            self._place(tenant, state)
+
+    def _top(self, backlog: _Backlog[T]) -> tuple[float, int, int, str] | None:
+        """The lane's first valid heap entry (stale ones above it are dropped)."""
+        heap = backlog.heap
+        while heap:
+            top = heap[0]
+            state = backlog.tenants.get(top[3])
+            if state is not None and state.stamp == top[2]:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def _backlog_floor(self, lane: str) -> float | None:
+        """The smallest counter among the lane's backlogged tenants (None: none waits)."""
+        backlog = self._backlogs.get(lane)
+        if backlog is None or not backlog.tenants:
+            return None
+        if self._fair:
+            top = self._top(backlog)
+            return None if top is None else top[0]
+        return min(s.counter for s in backlog.tenants.values())  # FCFS order: no heap on it
+
+    def _lift_floor(self, lane: str) -> float | None:
+        floor = self._backlog_floor(lane)
+        return floor if floor is not None else self._last_left.get(lane)
+
+    def _candidate(self, backlog: _Backlog[T],
+                   eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]] | None:
+        """The lane's first tenant in heap order that ``eligible`` accepts. Those turned
+        down are set aside and put back: O((1 + turned down) x log w)."""
+        heap = backlog.heap
+        aside: list[tuple[float, int, int, str]] = []
+        found: tuple[str, _Tenant[T]] | None = None
+        while heap:
+            top = heapq.heappop(heap)
+            state = backlog.tenants.get(top[3])
+            if state is None or state.stamp != top[2]:
+                continue  # stale
+            aside.append(top)
+            if eligible(top[3]):
+                found = (top[3], state)
+                break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
 
     def _count(self, now: float, lane: str, estimate: float) -> None:
         """A dispatch's estimate in the lane shares: own window and, with adopted costs,
@@ -289,28 +407,24 @@ class FairQueue(Generic[T]):
             _, lane, cost = self._window.popleft()
             self._window_cost[lane] -= cost
 
-    def _has_work(self, lane: str, eligible: Callable[[str], bool]) -> bool:
-        return any(s.lane == lane and s.queue and eligible(t) for t, s in self._tenants.items())
-
-    def _choose_lane(self, eligible: Callable[[str], bool]) -> str | None:
-        ready = [lane for lane in self._lanes if self._has_work(lane.name, eligible)]
-        if not ready:
-            return None
-        costs = self._share_costs()
-        total = sum(costs.values())
-        for lane in ready[1:]:  # the first ready lane needs no protection
-            if costs.get(lane.name, 0.0) < lane.min_share * total:
-                return lane.name
-        return ready[0].name
-
-    def _choose_tenant(self, lane: str, eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]]:
-        best: tuple[float, int] | None = None
-        chosen: tuple[str, _Tenant[T]] | None = None
-        for tenant, state in self._tenants.items():
-            if state.lane != lane or not state.queue or not eligible(tenant):
+    def _choose(self, eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]] | None:
+        """Lanes in priority order: the first with an eligible tenant, unless a lane below
+        it with an eligible tenant has fallen under its ``min_share`` (the first such)."""
+        first: tuple[str, _Tenant[T]] | None = None
+        total: float | None = None
+        costs: Mapping[str, float] = {}
+        for lane in self._lanes:
+            backlog = self._backlogs[lane.name]
+            if not backlog.tenants:
                 continue
-            key = (state.counter if self.fair else 0.0, state.queue[0].seq)
-            if best is None or key < best:
-                best, chosen = key, (tenant, state)
-        assert chosen is not None
-        return chosen
+            if first is None:
+                first = self._candidate(backlog, eligible)
+                continue
+            if total is None:
+                costs = self._share_costs()
+                total = sum(costs.values())
+            if costs.get(lane.name, 0.0) < lane.min_share * total:
+                protected = self._candidate(backlog, eligible)
+                if protected is not None:
+                    return protected
+        return first

@@ -69,6 +69,7 @@ def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
             "Missing API key: send 'Authorization: Bearer <key>'" if not key
             else "Incorrect API key provided",
             reason="unauthenticated", code="invalid_api_key")
+    rt.tenants.series.touch(state)
     return state
 
 

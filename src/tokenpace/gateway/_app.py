@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,7 +43,7 @@ from ._tokenize import handle_tokenize
 from ._runtime import Runtime
 from ._shared_budgets import SharedBudgetLevels
 from ._state import StateStore, open_store
-from ._tenants import Tenants
+from ._tenants import ReloadPlan, Tenants
 from ._upstream import Upstream, UpstreamError
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -81,6 +81,7 @@ class Gateway:
         self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self._started = int(time.time())  # the "created" of /v1/models entries
         self._models_problem: dict[str, int] = {}  # engine -> status last warned about
+        self._reloading = asyncio.Lock()
         self.app = self  # the ASGI application to serve (``__call__``)
         self._routes = Starlette(
             routes=[
@@ -164,13 +165,14 @@ class Gateway:
             await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
                                    for e in self.rt.dispatcher.unlearned()))
             tasks = [asyncio.create_task(self._health_loop()),
-                     asyncio.create_task(self._snapshot_loop())]
+                     asyncio.create_task(self._snapshot_loop()),
+                     asyncio.create_task(self._sweep_loop())]
             if store is None:
                 metrics.BUDGET_REMAINING.source = tenants.budget_samples
             else:
                 # The process's own buckets are unused: publish the shared levels, read in
                 # the background (a scrape never waits on the store).
-                shared_levels = SharedBudgetLevels(tenants, store)
+                shared_levels = SharedBudgetLevels(tenants.series, store)
                 metrics.BUDGET_REMAINING.source = shared_levels.samples
                 tasks.append(asyncio.create_task(shared_levels.run()))
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
@@ -196,17 +198,21 @@ class Gateway:
                 if store is not None:
                     await store.close()
                 self._snapshot()
+                tenants.series.clear()
         finally:
             ledger.close()
 
     def _snapshot(self) -> None:
+        """The budget levels that changed since the last snapshot, to the ledger (its
+        writer thread writes them): an untouched tenant's saved row stays right, since a
+        restore refills it for the time since it was saved."""
         rt = self.rt
         if rt is None:
             return
         now = time.time()
         rt.ledger.save_budgets([
             BudgetState(tenant, key, level, now)
-            for tenant, levels in rt.tenants.budget_levels().items()
+            for tenant, levels in rt.tenants.changed_levels().items()
             for key, level in levels.items()
         ])
 
@@ -214,6 +220,13 @@ class Gateway:
         while True:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
             self._snapshot()
+
+    async def _sweep_loop(self) -> None:
+        """Idle tenants' series leave /metrics (``metrics_idle_after``)."""
+        assert self.rt is not None
+        while True:
+            await asyncio.sleep(self.rt.tenants.series.sweep_interval_s)
+            self.rt.tenants.series.sweep()
 
     async def _health_loop(self) -> None:
         """Engine health every 2 s: down after two failed checks in a row, up after one good one."""
@@ -300,8 +313,10 @@ class Gateway:
         if problem:
             logger.warning("%s", problem)
 
-    def reload(self) -> GatewayConfig:
-        """Re-read the configuration file; in-flight requests are not touched.
+    def _load_reload(self) -> ReloadPlan:
+        """Read, check and pair the new configuration with the live tenants: the slow part
+        of a reload (O(tenants): parsing, validation, lookup tables, new tenants' states),
+        in a worker thread while the event loop serves.
 
         Tenants, lanes, costs, timeouts and admin keys change; engines and the ledger are
         fixed for the life of the process (moving a tenant's engine would split its
@@ -309,7 +324,7 @@ class Gateway:
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
-        new = keep_engine_keys(load_config(self.config.source), self.config)
+        new = keep_engine_keys(load_config(self.config.source), self.config).build_indexes()
         if new.engines != self.config.engines:
             raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
@@ -317,12 +332,35 @@ class Gateway:
         if new.state != self.config.state:
             raise ConfigError("state: changing the state store needs a restart")
         assert self.rt is not None
-        self.rt.tenants.apply(new)
+        return self.rt.tenants.plan(new)
+
+    def _commit_reload(self, plan: ReloadPlan) -> GatewayConfig:
+        """Swap the new configuration in, on the event loop, between two requests' steps:
+        O(tenants whose configuration changed + tenants the fair queues have seen).
+        Requests in flight keep their tenant's state object, and with it what they were
+        admitted under."""
+        assert self.rt is not None
+        new = plan.config
+        self.rt.tenants.commit(plan)
         self.rt.dispatcher.configure(new)
         self.rt.config = new
         self.config = new
         logger.info("tokenpace gateway: reloaded %s: %d tenant(s)", new.source, len(new.tenants))
         return new
+
+    def reload(self) -> GatewayConfig:
+        """Re-read the configuration file, all on the calling thread (tools, tests);
+        in-flight requests are not touched."""
+        return self._commit_reload(self._load_reload())
+
+    async def reload_async(self) -> GatewayConfig:
+        """``reload`` with its slow part in a worker thread (``POST /admin/reload``); one
+        reload at a time, so two never pair against the same live states."""
+        async with self._reloading:
+            plan = await asyncio.to_thread(self._load_reload)
+            if self.rt is None:
+                raise ConfigError("the gateway stopped during the reload")
+            return self._commit_reload(plan)
 
     # -- routes ----------------------------------------------------------------------
 
@@ -371,9 +409,11 @@ class Gateway:
         return fields
 
     async def _metrics(self, request: Request) -> Response:
+        """The page: live gauges read here (O(active tenants)), text rendered in a worker
+        thread (``metrics.render``), so a scrape never holds the event loop for long."""
         if self.rt is not None:
-            self.rt.dispatcher.publish()
-        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+            self.rt.dispatcher.publish(s.id for s in self.rt.tenants.series.active())
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _admin_reload(self, request: Request) -> Response:
         key = bearer_key(request.headers.get("authorization"))
@@ -381,7 +421,7 @@ class Gateway:
             return error_response(401 if not key else 403, "an admin API key is required",
                                   code="invalid_api_key")
         try:
-            new = self.reload()
+            new = await self.reload_async()
         except ConfigError as exc:
             return error_response(400, f"reload refused, the old configuration stays: {exc}",
                                   code="invalid_config")

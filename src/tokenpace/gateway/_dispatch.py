@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -251,10 +251,22 @@ class Dispatcher:
             self._configure_queue(pool.queue, config)
 
     def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
+        """Lanes and order; the lanes and weights of the tenants the queue has seen (a
+        tenant is declared to a queue with its first request: O(tenants seen), not
+        O(configured))."""
         queue.set_lanes(_lane_specs(config))
         queue.fair = config.dispatch_order == "vtc"
-        for tenant in config.tenants:
-            queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
+        for tenant_id in queue.declared_tenants():
+            tenant = config.tenant(tenant_id)
+            if tenant is not None:
+                queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
+
+    @staticmethod
+    def _declare(queue: FairQueue[Waiter], tenant: TenantState) -> None:
+        """Declare the tenant to the queue before its first request there (a reload
+        updates it from then on: ``_configure_queue``)."""
+        if not queue.declared(tenant.id):
+            queue.set_tenant(tenant.id, tenant.config.lane, tenant.config.weight)
 
     # -- pools -------------------------------------------------------------------------
 
@@ -407,6 +419,7 @@ class Dispatcher:
         """
         waiter = Waiter(tenant, pool)
         self._states[tenant.id] = tenant
+        self._declare(pool.queue, tenant)
         pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
         tenant.queued += 1
         self._pump(pool)
@@ -519,8 +532,9 @@ class Dispatcher:
     async def close(self) -> None:
         """Stop background work (none in process; see ``SharedDispatcher``)."""
 
-    def publish(self) -> None:
-        """Refresh the fairness gauges (called when /metrics is scraped)."""
+    def publish(self, active: Iterable[str]) -> None:
+        """Refresh the fairness gauges of the ``active`` tenants (those with series; called
+        when /metrics is scraped). O(lanes + active tenants x pools)."""
         lane_cost: dict[str, float] = {}
         for pool in self.pools.values():
             for lane, cost in pool.queue.lane_costs().items():
@@ -528,7 +542,7 @@ class Dispatcher:
         total = sum(lane_cost.values())
         for lane, cost in lane_cost.items():
             metrics.LANE_SHARE.labels(lane).set(cost / total if total else 0.0)
-        for tenant_id in self._states:
+        for tenant_id in active:
             metrics.child(metrics.FAIRNESS_DEBT, tenant_id).set(
                 max((p.queue.debt(tenant_id) for p in self.pools.values()), default=0.0))
             metrics.child(metrics.QUEUED_COST, tenant_id).set(

@@ -105,7 +105,6 @@ class SharedDispatcher(Dispatcher):
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
                  store: StateStore) -> None:
         self.store = store
-        self._lane_tenants: dict[str, list[str]] = {}
         self._lane_names: list[str] = []
         self._share_window_s = config.lane_share_window_s
         super().__init__(config, clock)
@@ -120,10 +119,6 @@ class SharedDispatcher(Dispatcher):
 
     def configure(self, config: GatewayConfig) -> None:
         super().configure(config)
-        lanes: dict[str, list[str]] = {}
-        for tenant in config.tenants:
-            lanes.setdefault(tenant.lane, []).append(tenant.id)
-        self._lane_tenants = lanes
         self._lane_names = [lane.name for lane in config.lanes]
         self._share_window_s = config.lane_share_window_s
         for pool in self.pools.values():
@@ -168,6 +163,7 @@ class SharedDispatcher(Dispatcher):
         ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed)."""
         waiter = SharedWaiter(tenant, pool, prompt_cost=prompt_cost, estimate=estimate)
         self._states[tenant.id] = tenant
+        self._declare(pool.queue, tenant)
         with anyio.fail_after(timeout_s):
             engine = (self.choose(tenant, pool)
                       if not len(pool.queue) and self._may_dispatch(tenant.id) else None)
@@ -188,8 +184,7 @@ class SharedDispatcher(Dispatcher):
                 self._refused(result, tenant, engine)
             lane = tenant.config.lane
             admitted = await self._call(self.store.admit(
-                tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane,
-                self._lane_tenants.get(lane, ())))
+                tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane))
             if isinstance(admitted, SlotRefusal):
                 raise QueueFull(admitted.held)
             assert isinstance(admitted, Admission)
@@ -406,9 +401,12 @@ class SharedDispatcher(Dispatcher):
         now = self._clock()
         self._counters_at = now
         waiting: dict[str, list[str]] = {}
-        for tenant_id, state in self._states.items():
-            if state.queued:
-                waiting.setdefault(state.config.lane, []).append(tenant_id)
+        seen: set[str] = set()
+        for pool in self.pools.values():  # O(tenants waiting here), not O(configured)
+            for tenant_id, lane in pool.queue.backlogged():
+                if tenant_id not in seen:
+                    seen.add(tenant_id)
+                    waiting.setdefault(lane, []).append(tenant_id)
         reads = {lane: tenants for lane, tenants in waiting.items() if len(tenants) >= 2}
         contended = {pool: {lane_share_key(pool.model, lane): lane for lane in self._lane_names}
                      for pool in self.pools.values() if pool.queue.shares_matter()}

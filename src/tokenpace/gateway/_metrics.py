@@ -3,19 +3,28 @@
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
 without a valid key), ``lane`` a configured lane, ``model`` a name an engine serves (or
 ``""`` for a request refused before it was routed), ``reason`` and ``outcome`` come from
-small fixed sets in the code. A reload that removes a tenant removes its series.
+small fixed sets in the code. A tenant's series exist while it is active: they appear with
+its first request and go once it has been idle for ``metrics_idle_after`` (``_series``), or
+when a reload removes it; so a scrape's size follows the traffic, not the configuration.
+
+A scrape reads the live gauges on the event loop (a few values per active tenant) and
+renders the page in a worker thread (``render``): the text of thousands of series takes
+tens of milliseconds to format, which requests in flight must not wait out.
 Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
 deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
+    Metric,
+    generate_latest,
     Counter,
     Gauge,
     Histogram,
@@ -98,29 +107,61 @@ class LiveGauge(Collector):
     A gauge set on change shows the value of the last change: a token budget refills
     continuously, so a pushed level was stale between requests, and series of a tenant a
     reload removed came back with the next push. Read at scrape time, the value is the
-    bucket's level now and only configured tenants appear.
+    bucket's level now and only active configured tenants appear.
+
+    Not in ``REGISTRY``: its source reads the gateway's live state, which only the event
+    loop may touch, so a scrape reads it there (``family``) and renders the page in a
+    worker thread (``render``).
     """
 
     def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
         self.name, self.documentation, self.labels = name, documentation, labels
         self.source: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def family(self) -> GaugeMetricFamily:
+        """The samples now (on the event loop)."""
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
         if self.source is not None:
             for values, value in self.source():
                 family.add_metric(list(values), value)
-        yield family
+        return family
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield self.family()
 
     def describe(self) -> list[GaugeMetricFamily]:
         return [GaugeMetricFamily(self.name, self.documentation, labels=self.labels)]
 
 
 BUDGET_REMAINING = LiveGauge(
-    "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget.",
-    ["tenant", "budget"],
+    "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget "
+    "(active tenants).", ["tenant", "budget"],
 )
-REGISTRY.register(BUDGET_REMAINING)
+LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING,)
+
+
+class _Page:
+    """What one scrape exports: the registry, and the live gauges as read on the loop."""
+
+    def __init__(self, live: list[Metric]) -> None:
+        self._live = live
+
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+        yield from self._live
+
+
+def exposition() -> bytes:
+    """The whole page, rendered on the calling thread (tests, tools)."""
+    return generate_latest(_Page([gauge.family() for gauge in LIVE]))  # type: ignore[arg-type]
+
+
+async def render() -> bytes:
+    """The whole page for a scrape: the live gauges read here, on the event loop (O(active
+    tenants)), the text rendered in a worker thread. The registry's metrics are safe to
+    collect from another thread (each copies its series under its own lock)."""
+    page = _Page([gauge.family() for gauge in LIVE])
+    return await asyncio.to_thread(generate_latest, page)  # type: ignore[arg-type]
 FAIRNESS_DEBT = Gauge(
     "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
     "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
@@ -167,55 +208,57 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     QUEUED_COST: ("tenant",),
     OUTPUT_RATE: ("tenant",),
 }
+_TENANT_AT = {metric: names.index("tenant") for metric, names in _LABELS.items()}
 
 
 # (metric, label values) -> bound child. ``metric.labels(...)`` validates its arguments,
 # builds a key and takes the metric's lock on every call; the request path binds the same
 # few children for every request of a tenant, so it binds them once here. Bounded like the
-# series themselves: forget_tenant prunes a removed tenant's entries.
+# series themselves: forget_tenant prunes a tenant's entries.
 _CHILDREN: dict[tuple[Counter | Gauge | Histogram, tuple[str, ...]], Any] = {}
+# tenant -> the keys of its bound series: what forget_tenant removes, without looking
+# through any other tenant's series.
+_OF_TENANT: dict[str, list[tuple[Counter | Gauge | Histogram, tuple[str, ...]]]] = {}
 
 
 def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
     """``metric.labels(*values)``, bound once (one dict lookup per call afterwards).
 
-    Only for metrics listed in ``_LABELS`` (whose series forget_tenant prunes together with
-    the cache) or whose series are never removed (the per-model ones), and never for a
-    series that is removed elsewhere (OUTPUT_RATE).
+    Every series with a ``tenant`` label (the metrics in ``_LABELS``) is made here, so that
+    forget_tenant finds all of a tenant's series in its own index.
     """
     key = (metric, values)
     bound = _CHILDREN.get(key)
     if bound is None:
         bound = _CHILDREN[key] = metric.labels(*values)
+        at = _TENANT_AT.get(metric)
+        if at is not None:
+            _OF_TENANT.setdefault(values[at], []).append(key)
     return bound
 
 
 def forget_tenant(tenant: str) -> None:
-    """Drop every series of a tenant that a reload removed, so labels stay bounded."""
-    for metric, names in _LABELS.items():
-        for values in _series_of(metric, names, tenant):
-            _CHILDREN.pop((metric, values), None)  # a removed series' child no longer exports
+    """Drop every series of a tenant (idle, or removed by a reload). O(its series)."""
+    for key in _OF_TENANT.pop(tenant, ()):
+        metric, values = key
+        if _CHILDREN.pop(key, None) is not None:
             with suppress(KeyError):
                 metric.remove(*values)
 
 
-def _series_of(metric: Counter | Gauge | Histogram, names: tuple[str, ...],
-               tenant: str) -> set[tuple[str, ...]]:
-    """The label values of ``tenant``'s series of ``metric``: those it exports and those
-    bound in the child cache (the same ones, unless a series was removed elsewhere)."""
-    at = names.index("tenant")
-    found = {values for m, values in _CHILDREN if m is metric and values[at] == tenant}
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.labels.get("tenant") == tenant:
-                found.add(tuple(sample.labels[n] for n in names))
-    return found
+def has_series(tenant: str) -> bool:
+    return tenant in _OF_TENANT
 
 
 def publish_output_rate(tenant: str, rate: float | None) -> None:
     """Set (or, without a rate, remove) a tenant's configured-rate series."""
-    if rate is None:
+    if rate is not None:
+        child(OUTPUT_RATE, tenant).set(rate)
+        return
+    key = (OUTPUT_RATE, (tenant,))
+    if _CHILDREN.pop(key, None) is not None:
         with suppress(KeyError):
             OUTPUT_RATE.remove(tenant)
-    else:
-        OUTPUT_RATE.labels(tenant).set(rate)
+        keys = _OF_TENANT.get(tenant)
+        if keys is not None:
+            keys.remove(key)

@@ -161,6 +161,7 @@ class Exchange:
         if self.lease is not None:
             self.tenant.record_service(e2e - (self.queue_s or 0.0))
         reason = outcome.finish_reason(detail)
+        rt.tenants.touch(self.tenant)  # the series stay for metrics_idle_after from here
         tenant, lane = self.tenant.id, self.lane
         # An engine's finish reason is passed on as it is; its label is the part before a
         # colon, as for "rejected:<reason>".

@@ -7,8 +7,10 @@ a scrape must not wait on the network, so the levels are read in the background 
 ``REFRESH_S`` and the scrape publishes the last reading: a level is at most ``REFRESH_S``
 (plus one round trip) old, which is finer than any budget window worth alerting on.
 
-Cost: one store call (one Redis script) per tenant with budgets per refresh, off every
-request's path; about 2 store calls a second with 4 budgeted tenants.
+Only the active tenants' levels are read (those with series on /metrics, ``_series``):
+one store call (one Redis script) per active tenant with budgets per refresh, off every
+request's path; about 2 store calls a second with 4 active budgeted tenants, however many
+are configured.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
+from ._series import TenantSeries
 from ._state import StateStore, StateUnavailable
-from ._tenants import Tenants
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -28,18 +30,18 @@ REFRESH_S = 2.0
 class SharedBudgetLevels:
     """The last levels read from the store, for the gauge at scrape time."""
 
-    def __init__(self, tenants: Tenants, store: StateStore) -> None:
+    def __init__(self, tenants: TenantSeries, store: StateStore) -> None:
         self._tenants = tenants
         self._store = store
         self._levels: dict[tuple[str, str], float] = {}
 
     async def refresh(self) -> None:
-        """Read every budgeted tenant's levels. A store that does not answer leaves no
-        series rather than stale ones (its outage shows in ``state_up``); a tenant removed
-        by a reload drops out with the next reading."""
+        """Read every active budgeted tenant's levels. A store that does not answer leaves
+        no series rather than stale ones (its outage shows in ``state_up``); a tenant
+        removed by a reload, or gone idle, drops out with the next reading."""
         levels: dict[tuple[str, str], float] = {}
         try:
-            for state in self._tenants:
+            for state in self._tenants.active():
                 budgets = state.config.budgets
                 if budgets:
                     for key, level in (await self._store.budget_levels(state.id, budgets)).items():

@@ -2,17 +2,21 @@
 
 A reload swaps each tenant's ``config`` in place, so requests in flight keep counting
 against the same state object and nothing is dropped; budgets whose definition did not
-change keep their level.
+change keep their level. The reload is built in two steps so that thousands of tenants
+never stall the event loop: ``plan`` (any thread) pairs the new configuration with the
+live states and makes the new tenants' states; ``commit`` (the event loop) swaps it in,
+touching only the tenants whose configuration changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from ..fairness import BudgetRefusal, TenantBudgets
-from . import _metrics as metrics
 from ._config import GatewayConfig, TenantConfig
+from ._series import TenantSeries
 
 
 TOKENIZE_SLOTS_PER_TENANT = 2
@@ -34,6 +38,9 @@ class TenantState:
         # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
         # for each other here instead of taking every tokenizer slot of the engine.
         self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
+        # Budget levels changed since the last snapshot to the ledger: the snapshot writes
+        # these only (an untouched tenant's saved level still refills correctly on restore).
+        self.dirty = False
 
     @property
     def id(self) -> str:
@@ -60,10 +67,23 @@ class TenantState:
         return limit is not None and self.queued >= limit
 
     def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
+        self.dirty = True
         return self.budgets.try_reserve(cost, now)
 
     def settle(self, reserved: float, actual: float, now: float) -> None:
+        self.dirty = True
         self.budgets.settle(reserved, actual, now)
+
+
+@dataclass
+class ReloadPlan:
+    """A reloaded configuration paired with the live states (``Tenants.plan``)."""
+
+    config: GatewayConfig
+    states: dict[str, TenantState]
+    changed: list[tuple[TenantState, TenantConfig]]  # live states whose configuration changed
+    removed: list[str]
+    at: float
 
 
 class Tenants:
@@ -71,53 +91,92 @@ class Tenants:
 
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
                  saved_levels: dict[str, dict[str, tuple[float, float]]] | None = None) -> None:
-        """``saved_levels``: tenant -> budget key -> (level, seconds since it was saved)."""
+        """``saved_levels``: tenant -> budget key -> (level, seconds since it was saved).
+        O(tenants), no metrics: a tenant's series appear with its first request."""
         self._clock = clock
         now = clock()
         saved_levels = saved_levels or {}
         self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
-        for state in self._states.values():
-            metrics.publish_output_rate(state.id, state.config.output_tokens_per_second)
-            metrics.INFLIGHT.labels(state.id).set(0)
-            metrics.QUEUED.labels(state.id).set(0)
+        self.series = TenantSeries(config.metrics_idle_after_s, clock)
 
     def get(self, tenant_id: str) -> TenantState | None:
         return self._states.get(tenant_id)
 
-    def __iter__(self) -> Iterable[TenantState]:
+    def __iter__(self) -> Iterator[TenantState]:
         return iter(list(self._states.values()))
 
-    def apply(self, config: GatewayConfig) -> None:
-        """Take a reloaded configuration: update, add and remove tenants.
+    def __len__(self) -> int:
+        return len(self._states)
 
-        A removed tenant's requests in flight still finish against their own state object;
+    def touch(self, state: TenantState) -> None:
+        """A request of the tenant arrived or ended: its series stay on /metrics (unless a
+        reload removed it meanwhile). Per request: a dict lookup, a clock read, a store."""
+        if self._states.get(state.id) is state:
+            self.series.touch(state)
+
+    def plan(self, config: GatewayConfig) -> ReloadPlan:
+        """Pair a reloaded configuration with the live states: O(tenants), and safe to run
+        in a worker thread while the event loop serves (it reads the live map and each
+        state's ``config``, which only ``commit`` replaces, and creates the new tenants'
+        states, which nothing else sees yet)."""
+        now = self._clock()
+        live = self._states
+        states: dict[str, TenantState] = {}
+        changed: list[tuple[TenantState, TenantConfig]] = []
+        for tenant in config.tenants:
+            state = live.get(tenant.id)
+            if state is None:
+                state = TenantState(tenant, now)
+            elif state.config != tenant:
+                changed.append((state, tenant))
+            states[tenant.id] = state
+        removed = [tenant_id for tenant_id in live if tenant_id not in states]
+        return ReloadPlan(config, states, changed, removed, now)
+
+    def commit(self, plan: ReloadPlan) -> None:
+        """Swap a plan in (on the event loop): O(changed + removed tenants).
+
+        A changed tenant keeps its state object, so its requests in flight go on counting
+        against it; its budgets keep their levels where their definition did not change. A
+        removed tenant's requests in flight still finish against their own state object;
         only its metrics series go, since it can no longer send requests.
         """
         now = self._clock()
-        new_states: dict[str, TenantState] = {}
-        for tenant in config.tenants:
-            state = self._states.get(tenant.id)
-            if state is None:
-                state = TenantState(tenant, now)
-                metrics.INFLIGHT.labels(state.id).set(0)
-                metrics.QUEUED.labels(state.id).set(0)
-            else:
+        for state, tenant in plan.changed:
+            if state.config.budgets != tenant.budgets:
                 old_budgets = state.budgets
-                state.config = tenant
                 state.budgets = TenantBudgets(list(tenant.budgets), now)
                 state.budgets.carry_over(old_budgets, now)
-            metrics.publish_output_rate(tenant.id, tenant.output_tokens_per_second)
-            new_states[tenant.id] = state
-        for tenant_id in set(self._states) - set(new_states):
-            metrics.forget_tenant(tenant_id)
-        self._states = new_states
+                state.dirty = True
+            state.config = tenant
+            self.series.replace(state)
+        for tenant_id in plan.removed:
+            self.series.forget(tenant_id)
+        self.series.idle_after_s = plan.config.metrics_idle_after_s
+        self._states = plan.states
+
+    def apply(self, config: GatewayConfig) -> None:
+        """``plan`` and ``commit`` in one go (tests, tools)."""
+        self.commit(self.plan(config))
 
     def budget_samples(self) -> Iterator[tuple[tuple[str, str], float]]:
-        """``((tenant, budget), level)`` now, for the budget gauge at scrape time."""
+        """``((tenant, budget), level)`` now of the active tenants, for the budget gauge at
+        scrape time."""
         now = self._clock()
-        for state in self._states.values():
+        for state in self.series.active():
             for key, level in state.budgets.levels(now).items():
                 yield (state.id, key), level
+
+    def changed_levels(self) -> dict[str, dict[str, float]]:
+        """The budget levels now of the tenants whose levels changed since the last call
+        (the snapshot to the ledger). O(tenants) flag reads, once a second."""
+        now = self._clock()
+        out: dict[str, dict[str, float]] = {}
+        for state in self._states.values():
+            if state.dirty:
+                state.dirty = False
+                out[state.id] = state.budgets.levels(now)
+        return out
 
     def budget_levels(self) -> dict[str, dict[str, float]]:
         now = self._clock()

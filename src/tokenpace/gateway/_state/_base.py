@@ -138,10 +138,12 @@ class StateStore(ABC):
         """The virtual counters of ``tenants`` (missing ones are 0)."""
 
     @abstractmethod
-    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
+    async def lift(self, lane: str, tenant: str) -> float:
         """A tenant becomes backlogged: raise its counter to the smallest counter among the
-        backlogged ``others`` of its lane, or when none is backlogged to the largest counter
-        among them, so idle time banks no credit. Returns its counter.
+        lane's other backlogged tenants, or when none is backlogged to the lane's largest
+        counter, so idle time banks no credit. Returns its counter. The store keeps which
+        tenants entered the backlog, so this costs O(tenants waiting), never O(tenants of
+        the lane).
 
         (The VTC paper lifts to the counter of the tenant that left the backlog last;
         replicas do not see who left last, and the largest counter of an idle lane is that
@@ -177,11 +179,10 @@ class StateStore(ABC):
     # Each is one round trip in the shared store; these defaults compose the primitives.
 
     async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
-                    queued: SlotClaim, lane: str,
-                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+                    queued: SlotClaim, lane: str) -> Admission | BudgetRefusal | SlotRefusal:
         """Admission: a full queue refuses first, then the budgets; otherwise reserve
         ``cost``, take a queued place, and lift the tenant's counter if it was not
-        backlogged (``others``: the other tenants of its lane)."""
+        backlogged."""
         waiting = (await self.held([queued.key]))[queued.key]
         if queued.limit is not None and waiting >= queued.limit:
             return SlotRefusal(queued, waiting)
@@ -189,7 +190,7 @@ class StateStore(ABC):
         if isinstance(reservation, BudgetRefusal):
             return reservation
         if waiting == 0:
-            counter = await self.lift(lane, tenant, others)
+            counter = await self.lift(lane, tenant)
         else:
             counter = (await self.counters(lane, [tenant]))[tenant]
         place = await self.acquire([queued])

@@ -123,9 +123,9 @@ class FailoverStore(StateStore):
         return await self._decide("counters", lambda: self.primary.counters(lane, tenants),
                                   lambda: self.fallback.counters(lane, tenants))
 
-    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
-        return await self._decide("lift", lambda: self.primary.lift(lane, tenant, others),
-                                  lambda: self.fallback.lift(lane, tenant, others))
+    async def lift(self, lane: str, tenant: str) -> float:
+        return await self._decide("lift", lambda: self.primary.lift(lane, tenant),
+                                  lambda: self.fallback.lift(lane, tenant))
 
     async def record_dispatch(self, lane: str, cost: float) -> None:
         await self.fallback.record_dispatch(lane, cost)
@@ -153,11 +153,10 @@ class FailoverStore(StateStore):
     # -- one call per gateway stage ------------------------------------------------------
 
     async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
-                    queued: SlotClaim, lane: str,
-                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
+                    queued: SlotClaim, lane: str) -> Admission | BudgetRefusal | SlotRefusal:
         return await self._decide(
-            "admit", lambda: self.primary.admit(tenant, budgets, cost, queued, lane, others),
-            lambda: self.fallback.admit(tenant, budgets, cost, queued, lane, others))
+            "admit", lambda: self.primary.admit(tenant, budgets, cost, queued, lane),
+            lambda: self.fallback.admit(tenant, budgets, cost, queued, lane))
 
     async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
                        cost: float) -> Lease | SlotRefusal:

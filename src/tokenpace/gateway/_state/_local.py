@@ -28,6 +28,8 @@ class LocalStore(StateStore):
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
         self._slots: dict[str, set[str]] = {}
         self._counters: dict[str, dict[str, float]] = {}
+        self._largest: dict[str, float] = {}  # lane -> its largest counter
+        self._backlog: dict[str, set[str]] = {}  # lane -> tenants that entered its backlog
         self._dispatched: dict[str, deque[tuple[float, float]]] = {}
 
     def scaled(self, spec: BudgetSpec) -> BudgetSpec:
@@ -113,17 +115,28 @@ class LocalStore(StateStore):
 
     def charge(self, lane: str, tenant: str, amount: float) -> None:
         lane_counters = self._counters.setdefault(lane, {})
-        lane_counters[tenant] = lane_counters.get(tenant, 0.0) + amount
+        counter = lane_counters[tenant] = lane_counters.get(tenant, 0.0) + amount
+        if counter > self._largest.get(lane, 0.0):
+            self._largest[lane] = counter
 
     async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
         lane_counters = self._counters.get(lane, {})
         return {t: lane_counters.get(t, 0.0) for t in tenants}
 
-    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
+    async def lift(self, lane: str, tenant: str) -> float:
+        """As the Redis store's: O(tenants that entered the backlog and may still be in it)."""
         lane_counters = self._counters.setdefault(lane, {})
-        backlogged = [lane_counters.get(o, 0.0) for o in others if self._slots.get(f"queued:{o}")]
-        known = [lane_counters[o] for o in others if o in lane_counters]
-        floor = min(backlogged) if backlogged else max(known, default=None)
+        members = self._backlog.setdefault(lane, set())
+        backlogged = []
+        for other in list(members):
+            if other == tenant:
+                continue
+            if self._slots.get(f"queued:{other}"):
+                backlogged.append(lane_counters.get(other, 0.0))
+            else:
+                members.discard(other)
+        members.add(tenant)
+        floor = min(backlogged) if backlogged else self._largest.get(lane)
         current = lane_counters.get(tenant, 0.0)
         if floor is not None and floor > current:
             lane_counters[tenant] = current = floor

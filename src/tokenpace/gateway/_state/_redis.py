@@ -72,7 +72,7 @@ class RedisStore(StateStore):
             timeout=timeout_s, decode_responses=True))
         self._scripts = {name: self._redis.register_script(getattr(_scripts, name))
                          for name in ("RESERVE", "SETTLE", "LEVELS", "ACQUIRE", "RENEW",
-                                      "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH",
+                                      "RELEASE", "HELD", "LIFT", "LANES", "ADMIT", "DISPATCH", "CHARGES",
                                       "FINISH", "SPLIT_READ", "SPLIT_WRITE", "SPLIT_ALIVE")}
         self.healthy = True
         self._retry_at = 0.0
@@ -233,10 +233,15 @@ class RedisStore(StateStore):
         charges, self._charges = self._charges, {}
         dispatches, self._dispatches = self._dispatches, {}
 
+        by_lane: dict[str, list[str]] = {}
+        for (lane, tenant), amount in charges.items():
+            by_lane.setdefault(lane, []).extend((tenant, repr(amount)))
+
         async def send() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
-            for (lane, tenant), amount in charges.items():
-                pipe.hincrbyfloat(self._k("v", lane), tenant, amount)
+            for lane, args in by_lane.items():  # by hash: see _lanes
+                pipe.evalsha(self._scripts["CHARGES"].sha, 2, self._k("v", lane),
+                             self._k("m", lane), *args)
             if dispatches:
                 self._lanes(pipe, list(dispatches), [LANE_KEEP_S, *map(repr, dispatches.values())])
             return await pipe.execute(raise_on_error=False)
@@ -248,8 +253,10 @@ class RedisStore(StateStore):
                 self._charges[key] = self._charges.get(key, 0.0) + amount
             self._keep_dispatches(dispatches)
             raise
-        for result in out[:len(charges)]:
-            if isinstance(result, Exception):
+        for (lane, args), result in zip(by_lane.items(), out[:len(by_lane)]):
+            if isinstance(result, NoScriptError):  # Redis restarted: run it once, loading it
+                await self._script("CHARGES", [self._k("v", lane), self._k("m", lane)], args)
+            elif isinstance(result, Exception):
                 raise result  # a wrong type under a counter key: a bug, not an outage
         if dispatches:
             try:
@@ -285,10 +292,12 @@ class RedisStore(StateStore):
         pending = self._charges
         return {t: float(v or 0.0) + pending.get((lane, t), 0.0) for t, v in zip(tenants, values)}
 
-    async def lift(self, lane: str, tenant: str, others: Sequence[str]) -> float:
-        others = [o for o in others if o != tenant]
-        keys = [self._k("v", lane), *(self._k("s", f"queued:{o}") for o in others)]
-        return float(await self._script("LIFT", keys, [tenant, *others]))
+    def _lift_keys(self, lane: str) -> list[str]:
+        return [self._k("v", lane), self._k("m", lane), self._k("q", lane)]
+
+    async def lift(self, lane: str, tenant: str) -> float:
+        return float(await self._script("LIFT", self._lift_keys(lane),
+                                        [tenant, self._k("s", "queued:")]))
 
     async def record_dispatch(self, lane: str, cost: float) -> None:
         await self._script("LANES", [self._k("d", lane)], [LANE_KEEP_S, repr(float(cost))])
@@ -336,15 +345,12 @@ class RedisStore(StateStore):
     # -- one script per gateway stage ------------------------------------------------------
 
     async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
-                    queued: SlotClaim, lane: str,
-                    others: Sequence[str]) -> Admission | BudgetRefusal | SlotRefusal:
-        others = [o for o in others if o != tenant]
+                    queued: SlotClaim, lane: str) -> Admission | BudgetRefusal | SlotRefusal:
         bkeys, bargs = self._budget_args(tenant, budgets)
         place = Lease((queued.key,), self)
-        keys = [*bkeys, self._k("s", queued.key), self._k("v", lane),
-                *(self._k("s", f"queued:{o}") for o in others)]
+        keys = [*bkeys, self._k("s", queued.key), *self._lift_keys(lane)]
         args = [len(budgets), repr(float(cost)), *bargs, place.id, self.lease_ms,
-                -1 if queued.limit is None else queued.limit, tenant, *others]
+                -1 if queued.limit is None else queued.limit, tenant, self._k("s", "queued:")]
         out = await self._script("ADMIT", keys, args)
         if out[0] == "queue":
             return SlotRefusal(queued, int(out[1]))

@@ -10,7 +10,9 @@ Key layout under a prefix ``P`` (default ``tokenpace:``):
   (an absent bucket is full, so nothing idle stays in Redis).
 - ``P s:<slot key>`` sorted set lease id -> expiry in ms; expired members are purged
   whenever the set is counted, and the set itself expires after twice the lease time.
-- ``P v:<lane>`` hash tenant -> virtual counter.
+- ``P v:<lane>`` hash tenant -> virtual counter; ``P m:<lane>`` the largest of them;
+  ``P q:<lane>`` set of the tenants that entered the lane's backlog (pruned as the lift
+  finds them out of it).
 - ``P d:<lane share key>`` hash second -> cost dispatched in that second (lane shares;
   the dispatcher's key is ``<lane>@<engine url>``).
 - ``P r:<lease id>`` a released lease's tombstone (for two lease times): a renewal that
@@ -53,28 +55,36 @@ end
 """
 
 # The VTC lift: raise tenant's counter (in hash vkey) to the smallest counter among the
-# backlogged others (queued sets qkeys[i] non-empty), or to the largest when none is.
+# lane's backlogged tenants (a tenant is backlogged while its queued set qprefix..tenant
+# holds a live lease), or to the lane's largest counter (mkey) when none is. The set bkey
+# holds the tenants that entered the backlog and may still be in it: those found out of it
+# are dropped here, so a lift costs O(tenants waiting), never O(tenants of the lane). The
+# tenant joins the set: its queued place is taken next.
 _LIFT = """
-local function lift(vkey, tenant, others, qkeys)
-  local floor, largest = nil, nil
-  for i = 1, #others do
-    local c = redis.call('HGET', vkey, others[i])
-    if c then
-      c = tonumber(c)
-      if largest == nil or c > largest then largest = c end
-    else
-      c = 0
-    end
-    if redis.call('ZCOUNT', qkeys[i], '(' .. now_ms, '+inf') > 0 then
-      if floor == nil or c < floor then floor = c end
+local function lift(vkey, mkey, bkey, tenant, qprefix)
+  local floor = nil
+  local members = redis.call('SMEMBERS', bkey)
+  for i = 1, #members do
+    local other = members[i]
+    if other ~= tenant then
+      if redis.call('ZCOUNT', qprefix .. other, '(' .. now_ms, '+inf') > 0 then
+        local c = tonumber(redis.call('HGET', vkey, other) or '0')
+        if floor == nil or c < floor then floor = c end
+      else
+        redis.call('SREM', bkey, other)
+      end
     end
   end
-  if floor == nil then floor = largest end
+  if floor == nil then
+    local largest = redis.call('GET', mkey)
+    if largest then floor = tonumber(largest) end
+  end
   local current = tonumber(redis.call('HGET', vkey, tenant) or '0')
   if floor ~= nil and floor > current then
     current = floor
     redis.call('HSET', vkey, tenant, num(current))
   end
+  redis.call('SADD', bkey, tenant)
   return current
 end
 """
@@ -133,8 +143,9 @@ end
 """
 
 # One stage, one script: admission. KEYS: nb budget buckets, the tenant's queued set, the
-# lane's counter hash, the other tenants' queued sets. ARGV: nb, cost, tokens and refill/s
-# per budget, lease id, lease ms, queued limit (-1: none), tenant, the other tenants.
+# lane's counter hash, its largest counter, its backlog set. ARGV: nb, cost, tokens and
+# refill/s per budget, lease id, lease ms, queued limit (-1: none), tenant, the prefix of
+# the queued sets' keys.
 # Returns {'ok', counter} | {'budget', index, wait, remaining, reset} | {'queue', held}.
 ADMIT = _NOW + _LEVEL + _SLOTS + _LIFT + _BUDGET + """
 local nb = tonumber(ARGV[1])
@@ -154,12 +165,7 @@ if worst > 0 then return refusal(worst, levels, worst_wait, spec) end
 for i = 1, nb do store(bkeys[i], levels[i] - cost, spec[2 * i - 1], spec[2 * i]) end
 local counter = nil
 if waiting == 0 then
-  local others, qkeys = {}, {}
-  for i = nb + 3, #KEYS do
-    qkeys[#qkeys + 1] = KEYS[i]
-    others[#others + 1] = ARGV[a + 4 + (i - nb - 3)]
-  end
-  counter = lift(vkey, tenant, others, qkeys)
+  counter = lift(vkey, KEYS[nb + 3], KEYS[nb + 4], tenant, ARGV[a + 4])
 else
   counter = tonumber(redis.call('HGET', vkey, tenant) or '0')
 end
@@ -306,9 +312,19 @@ return out
 # KEYS: counters hash, then the queued slot set of every other tenant of the lane.
 # ARGV: tenant, then the other tenants. Returns the tenant's counter after the lift.
 LIFT = _NOW + _LIFT + """
-local others, qkeys = {}, {}
-for i = 2, #KEYS do qkeys[i - 1] = KEYS[i]; others[i - 1] = ARGV[i] end
-return num(lift(KEYS[1], ARGV[1], others, qkeys))
+return num(lift(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]))
+"""
+
+# Charges to one lane's counters. KEYS: the counter hash, the lane's largest counter.
+# ARGV: tenant, amount, tenant, amount, ... Keeps the largest counter (the lift of a lane
+# where nobody waits) without reading every tenant's.
+CHARGES = """
+local largest = tonumber(redis.call('GET', KEYS[2]) or '0')
+for i = 1, #ARGV, 2 do
+  local c = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1]))
+  if c > largest then largest = c end
+end
+redis.call('SET', KEYS[2], string.format('%.17g', largest))
 """
 
 # KEYS: one dispatch hash per lane. ARGV: window s, then a cost per lane (or nothing to only

@@ -1,0 +1,286 @@
+"""`tokenpace bench tenants`: what the number of configured tenants costs the gateway.
+
+A SaaS platform configures a tenant per customer, thousands of them, of which a few hundred
+send traffic at any moment. This bench holds the traffic fixed and varies only how many
+tenants the configuration lists: each arm is one gateway (its own process) in front of the
+canned fast upstream (``_fast_upstream``, its own process, so the engine is never the limit
+and its CPU is not counted), ``max_inflight`` 8 so that requests queue in the gateway's fair
+queue, two lanes, weights 1-3 and a token budget per tenant. Per arm:
+
+- start-up: from the process's spawn to its first good ``/health`` (polled every 10 ms);
+- gateway CPU per request: ``requests`` streamed completions spread round-robin over the
+  first ``active`` tenants by ``clients`` concurrent clients, the gateway process's own CPU
+  time over the requests, per repeat; the arms' ratio with a bootstrap interval of the
+  median over repeats;
+- resident memory after start-up and after the load;
+- ``/metrics``: bytes, lines and the time to answer (median of 5 scrapes), after the load;
+- the extra wait a request sees while ``/metrics`` is scraped or ``/admin/reload`` runs: a
+  probe client sends one small non-streamed request after the other; the extra wait is the
+  probe latency while the scrape or reload is in flight, minus the probe's median latency
+  of the quiet phase before (each event's worst probe; ``events`` of each kind).
+
+Nothing here is a pass/fail test: the figures go to the JSON result; the goals of issue 28
+(CPU ratio <= 1.2, no request delayed over 50 ms, start-up <= 2 s, ``/metrics`` <= 1 MB with
+100 active tenants) are printed beside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from ._environment import environment
+from .._process import Server, free_port
+from .overhead import median_interval
+
+ADMIN_KEY = "sk-bench-admin"
+LANES = ("interactive", "batch")
+STREAM_TOKENS = 16
+PROBE_GAP_S = 0.005
+QUIET_S = 2.0
+
+
+def tenant_key(i: int) -> str:
+    return f"sk-tenant-{i:05d}"
+
+
+def config_document(tenants: int, upstream: str, ledger: Path) -> dict[str, Any]:
+    """The gateway configuration of an arm: ``tenants`` tenants over two lanes."""
+    return {
+        "engines": [{"url": upstream, "models": ["tiny"], "max_inflight": 8}],
+        "lanes": [{"name": LANES[0], "priority": 0}, {"name": LANES[1], "priority": 10}],
+        "ledger": f"sqlite:///{ledger}",
+        "admin_api_keys": [ADMIN_KEY],
+        "tenants": [{"id": f"tenant-{i:05d}", "api_keys": [tenant_key(i)],
+                     "lane": LANES[i % 2], "weight": 1 + i % 3,
+                     "budgets": [{"tokens": 10_000_000, "per": "1h"}]}
+                    for i in range(tenants)],
+    }
+
+
+def write_config(document: dict[str, Any], path: Path, fmt: str) -> None:
+    """As YAML (block style, the way people write it) or as JSON (which is YAML too)."""
+    if fmt == "json":
+        path.write_text(json.dumps(document, indent=1))
+        return
+    import yaml
+
+    path.write_text(yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+
+
+def _start(config: Path, home: Path, name: str) -> tuple[Server, float]:
+    """Start a gateway; seconds from spawn to its first good /health."""
+    port = free_port()
+    t0 = time.monotonic()
+    server = Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
+                     "--port", str(port), "--log-level", "warning"], port, home / f"{name}.log")
+    deadline = t0 + 120
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if server.exited():
+                raise RuntimeError(f"gateway exited:\n{server.log_tail()}")
+            try:
+                if client.get(f"{server.base_url}/health").status_code == 200:
+                    return server, time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+    server.stop()
+    raise RuntimeError(f"gateway not ready after 120 s:\n{server.log_tail()}")
+
+
+async def _load(url: str, requests: int, clients: int, active: int) -> None:
+    """``requests`` streamed completions over the first ``active`` tenants, ``clients`` at once."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": STREAM_TOKENS, "stream": True}
+    connector = aiohttp.TCPConnector(limit=clients)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        left = iter(range(requests))
+
+        async def client() -> None:
+            for i in left:
+                headers = {"authorization": f"Bearer {tenant_key(i % active)}"}
+                async with session.post(f"{url}/v1/completions", json=body,
+                                        headers=headers) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                    async for _ in resp.content.iter_any():
+                        pass
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def _probe_events(url: str, config: Path, events: int) -> dict[str, list[float]]:
+    """Per event kind, the worst extra wait (ms) of the probe's requests in flight during it."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1}
+    probe_headers = {"authorization": f"Bearer {tenant_key(0)}"}
+    samples: list[tuple[float, float]] = []  # (sent, latency)
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=60) as probe_client, \
+            httpx.AsyncClient(timeout=120) as other:
+
+        async def probe() -> None:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                resp = await probe_client.post(f"{url}/v1/completions", json=body,
+                                               headers=probe_headers)
+                resp.raise_for_status()
+                samples.append((t0, time.monotonic() - t0))
+                await asyncio.sleep(PROBE_GAP_S)
+
+        task = asyncio.create_task(probe())
+        await asyncio.sleep(QUIET_S)
+        quiet = statistics.median(lat for _, lat in samples)
+        windows: dict[str, list[tuple[float, float]]] = {"metrics": [], "reload": []}
+        for _ in range(events):
+            for kind in windows:
+                t0 = time.monotonic()
+                if kind == "metrics":
+                    (await other.get(f"{url}/metrics")).raise_for_status()
+                else:
+                    config.touch()
+                    resp = await other.post(f"{url}/admin/reload",
+                                            headers={"authorization": f"Bearer {ADMIN_KEY}"})
+                    resp.raise_for_status()
+                windows[kind].append((t0, time.monotonic()))
+                await asyncio.sleep(0.3)
+        stop.set()
+        await task
+    out: dict[str, list[float]] = {}
+    for kind, spans in windows.items():
+        worst = []
+        for start, end in spans:
+            overlapping = [lat for sent, lat in samples if sent <= end and sent + lat >= start]
+            worst.append(round(max((lat - quiet for lat in overlapping), default=0.0) * 1000, 1))
+        out[kind] = worst
+    out["quiet_probe_ms"] = [round(quiet * 1000, 2)]
+    return out
+
+
+def _metrics_page(url: str) -> dict[str, Any]:
+    times, size, lines = [], 0, 0
+    with httpx.Client(timeout=60) as client:
+        for _ in range(5):
+            t0 = time.monotonic()
+            resp = client.get(f"{url}/metrics")
+            times.append((time.monotonic() - t0) * 1000)
+            size, lines = len(resp.content), resp.text.count("\n")
+    return {"bytes": size, "lines": lines, "ms_median": round(statistics.median(times), 1)}
+
+
+def _arm(configured: int, active: int, requests: int, clients: int, repeats: int,
+         events: int, fmt: str, upstream: str, home: Path) -> dict[str, Any]:
+    config = home / f"gateway-{configured}.{'json' if fmt == 'json' else 'yaml'}"
+    write_config(config_document(configured, upstream, home / f"ledger-{configured}.db"),
+                 config, fmt)
+    startups = []
+    for i in range(repeats):  # start-up alone, a fresh process each time
+        server, took = _start(config, home, f"startup-{configured}-{i}")
+        startups.append(took)
+        server.stop()
+    server, took = _start(config, home, f"gateway-{configured}")
+    startups.append(took)
+    try:
+        rss_start = _rss_mb(server.proc.pid)
+        asyncio.run(_load(server.base_url, 200, 32, active))  # warm-up
+        cpu_per_request = []
+        for i in range(repeats):
+            cpu0 = server.cpu_seconds()
+            t0 = time.monotonic()
+            asyncio.run(_load(server.base_url, requests, clients, active))
+            wall = time.monotonic() - t0
+            cpu = server.cpu_seconds() - cpu0
+            cpu_per_request.append(cpu / requests * 1000)
+            print(f"{configured} tenants, round {i + 1}: {requests / wall:.0f} req/s, "
+                  f"{cpu / requests * 1000:.3f} ms gateway CPU per request", flush=True)
+        rss_after = _rss_mb(server.proc.pid)
+        page = _metrics_page(server.base_url)
+        waits = asyncio.run(_probe_events(server.base_url, config, events))
+    finally:
+        server.stop()
+    return {"configured": configured, "startup_s": _figure(startups, 2),
+            "cpu_ms_per_request": _figure(cpu_per_request, 3),
+            "rss_mb": {"after_start": rss_start, "after_load": rss_after},
+            "metrics": page, "extra_wait_ms": waits}
+
+
+def _figure(values: list[float], digits: int) -> dict[str, Any]:
+    low, high = median_interval(values) if len(values) > 1 else (values[0], values[0])
+    return {"median": round(statistics.median(values), digits),
+            "interval95": [round(low, digits), round(high, digits)],
+            "values": [round(v, digits) for v in values]}
+
+
+def run(configured: list[int], active: int = 100, requests: int = 3000, clients: int = 256,
+        repeats: int = 3, events: int = 5, fmt: str = "yaml",
+        workdir: Path | None = None) -> dict[str, Any]:
+    home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-tenants-"))
+    port = free_port()
+    fast = Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(port)], port,
+                  home / "fast-upstream.log")
+    fast.wait_ready()
+    try:
+        arms = [_arm(n, min(active, n), requests, clients, repeats, events, fmt,
+                     fast.base_url, home) for n in configured]
+    finally:
+        fast.stop()
+    result: dict[str, Any] = {"arms": arms, "parameters": {
+        "configured": configured, "active": active, "requests": requests, "clients": clients,
+        "repeats": repeats, "events": events, "format": fmt, "stream_tokens": STREAM_TOKENS}}
+    base = arms[0]["cpu_ms_per_request"]["values"]
+    for arm in arms[1:]:
+        ratios = [a / b for a, b in zip(arm["cpu_ms_per_request"]["values"], base)]
+        arm["cpu_ratio_to_first"] = _figure(ratios, 3)
+    result.update(environment())
+    _print(result)
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"{'configured':>10} {'start s':>8} {'CPU ms/req':>11} {'ratio':>6} {'RSS MB':>13} "
+          f"{'/metrics KB':>11} {'lines':>7} {'ms':>6} {'scrape +ms':>11} {'reload +ms':>11}")
+    for arm in result["arms"]:
+        ratio = arm.get("cpu_ratio_to_first", {}).get("median", 1.0)
+        waits = arm["extra_wait_ms"]
+        print(f"{arm['configured']:>10} {arm['startup_s']['median']:>8} "
+              f"{arm['cpu_ms_per_request']['median']:>11} {ratio:>6} "
+              f"{arm['rss_mb']['after_start']:>6}/{arm['rss_mb']['after_load']:<6} "
+              f"{arm['metrics']['bytes'] / 1024:>11.0f} {arm['metrics']['lines']:>7} "
+              f"{arm['metrics']['ms_median']:>6} {max(waits['metrics']):>11} "
+              f"{max(waits['reload']):>11}")
+    print("goals (issue 28, at 10,000 configured): CPU ratio <= 1.2, start-up <= 2 s, "
+          "/metrics <= 1 MB with 100 active, no request delayed over 50 ms")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """CPU per request and start-up per configured count, with their intervals."""
+    from ._plots import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    labels = [str(arm["configured"]) for arm in result["arms"]]
+    for ax, key, title in ((axes[0], "cpu_ms_per_request", "gateway CPU ms per request"),
+                           (axes[1], "startup_s", "start-up (s)")):
+        medians = [arm[key]["median"] for arm in result["arms"]]
+        low = [m - arm[key]["interval95"][0] for m, arm in zip(medians, result["arms"])]
+        high = [arm[key]["interval95"][1] - m for m, arm in zip(medians, result["arms"])]
+        ax.bar(labels, medians, yerr=[low, high], capsize=4)
+        ax.set_title(title)
+        ax.set_xlabel("tenants configured")
+    fig.tight_layout()
+    fig.savefig(path)
