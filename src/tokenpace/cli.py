@@ -174,7 +174,7 @@ def _cmd_bench_tenants(args: argparse.Namespace) -> int:
     from .bench import tenants
 
     if args.quick:
-        args.configured, args.requests, args.repeats, args.events = [20, 2000], 400, 2, 2
+        args.configured, args.requests, args.repeats, args.events = [100, 2000], 400, 2, 2
     if len(args.configured) < 2:
         raise SystemExit("tokenpace bench tenants: error: --configured needs two counts or more "
                          "(the first is the baseline of the CPU ratio)")

@@ -334,6 +334,9 @@ def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
             # (a's 142.5) is what a newcomer is lifted to.
             await one.release(waiting)
             assert await one.lift("batch", "e") == 142.5
+            # The lift read the lane's backlog set, not the lane's tenants, and dropped
+            # those it found out of the backlog: only e (about to queue) is left.
+            assert set(await one._redis.smembers(one._k("q", "batch"))) == {"e"}
             await one.record_dispatch("batch", 100.0)
             await two.record_dispatch("interactive", 300.0)
             assert await one.lane_costs(["batch", "interactive", "x"], 30.0) == {

@@ -7,11 +7,13 @@ canned fast upstream (``_fast_upstream``, its own process, so the engine is neve
 and its CPU is not counted), ``max_inflight`` 8 so that requests queue in the gateway's fair
 queue, two lanes, weights 1-3 and a token budget per tenant. Per arm:
 
-- start-up: from the process's spawn to its first good ``/health`` (polled every 10 ms);
+- start-up: from the process's spawn to its first good ``/health`` (polled every 10 ms),
+  a fresh process per repeat, the arms alternating;
 - gateway CPU per request: ``requests`` streamed completions spread round-robin over the
   first ``active`` tenants by ``clients`` concurrent clients, the gateway process's own CPU
-  time over the requests, per repeat; the arms' ratio with a bootstrap interval of the
-  median over repeats;
+  time over the requests; every arm's gateway runs at once and each repeat loads them one
+  after the other in alternating order; the ratio to the first arm, repeat by repeat, with
+  a bootstrap interval of its median;
 - resident memory after start-up and after the load;
 - ``/metrics``: bytes, lines and the time to answer (median of 5 scrapes), after the load;
 - the extra wait a request sees while ``/metrics`` is scraped or ``/admin/reload`` runs: a
@@ -39,6 +41,7 @@ import aiohttp
 import httpx
 
 from ._environment import environment
+from ._paired import pair_order
 from .._process import Server, free_port
 from .overhead import median_interval
 
@@ -183,40 +186,54 @@ def _metrics_page(url: str) -> dict[str, Any]:
     return {"bytes": size, "lines": lines, "ms_median": round(statistics.median(times), 1)}
 
 
-def _arm(configured: int, active: int, requests: int, clients: int, repeats: int,
-         events: int, fmt: str, upstream: str, home: Path) -> dict[str, Any]:
-    config = home / f"gateway-{configured}.{'json' if fmt == 'json' else 'yaml'}"
-    write_config(config_document(configured, upstream, home / f"ledger-{configured}.db"),
-                 config, fmt)
-    startups = []
-    for i in range(repeats):  # start-up alone, a fresh process each time
-        server, took = _start(config, home, f"startup-{configured}-{i}")
-        startups.append(took)
-        server.stop()
-    server, took = _start(config, home, f"gateway-{configured}")
-    startups.append(took)
+def _arms(configured: list[int], active: int, requests: int, clients: int, repeats: int,
+          events: int, fmt: str, upstream: str, home: Path) -> list[dict[str, Any]]:
+    """Every arm's figures. Start-ups alternate between the arms (a fresh process each);
+    then every arm's gateway runs at once and the load repeats alternate their order
+    (``pair_order``), so each repeat's CPU ratio compares gateways that met the same
+    moments of the machine."""
+    configs = {}
+    for n in configured:
+        config = home / f"gateway-{n}.{'json' if fmt == 'json' else 'yaml'}"
+        write_config(config_document(n, upstream, home / f"ledger-{n}.db"), config, fmt)
+        configs[n] = config
+    names = [str(n) for n in configured]
+    startups: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in pair_order(names, i):
+            server, took = _start(configs[int(name)], home, f"startup-{name}-{i}")
+            startups[name].append(took)
+            server.stop()
+    servers: dict[str, Server] = {}
     try:
-        rss_start = _rss_mb(server.proc.pid)
-        asyncio.run(_load(server.base_url, 200, 32, active))  # warm-up
-        cpu_per_request = []
+        for name in names:
+            servers[name], _ = _start(configs[int(name)], home, f"gateway-{name}")
+        rss_start = {name: _rss_mb(srv.proc.pid) for name, srv in servers.items()}
+        for name, srv in servers.items():  # warm-up
+            asyncio.run(_load(srv.base_url, 200, 32, min(active, int(name))))
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         for i in range(repeats):
-            cpu0 = server.cpu_seconds()
-            t0 = time.monotonic()
-            asyncio.run(_load(server.base_url, requests, clients, active))
-            wall = time.monotonic() - t0
-            cpu = server.cpu_seconds() - cpu0
-            cpu_per_request.append(cpu / requests * 1000)
-            print(f"{configured} tenants, round {i + 1}: {requests / wall:.0f} req/s, "
-                  f"{cpu / requests * 1000:.3f} ms gateway CPU per request", flush=True)
-        rss_after = _rss_mb(server.proc.pid)
-        page = _metrics_page(server.base_url)
-        waits = asyncio.run(_probe_events(server.base_url, config, events))
+            for name in pair_order(names, i):
+                srv = servers[name]
+                cpu0, t0 = srv.cpu_seconds(), time.monotonic()
+                asyncio.run(_load(srv.base_url, requests, clients, min(active, int(name))))
+                wall, used = time.monotonic() - t0, srv.cpu_seconds() - cpu0
+                cpu[name].append(used / requests * 1000)
+                print(f"{name} tenants, round {i + 1}: {requests / wall:.0f} req/s, "
+                      f"{used / requests * 1000:.3f} ms gateway CPU per request", flush=True)
+        arms = []
+        for name, srv in servers.items():
+            rss_after = _rss_mb(srv.proc.pid)
+            page = _metrics_page(srv.base_url)
+            waits = asyncio.run(_probe_events(srv.base_url, configs[int(name)], events))
+            arms.append({"configured": int(name), "startup_s": _figure(startups[name], 2),
+                         "cpu_ms_per_request": _figure(cpu[name], 3),
+                         "rss_mb": {"after_start": rss_start[name], "after_load": rss_after},
+                         "metrics": page, "extra_wait_ms": waits})
+        return arms
     finally:
-        server.stop()
-    return {"configured": configured, "startup_s": _figure(startups, 2),
-            "cpu_ms_per_request": _figure(cpu_per_request, 3),
-            "rss_mb": {"after_start": rss_start, "after_load": rss_after},
-            "metrics": page, "extra_wait_ms": waits}
+        for srv in servers.values():
+            srv.stop()
 
 
 def _figure(values: list[float], digits: int) -> dict[str, Any]:
@@ -235,11 +252,11 @@ def run(configured: list[int], active: int = 100, requests: int = 3000, clients:
                   home / "fast-upstream.log")
     fast.wait_ready()
     try:
-        arms = [_arm(n, min(active, n), requests, clients, repeats, events, fmt,
-                     fast.base_url, home) for n in configured]
+        arms = _arms(configured, active, requests, clients, repeats, events, fmt,
+                     fast.base_url, home)
     finally:
         fast.stop()
-    result: dict[str, Any] = {"arms": arms, "parameters": {
+    result: dict[str, Any] = {"benchmark": "tenants", "arms": arms, "parameters": {
         "configured": configured, "active": active, "requests": requests, "clients": clients,
         "repeats": repeats, "events": events, "format": fmt, "stream_tokens": STREAM_TOKENS}}
     base = arms[0]["cpu_ms_per_request"]["values"]

@@ -8,14 +8,16 @@ check a new file completely before anything changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import hmac
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,9 +219,33 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection in the block (the whole process; restored after).
+
+    Reading a large configuration allocates a few hundred thousand objects that all stay
+    alive until it is built: every full collection on the way walks them all and finds
+    nothing (at 10,000 tenants, seven collections took 1.3 s of a 2.1 s YAML read here,
+    one of them 470 ms in a row with the GIL held, which stalled the event loop during a
+    reload in a worker thread). Nothing the block makes is cyclic garbage; plain reference
+    counting still frees everything as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and validate a YAML file; relative ledger paths are relative to the file."""
-    p = Path(path)
+    with paused_gc():
+        return _load_config(Path(path))
+
+
+def _load_config(p: Path) -> GatewayConfig:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
@@ -249,7 +275,61 @@ def _parse_text(text: str) -> Any:
             return json.loads(text)
         except ValueError:
             pass  # not JSON after all (YAML's flow style): YAML says what is wrong
-    return yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 (a safe loader)
+    loader = _YAML_LOADER(text)
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else _construct(loader, node)
+    finally:
+        loader.dispose()
+    _drop_gradually(node)
+    return data
+
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _construct(loader: Any, node: Any) -> Any:
+    """``loader.construct_document(node)``'s value, built faster: plain strings, lists and
+    mappings here (PyYAML's constructor makes a generator per collection, a third of a
+    10,000-tenant file's read), every other scalar (numbers, booleans, null, dates) and any
+    mapping with a merge key (``<<``) by PyYAML's own safe constructor."""
+    if isinstance(node, yaml.ScalarNode):
+        return node.value if node.tag == _STR_TAG else loader.construct_object(node, deep=True)
+    if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":
+        return [_construct(loader, item) for item in node.value]
+    if isinstance(node, yaml.MappingNode) and node.tag == "tag:yaml.org,2002:map" and not any(
+            key.tag == _MERGE_TAG for key, _ in node.value):
+        out = {}
+        for key_node, value_node in node.value:
+            key = _construct(loader, key_node)
+            try:
+                out[key] = _construct(loader, value_node)
+            except TypeError:  # an unhashable key: PyYAML's own message
+                return loader.construct_object(node, deep=True)
+        return out
+    return loader.construct_object(node, deep=True)
+
+
+def _drop_gradually(node: Any) -> None:
+    """Free a YAML node tree one node at a time.
+
+    Dropped at once, the tree of a 10,000-tenant file (170,000 nodes with their marks) is
+    freed in one chain of deallocations that holds the GIL for ~40 ms: a reload reads the
+    file in a worker thread, and the event loop would wait that out. Taken apart here, the
+    interpreter can hand the GIL over between nodes.
+    """
+    stack = [node] if node is not None else []
+    while stack:
+        current = stack.pop()
+        value = current.value
+        if isinstance(value, list):
+            current.value = None
+            for item in value:
+                if isinstance(item, tuple):
+                    stack.extend(item)
+                else:
+                    stack.append(item)
 
 
 def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = None) -> GatewayConfig:
