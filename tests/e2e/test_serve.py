@@ -419,3 +419,53 @@ def test_limits_file_edits_apply_without_restart(paced: list[Paced]) -> None:
                        bound, upper=upper, logs=logs, mode=p.mode, rates=series)
         log = p.server.log_path.read_text(errors="replace")
         assert "keeping the last good limits" in log, p.mode
+
+
+def _engine_series(server: Server, **headers: str) -> dict[tuple[str, str], float]:
+    """The engine's ``tokenpace_engine_*`` samples: (name, user label) -> value, from its
+    whole /metrics page parsed as Prometheus does (vLLM's series and ours together)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text[:500]
+    out = {}
+    families = list(text_string_to_metric_families(resp.text))
+    assert any(f.name.startswith("vllm:") for f in families)  # vLLM's own page is there
+    for family in families:
+        for sample in family.samples:
+            if sample.name.startswith("tokenpace_engine_"):
+                out[(sample.name, sample.labels.get("user", ""))] = sample.value
+    return out
+
+
+def test_the_engines_metrics_show_what_pacing_did(paced: list[Paced]) -> None:
+    """Issue 30: per user on the engine's /metrics, read before and after a run: the output
+    tokens equal what the clients received (plus at most one step past a stop per stream
+    under async scheduling), a user held back at 20 tok/s shows throttled request-steps
+    and seconds, an unthrottled one none, and each user's rate in force."""
+    for p in paced:
+        before = _engine_series(p.server)
+        # Prometheus asks for gzip and OpenMetrics; the page must still carry our series.
+        assert _engine_series(p.server, **{"accept-encoding": "gzip",
+                                           "accept": "application/openmetrics-text"})
+        results = asyncio.run(streams(p.server.base_url,
+                                      [("metrics-slow", 4, 15), ("probe", 2, 40)]))
+        after = _engine_series(p.server)
+
+        def delta(name: str, user: str) -> float:
+            return after.get((name, user), 0.0) - before.get((name, user), 0.0)
+
+        for user, count in (("metrics-slow", 4), ("probe", 2)):
+            received = sum(r.completion_tokens or 0 for r in results if r.user == user)
+            counted = delta("tokenpace_engine_output_tokens_total", user)
+            assert received <= counted <= received + (count if p.mode == "async" else 0), \
+                (p.mode, user, received, counted)
+        # 60 tokens at 20 tok/s (2 of them in the burst) take ~2.9 s; the slow user's
+        # streams wait for quota nearly all of it. Bound: half of that.
+        assert delta("tokenpace_engine_throttled_seconds_total", "metrics-slow") > 1.4, p.mode
+        assert delta("tokenpace_engine_throttled_request_steps_total", "metrics-slow") > 0
+        assert delta("tokenpace_engine_throttled_request_steps_total", "probe") == 0
+        assert delta("tokenpace_engine_throttled_seconds_total", "probe") == 0
+        assert after[("tokenpace_engine_rate_tokens_per_second", "metrics-slow")] == 20
+        assert after[("tokenpace_engine_rate_tokens_per_second", "probe")] == 100000
+        assert ("tokenpace_engine_idle_waits_total", "") in after

@@ -40,11 +40,28 @@ def exported_names() -> set[str]:
     return names
 
 
+def engine_names() -> set[str]:
+    """Series names the engine's pacing page carries (one paced user, with a rate)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenpace.engine._metrics import exposition
+
+    page = exposition({"users": {"u": [3, 1, 2, 0.5, 20.0]}, "idle_waits": 1,
+                       "idle_wait_seconds": 0.1, "folded_users": 0}).decode()
+    return {s.name for f in text_string_to_metric_families(page) for s in f.samples}
+
+
 def test_every_gateway_metric_the_deploy_files_use_is_exported() -> None:
-    """A renamed or removed gateway metric fails here (and in the live test)."""
+    """A renamed or removed gateway or engine metric fails here (and in the live test)."""
     used = {n for n in all_metric_names() if n.startswith(("tokenpace_", "process_"))}
-    missing = used - exported_names()
-    assert not missing, f"used in deploy/ but not exported by the gateway: {sorted(missing)}"
+    missing = used - exported_names() - engine_names()
+    assert not missing, f"used in deploy/ but not exported: {sorted(missing)}"
+
+
+def test_every_engine_metric_is_documented() -> None:
+    section = (DOCS.parent / "engine.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    for name in engine_names():
+        assert f"`{name}`" in section, f"{name}: not in docs/engine.md#metrics"
 
 
 def test_no_created_series() -> None:

@@ -110,9 +110,13 @@ class _Queue(queue.Queue):
 class _Scheduler:
     def __init__(self, clock: _Clock, ready_at: float) -> None:
         self.clock, self.ready_at = clock, ready_at
+        self.idle_waits: list[float] = []
 
     def idle_wait_seconds(self) -> float:
         return min(MAX_IDLE_WAIT_S, max(0.0, self.ready_at - self.clock()))
+
+    def note_idle_wait(self, waited_s: float) -> None:
+        self.idle_waits.append(waited_s)
 
 
 def _core(clock: _Clock, ready_at: float, batch: list | None = None) -> SimpleNamespace:
@@ -130,6 +134,7 @@ def test_waits_once_until_the_earliest_user_is_ready_and_tells_the_workers() -> 
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == pytest.approx([0.12])
     assert clock.t == pytest.approx(0.12)
+    assert core.scheduler.idle_waits == pytest.approx([0.12])  # for /metrics
     # During the wait the workers read "no step for 0.12 s"; after it, "any time".
     assert core.input_queue.hints[0] == pytest.approx(0.12, abs=0.01)
     assert StepHint(hint_path(os.getpid()), create=False).get() == 0
@@ -141,6 +146,7 @@ def test_a_request_ends_the_wait_and_is_handled() -> None:
     core.input_queue.put(("ADD", "req"))
     _hooks.idle_wait(core, clock)
     assert core.handled == [("ADD", "req")] and clock.t == 0.0
+    assert core.scheduler.idle_waits == [0.0]
 
 
 def test_long_waits_stop_after_a_second_to_see_limit_changes() -> None:

@@ -335,3 +335,42 @@ def test_limits_file_edit_applies_between_steps(tiny_model, is_async, tmp_path):
     os.utime(limits, ns=(3, 4))
     sim.run(1.5)
     assert sim.scheduler.planner.limiter.limits.rate("u") == 40
+
+
+def test_pacing_counters_match_what_was_dispatched(tiny_model, is_async):
+    """The engine's /metrics counters (issue 30), read through the utility call: per user,
+    tokens = the sampling steps dispatched (charges minus refunds), throttled request-steps
+    and seconds only for the user held back, the rate in force."""
+    from tokenpace.engine._metrics import tokenpace_pacing_stats
+
+    sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20, fast=1000))
+    for i in range(4):
+        sim.add(f"slow{i}", "slow", max_tokens=1000)
+    sim.add("fast0", "fast", max_tokens=300)
+    sim.run(5)
+    sim.drain()
+
+    class Core:
+        scheduler = sim.scheduler
+
+    stats = tokenpace_pacing_stats(Core())["pacing"]
+    dispatched = Counter(user for _, _, user, _ in sim.dispatched)
+    users = stats["users"]
+    assert users["slow"][0] == dispatched["slow"] and users["fast"][0] == dispatched["fast"]
+    assert users["slow"][2] > 0 and users["fast"][2] == 0  # throttled request-steps
+    # The slow user had throttled streams nearly all the time; the fast one never.
+    assert users["slow"][3] >= 4.0 and users["fast"][3] == 0.0
+    assert users["slow"][4] == 20 and users["fast"][4] == 1000
+    assert stats["folded_users"] == 0
+
+
+def test_users_past_the_label_cap_share_one_label(tiny_model, is_async):
+    sim = make_sim(tiny_model, is_async=is_async,
+                   pacing={**paced(1000), "metrics_users": 2})
+    for user in ("a", "b", "c", "d"):
+        sim.add(f"{user}0", user, max_tokens=5)
+    sim.run(1)
+    stats = sim.scheduler.pacing_stats()
+    assert set(stats["users"]) == {"a", "b", "__other__"}
+    assert stats["users"]["__other__"][0] == 10 and stats["folded_users"] == 2
+    assert stats["users"]["__other__"][4] is None  # no one rate stands for the others

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pacing import (
+    DEFAULT_MAX_USERS,
     LimitsError,
     UserRateLimits,
     limits_file_of,
@@ -27,7 +28,9 @@ KEY_OVERRIDES = "user_output_tokens_per_second"
 KEY_EVENT_LOG = "event_log"
 KEY_IDLE_WAIT = "idle_wait"
 KEY_TRUSTED_GATEWAY = "trusted_gateway"
-KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY)
+KEY_METRICS_USERS = "metrics_users"
+KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY,
+              KEY_METRICS_USERS)
 
 
 class PacingConfigError(ValueError):
@@ -50,6 +53,8 @@ class PacingConfig:
     event_log: Path | None = None
     idle_wait: bool = True
     trusted_gateway: bool = False
+    # Users with their own label on /metrics (the rest are counted as "__other__").
+    metrics_users: int = DEFAULT_MAX_USERS
 
     @property
     def enabled(self) -> bool:
@@ -79,6 +84,11 @@ class PacingConfig:
         trusted = section.get(KEY_TRUSTED_GATEWAY, False)
         if not isinstance(trusted, bool):
             raise PacingConfigError(f"{where}[{KEY_TRUSTED_GATEWAY!r}] must be true or false")
+        metrics_users = section.get(KEY_METRICS_USERS, DEFAULT_MAX_USERS)
+        if not isinstance(metrics_users, int) or isinstance(metrics_users, bool) \
+                or not 1 <= metrics_users <= 100_000:
+            raise PacingConfigError(f"{where}[{KEY_METRICS_USERS!r}] must be an integer "
+                                    f"from 1 to 100000, got {metrics_users!r}")
         event_log = section.get(KEY_EVENT_LOG)
         if event_log is not None and (not isinstance(event_log, str) or not event_log):
             raise PacingConfigError(f"{where}[{KEY_EVENT_LOG!r}] must be a non-empty path string")
@@ -107,6 +117,7 @@ class PacingConfig:
             event_log=Path(event_log) if event_log else None,
             idle_wait=idle_wait,
             trusted_gateway=trusted,
+            metrics_users=metrics_users,
         )
 
 

@@ -35,6 +35,7 @@ from ..pacing import LimitsError, validate_rate, validate_rate_version, validate
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
 from ._aborted import ABORTED_PATH, handle_aborted
 from ._control import RATES_PATH, handle_rates
+from ._metrics import METRICS_PATHS, handle_metrics
 from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
 
 
@@ -104,6 +105,10 @@ class RequestGuard:
             return
         if scope["type"] == "http" and scope.get("path") == ABORTED_PATH:
             await handle_aborted(scope, receive, send)  # behind EngineAuth when keyed
+            return
+        if scope["type"] == "http" and scope.get("method") == "GET" \
+                and scope.get("path") in METRICS_PATHS:
+            await handle_metrics(self.app, scope, receive, send)  # vLLM's page + pacing
             return
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)

@@ -48,6 +48,7 @@ from typing import Any
 from ._config import PacingConfig
 from ._aborted import install_aborted_outputs
 from ._control import install_rate_control
+from ._metrics import install_pacing_stats
 from ._step_hint import StepHint
 
 logger = logging.getLogger("vllm.tokenpace.engine")
@@ -97,6 +98,7 @@ def register() -> None:
         install_idle_wait(core.EngineCoreProc)
         install_rate_control(core.EngineCoreProc)
         install_aborted_outputs(core.EngineCoreProc)
+        install_pacing_stats(core.EngineCoreProc)
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:
         install_worker_spin_limit(executor.WorkerProc)
@@ -206,7 +208,8 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
     if wait_seconds() <= 0:
         return  # the usual case, on every step: something can run
     hint = _engine_hint()
-    deadline = clock() + MAX_IDLE_S
+    started = clock()
+    deadline = started + MAX_IDLE_S
     try:
         while core.is_running():
             timeout = min(wait_seconds(), deadline - clock())
@@ -222,6 +225,9 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
             return
     finally:
         hint.set(0)
+        note = getattr(core.scheduler, "note_idle_wait", None)
+        if note is not None:
+            note(clock() - started)
 
 
 _hint: StepHint | None = None

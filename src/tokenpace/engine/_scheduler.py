@@ -39,7 +39,9 @@ from ..pacing import (
     SAMPLES,
     LimitsError,
     LimitsFileWatcher,
+    OTHER_USER,
     OutputRateLimiter,
+    PacingStats,
     StepPlanner,
     Stream,
     UserRateLimits,
@@ -52,6 +54,7 @@ from ._config import PacingConfig
 from ._events import EventLog
 from ._aborted import AbortedOutputs, install_aborted_outputs
 from ._control import install_rate_control
+from ._metrics import install_pacing_stats
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
 from ._modes import unsupported_modes
 from ._vllm import (
@@ -139,6 +142,7 @@ class _PacingMixin:
         engine_core = sys.modules.get("vllm.v1.engine.core")
         if engine_core is not None:
             install_aborted_outputs(engine_core.EngineCoreProc)
+            install_pacing_stats(engine_core.EngineCoreProc)
         if not config.enabled:
             return
         refused = unsupported_modes(self.vllm_config, self)
@@ -150,7 +154,9 @@ class _PacingMixin:
         if engine_core is not None:  # also when the plugin entry point is not loaded
             install_idle_wait(engine_core.EngineCoreProc)
             install_rate_control(engine_core.EngineCoreProc)
-        self._planner = StepPlanner(OutputRateLimiter(config.limits))
+        self._planner = StepPlanner(
+            OutputRateLimiter(config.limits),
+            PacingStats(config.metrics_users, first=config.limits.overrides))
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
@@ -189,6 +195,27 @@ class _PacingMixin:
         if planner is None or not self.pacing_config.idle_wait or not planner.refused_any:
             return 0.0
         return planner.idle_wait_seconds(self._quota_needs())
+
+    def note_idle_wait(self, waited_s: float) -> None:
+        """The engine loop waited ``waited_s`` for quota instead of stepping (``_hooks``)."""
+        if self._planner is not None:
+            self._planner.stats.note_idle_wait(int(waited_s * 1e9))
+
+    def pacing_stats(self) -> dict[str, Any] | None:
+        """What pacing did so far, for the engine's /metrics (``_metrics``): per user
+        ``[tokens, refunds, throttled request-steps, throttled seconds, rate or None]``,
+        the idle waits, and how many users share the ``__other__`` label. None when
+        pacing is off. Runs between two steps (a utility call): O(users with a label)."""
+        planner = self._planner
+        if planner is None:
+            return None
+        snap = planner.stats.snapshot()
+        limits = planner.limiter.limits
+        return {"users": {u: [tokens, refunds, steps, ns / 1e9,
+                              None if u == OTHER_USER else limits.rate(u)]
+                          for u, (tokens, refunds, steps, ns) in snap.users.items()},
+                "idle_waits": snap.idle_waits, "idle_wait_seconds": snap.idle_wait_ns / 1e9,
+                "folded_users": snap.folded}
 
     def _quota_needs(self) -> Iterator[str | None]:
         """For each request that could be scheduled: the user its next step charges, or

@@ -16,6 +16,7 @@ from ._planner import (
     Stream,
 )
 from ._ranks import user_rank
+from ._stats import DEFAULT_MAX_USERS, OTHER_USER, PacingStats, StatsSnapshot, UserStats
 from ._reload import RELOAD_CHECK_NS, LimitsFileWatcher, ReloadResult
 from ._limits import (
     MAX_USER_ID_LENGTH,
@@ -33,6 +34,11 @@ from ._limits import (
 
 __all__ = [
     "BURST_NS",
+    "DEFAULT_MAX_USERS",
+    "OTHER_USER",
+    "PacingStats",
+    "StatsSnapshot",
+    "UserStats",
     "MAX_IDLE_WAIT_S",
     "MAY_SAMPLE",
     "NO_SAMPLE",

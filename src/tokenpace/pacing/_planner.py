@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._limiter import OutputRateLimiter, _Bucket
+from ._stats import PacingStats, UserStats
 
 MAX_IDLE_WAIT_S = 1.0
 """Longest idle wait. The engine waits on its input queue, so new requests and aborts end
@@ -55,10 +56,11 @@ class _Account:
     """One user's planner state: service counter and this step's tally."""
 
     __slots__ = ("user", "service", "stamp", "fresh", "need", "granted", "bucket",
-                 "generation")
+                 "generation", "stats")
 
-    def __init__(self, user: str) -> None:
+    def __init__(self, user: str, stats: UserStats) -> None:
         self.user = user
+        self.stats = stats  # the user's counters for /metrics (outlive the account)
         self.service = 0
         self.stamp = -1  # last step in which the user had a running request
         self.fresh = False
@@ -72,12 +74,13 @@ class _Account:
 class Stream:
     """A request as the planner sees it; opened once, reused every step (no allocation)."""
 
-    __slots__ = ("key", "user", "account", "priority", "samples", "last_served")
+    __slots__ = ("key", "user", "account", "stats", "priority", "samples", "last_served")
 
     def __init__(self, key: Hashable, account: _Account, priority: int) -> None:
         self.key = key
         self.user = account.user
         self.account = account
+        self.stats = account.stats
         self.priority = priority
         """Lower runs first, as in vLLM's priority policy; 0 for everyone under FCFS."""
         self.samples = NO_SAMPLE
@@ -104,9 +107,12 @@ class Settlement(NamedTuple):
 class StepPlanner:
     """Pacing state that lives across steps: service counters and stream rotation."""
 
-    def __init__(self, limiter: OutputRateLimiter) -> None:
+    def __init__(self, limiter: OutputRateLimiter, stats: PacingStats | None = None) -> None:
         self.limiter = limiter
+        self.stats = stats if stats is not None else PacingStats(
+            first=limiter.limits.overrides)
         self._step = 0
+        self._step_ns = limiter.now_ns()
         self._accounts: dict[str, _Account] = {}
         self._streams: dict[Hashable, Stream] = {}
         self._charged_streams: list[Stream] = []  # running streams charged this step
@@ -126,13 +132,22 @@ class StepPlanner:
             return stream
         account = self._accounts.get(user)
         if account is None:
-            account = self._accounts[user] = _Account(user)
+            account = self._accounts[user] = _Account(user, self.stats.of(user))
         stream = self._streams[key] = Stream(key, account, priority)
         return stream
 
     # -- one step -------------------------------------------------------------------
 
     def begin_step(self) -> None:
+        """A new step: users refused in the last one had work waiting for quota since it
+        began (their ``throttled_ns``; one clock read per step)."""
+        now = self.limiter.now_ns()
+        if self._refused:
+            waited = now - self._step_ns
+            stats = self.stats
+            for user in self._refused:
+                stats.of(user).throttled_ns += waited
+        self._step_ns = now
         self._step += 1
         self._charged_streams = []
         self._charged.clear()
@@ -198,8 +213,16 @@ class StepPlanner:
         if self._starved:
             self._charge_starved(waiting, can_admit)
         if len(streams) <= slots:
-            return self._plan_uncontended(streams)
-        return self._plan_contended(streams, slots)
+            plan = self._plan_uncontended(streams)
+        else:
+            plan = self._plan_contended(streams, slots)
+        if plan.throttled:  # counted here, the one place every path's throttling passes
+            known = self._streams
+            for key in plan.throttled:
+                stream = known.get(key)
+                if stream is not None:
+                    stream.stats.throttled_steps += 1
+        return plan
 
     def _tally(self, streams: Sequence[Stream]) -> list[_Account]:
         """Count each present user's sampling streams; lift newcomers.
@@ -437,15 +460,19 @@ class StepPlanner:
         refund = self.limiter.refund
         result: list[Settlement] = []
         refunded: set[Hashable] = set()
+        # Per charged stream, also counted for /metrics: one attribute increment.
         if all_dispatched:
             for s in self._charged_streams:
                 s.last_served = step
+                s.stats.tokens += 1
         else:
             for s in self._charged_streams:
                 if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
                     s.last_served = step
+                    s.stats.tokens += 1
                 else:
                     refund(s.user)
+                    s.stats.refunds += 1
                     refunded.add(s.key)
         if report:
             result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
@@ -454,12 +481,15 @@ class StepPlanner:
             if self._starved.get(user) == key:
                 del self._starved[user]  # had its turn; if not admitted, it asks again
             ok = key in scheduled and not still_prefilling(key)
+            counts = self.stats.of(user)
             if ok:
+                counts.tokens += 1
                 stream = self._streams.get(key)
                 if stream is not None:
                     stream.last_served = step
             else:
                 refund(user)
+                counts.refunds += 1
             if report:
                 result.append(Settlement(key, user, ok))
         self._charged.clear()
