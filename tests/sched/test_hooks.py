@@ -245,8 +245,11 @@ def test_step_hint_files_of_dead_engines_are_removed(tmp_path) -> None:
     assert not hint.path.exists()
 
 
-def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
-    """The worker side of the step hint, on vLLM's real SpinCondition."""
+def test_a_worker_sleeps_on_vllms_socket_while_its_engine_says_no_step_can_come(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker side of the step hint, on vLLM's real SpinCondition: while the engine
+    is idle the worker waits on vLLM's notification socket (a step sent wakes it), for at
+    most ``WORKER_HINT_POLL_S`` a look; once the wait ends it spins as after a step."""
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
@@ -259,11 +262,11 @@ def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
     # of the runs ("Assertion failed: ok (src/ctx.cpp:789)", its pending-connection path).
     writer = SpinCondition(False, context, address)
     condition = SpinCondition(True, context, address)
-    spins: list[Any] = []
+    calls: list[tuple[Any, float]] = []
     vllm_wait = condition.wait
 
     def counted_wait(timeout_ms: int | None = None) -> None:
-        spins.append(timeout_ms)
+        calls.append((timeout_ms, condition.busy_loop_s))
         vllm_wait(timeout_ms)
 
     condition.wait = counted_wait
@@ -271,13 +274,19 @@ def test_a_worker_naps_at_once_while_its_engine_says_no_step_can_come() -> None:
     try:
         _hooks.limit_worker_spin(worker, SimpleNamespace(additional_config=PACING))
         condition.last_read = time.monotonic()  # a step was just taken: vLLM would spin
-        engine_side.set(time.monotonic_ns() + 10**9)  # the engine is idle for a second
+        engine_side.set(time.monotonic_ns() + 60 * 10**9)  # the engine is idle for a minute
+        condition.wait()  # nothing sent: the socket wait times out after a look's limit
+        limit_ms = int(_hooks.WORKER_HINT_POLL_S * 1000)
+        assert calls == [(limit_ms, 0)] and condition.busy_loop_s == 1
+        # A step sent wakes the worker at once: with a 30 s limit, it returns well before.
+        monkeypatch.setattr(_hooks, "WORKER_HINT_POLL_S", 30.0)
+        writer.notify()
         t0 = time.monotonic()
         condition.wait()
-        assert spins == [] and time.monotonic() - t0 >= 0.9 * _hooks.WORKER_HINT_NAP_S
-        engine_side.set(0)  # a request ended the engine's wait: back to vLLM's spin
+        assert time.monotonic() - t0 < 15.0 and calls[-1] == (30_000, 0)
+        engine_side.set(0)  # the engine's wait ended: back to vLLM's spin
         condition.wait()
-        assert spins == [None]
+        assert calls[-1] == (None, 1)
     finally:
         engine_side.remove()
         context.destroy(linger=0)

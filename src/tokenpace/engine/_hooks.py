@@ -70,11 +70,10 @@ WORKER_MAX_NAP_S = 0.02
 spin ends; each nap is a tenth of the time waited so far (0.5 to 20 ms). A step that
 follows a gap starts at most ~10% of the gap later, and an idle worker uses about 1% of a
 core instead of a whole one."""
-WORKER_HINT_NAP_S = 0.005
-"""While the engine's step hint says no step can come yet, the worker naps in slices of
-this length: a request that ends the engine's wait early (a new user) waits at most this
-long for the worker, and an idle worker looks at the hint 200 times a second (each look is
-an 8-byte read, so about 0.2% of a core)."""
+WORKER_HINT_POLL_S = 0.05
+"""While the engine's step hint says no step can come yet, the worker sleeps on vLLM's
+notification socket (a step sent wakes it at once), looking at the hint again at least
+this often: when the hint's instant comes, and should a notification be lost."""
 DATA_PARALLEL_ENV = "TOKENPACE_DATA_PARALLEL"
 """Set by the API server for its engine processes: ``N`` (users pinned to one of N ranks
 by this API server) or ``N/external`` (one server per rank behind a load balancer)."""
@@ -287,16 +286,30 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
     hint: StepHint | None = None
     look_for_hint_at = 0.0
 
+    hinted = False  # the last look saw the engine in its idle wait
+
     def wait(timeout_ms: int | None = None) -> None:
-        nonlocal hint, look_for_hint_at
+        nonlocal hint, look_for_hint_at, hinted
         now = time.monotonic()
         if hint is None and now >= look_for_hint_at:  # the engine creates it on its first wait
             hint = StepHint.open_for_parent_engine()
             look_for_hint_at = now + 1.0
         if hint is not None:
-            ahead = hint.get() / 1e9 - now
-            if ahead > 0:  # the engine is idle until then: nap at once, in short slices
-                time.sleep(min(ahead, WORKER_HINT_NAP_S))
+            not_before = hint.get()
+            ahead = not_before / 1e9 - now
+            if ahead > 0:  # the engine is idle until then: sleep until a step is sent
+                hinted = True
+                _await_step(condition, spin_wait, min(ahead, WORKER_HINT_POLL_S), timeout_ms)
+                return
+            if hinted or not_before:
+                # The engine's wait ended (its deadline passed, or a request came): its
+                # step comes now. Spin for it as after a step; the growing naps below
+                # would count the whole wait as idle time and sleep up to 20 ms while
+                # the engine spins for this worker's answer (half the CPU of an engine
+                # that paces every step, issue 30).
+                hinted = False
+                nap.restart(now)
+                spin_wait(timeout_ms)
                 return
         pause = nap.pause_s(condition.last_read, now)
         if pause == 0.0 or now - condition.last_read > condition.busy_loop_s:
@@ -305,6 +318,27 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
             time.sleep(pause)
 
     condition.wait = wait
+
+
+def _await_step(condition: Any, spin_wait: Any, limit_s: float, timeout_ms: int | None) -> None:
+    """Sleep on vLLM's own notification socket until the engine sends a message (a step,
+    or its shutdown), or ``limit_s`` passes.
+
+    vLLM's reader takes that socket only once it has been idle for ``busy_loop_s``; the
+    engine's hint says it is idle now, so the reader takes it at once (``busy_loop_s`` is 0
+    for this one call; the reader is single-threaded). A message the engine sends wakes
+    it at once: a fresh user's first step is not delayed by a nap, and an idle wait costs
+    a look every ``WORKER_HINT_POLL_S`` instead of every 5 ms (200 naps a second cost
+    0.015 cores here, a third of a paced engine's CPU at 2 tok/s). The limit bounds what
+    a lost notification (vLLM's socket keeps at most one) could cost a step.
+    """
+    limit_ms = max(1, int(limit_s * 1000))
+    busy = condition.busy_loop_s
+    condition.busy_loop_s = 0
+    try:
+        spin_wait(limit_ms if timeout_ms is None else min(timeout_ms, limit_ms))
+    finally:
+        condition.busy_loop_s = busy
 
 
 class WorkerNap:
@@ -320,6 +354,10 @@ class WorkerNap:
         self._seen_read = last_read
         self._waiting_since = now
         self._period = float("inf")
+
+    def restart(self, now: float) -> None:
+        """A step is coming now: wait as right after a step (spin first)."""
+        self._waiting_since = now
 
     def pause_s(self, last_read: float, now: float) -> float:
         """0.0 to spin, else how long to sleep before the next look."""
