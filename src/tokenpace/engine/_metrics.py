@@ -27,14 +27,22 @@ The series (``user`` labels bounded by ``metrics_users``, the rest under ``__oth
 
 With data parallelism each user is paced on one rank; the figures are summed over the
 ranks (a user's are its rank's), and the idle waits are every rank's together.
+
+What a scrape costs: the engine's answer and its text are kept for ``CACHE_S`` (1 s), so
+however many clients poll ``/metrics`` (a gateway reads vLLM's gauges there every 25-500
+ms) the engine is asked at most once a second. A request with Prometheus's ``name[]``
+filter gets only the ``tokenpace_engine_*`` names it lists (the gateway's poll lists
+vLLM's gauges only, and gets none).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import parse_qs
 
 from ._asgi import ASGIApp, Message, Receive, Scope, Send
 from ._control import install_utility
@@ -46,6 +54,9 @@ METRICS_PATHS = ("/metrics", "/metrics/")
 STATS_TIMEOUT_S = 5.0
 """How long a scrape waits for the engine's counters (a step in progress finishes first);
 past it, the page goes out with vLLM's series only."""
+CACHE_S = 1.0
+"""How long one reading of the engine's counters serves every scrape."""
+PREFIX = "tokenpace_engine_"
 
 _COUNTERS = (
     ("output_tokens", "Output tokens charged and dispatched to sample (charges minus "
@@ -104,41 +115,83 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def exposition(stats: dict[str, Any]) -> bytes:
-    """Prometheus text format of the merged counters."""
+def exposition(stats: dict[str, Any], names: set[str] | None = None) -> bytes:
+    """Prometheus text format of the merged counters (``names``: only these families,
+    as Prometheus's ``name[]`` filter names them; None: all)."""
     users = sorted(stats["users"].items())
-    lines: list[str] = []
+    families: list[tuple[str, str, str, list[str]]] = []
     for name, help_text, index in _COUNTERS:
-        full = f"tokenpace_engine_{name}"
-        lines += [f"# HELP {full}_total {help_text}", f"# TYPE {full}_total counter"]
-        lines += [f'{full}_total{{user="{_label(u)}"}} {float(v[index])!r}' for u, v in users]
-    full = "tokenpace_engine_rate_tokens_per_second"
-    lines += [f"# HELP {full} The user's output rate in force (no sample: not paced).",
-              f"# TYPE {full} gauge"]
-    lines += [f'{full}{{user="{_label(u)}"}} {float(v[4])!r}' for u, v in users
-              if v[4] is not None]
+        full = f"{PREFIX}{name}_total"
+        families.append((full, help_text, "counter",
+                         [f'{full}{{user="{_label(u)}"}} {float(v[index])!r}' for u, v in users]))
+    full = f"{PREFIX}rate_tokens_per_second"
+    families.append((full, "The user's output rate in force (no sample: not paced).", "gauge",
+                     [f'{full}{{user="{_label(u)}"}} {float(v[4])!r}' for u, v in users
+                      if v[4] is not None]))
     for name, help_text, value in (
             ("idle_waits_total", "Waits of the engine loop for quota instead of a step.",
              stats["idle_waits"]),
             ("idle_wait_seconds_total", "Seconds the engine loop waited for quota.",
              stats["idle_wait_seconds"])):
-        lines += [f"# HELP tokenpace_engine_{name} {help_text}",
-                  f"# TYPE tokenpace_engine_{name} counter",
-                  f"tokenpace_engine_{name} {float(value)!r}"]
-    lines += ["# HELP tokenpace_engine_folded_users Distinct users counted under the "
-              "\"__other__\" label (past metrics_users).",
-              "# TYPE tokenpace_engine_folded_users gauge",
-              f"tokenpace_engine_folded_users {float(stats['folded_users'])!r}"]
-    return ("\n".join(lines) + "\n").encode()
+        families.append((PREFIX + name, help_text, "counter",
+                         [f"{PREFIX}{name} {float(value)!r}"]))
+    families.append((PREFIX + "folded_users", "Distinct users counted under the \"__other__\" "
+                     "label (past metrics_users).", "gauge",
+                     [f"{PREFIX}folded_users {float(stats['folded_users'])!r}"]))
+    lines: list[str] = []
+    for full, help_text, kind, samples in families:
+        if names is None or full in names or full.removesuffix("_total") in names:
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", *samples]
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+class _Cache:
+    """The last reading of the engine's counters, for ``CACHE_S``."""
+
+    def __init__(self) -> None:
+        self.at = -CACHE_S
+        self.stats: dict[str, Any] | None = None
+        self.page: bytes = b""
+        self.lock: asyncio.Lock | None = None
+
+
+_cache = _Cache()
+
+
+def wanted_names(scope: Scope) -> set[str] | None:
+    """The ``name[]`` filter of the request's query (None: no filter)."""
+    query = scope.get("query_string", b"")
+    if not query:
+        return None
+    names = parse_qs(query.decode("latin-1")).get("name[]")
+    return set(names) if names else None
 
 
 async def pacing_page(scope: Scope) -> bytes:
-    """The ``tokenpace_engine_*`` lines, asked of the engine now (b"" when pacing is off
-    or the engine does not answer in time)."""
+    """The ``tokenpace_engine_*`` lines the request asks for (b"" when pacing is off, the
+    filter names none of them, or the engine does not answer in time), from a reading of
+    the engine at most ``CACHE_S`` old."""
+    names = wanted_names(scope)
+    if names is not None and not any(n.startswith(PREFIX) for n in names):
+        return b""  # e.g. a gateway reading vLLM's gauges: nothing to ask the engine
+    cache = _cache
+    if cache.lock is None:
+        cache.lock = asyncio.Lock()
+    async with cache.lock:  # concurrent scrapes share one call to the engine
+        if time.monotonic() - cache.at >= CACHE_S:
+            cache.stats = await _read_engine(scope)
+            cache.page = b"" if cache.stats is None else exposition(cache.stats)
+            cache.at = time.monotonic()
+    if cache.stats is None:
+        return b""
+    return cache.page if names is None else exposition(cache.stats, names)
+
+
+async def _read_engine(scope: Scope) -> dict[str, Any] | None:
     state = getattr(scope.get("app"), "state", None)
     client = getattr(getattr(state, "engine_client", None), "engine_core", None)
     if client is None:
-        return b""
+        return None
     every = getattr(client, "call_utility_all_async", None)
     try:
         call = (every(UTILITY_METHOD) if every is not None
@@ -147,9 +200,8 @@ async def pacing_page(scope: Scope) -> bytes:
     except Exception as exc:  # the page must still go out: vLLM's series are worth having
         logger.warning("tokenpace: the engine's pacing counters were not read for /metrics: "
                        "%s", exc)
-        return b""
-    stats = merge(answers)
-    return b"" if stats is None else exposition(stats)
+        return None
+    return merge(answers)
 
 
 async def _one(call: Any) -> list[dict[str, Any]]:

@@ -462,6 +462,11 @@ _GAUGES = re.compile(
     rb"^vllm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc)"
     rb"(?:\{[^\n]*\})? (\S+)(?: -?\d+)?$", re.MULTILINE)
 """The three gauges' samples in Prometheus' text format (any labels; an optional timestamp)."""
+_GAUGES_PATH = ("/metrics?name%5B%5D=vllm:num_requests_waiting"
+                "&name%5B%5D=vllm:num_requests_running&name%5B%5D=vllm:kv_cache_usage_perc")
+"""Prometheus's ``name[]`` filter naming the three gauges: a tokenpace engine then leaves
+its own ``tokenpace_engine_*`` series out (and does not ask its engine core for them);
+vLLM's own page ignores the filter."""
 
 
 def reread_delay(read_at: float, now: float, soon: float = LOAD_SOON_S) -> float:
@@ -488,7 +493,7 @@ async def _engine_load(upstream: Upstream) -> tuple[float | None, float | None, 
     through the hot-path client (uvloop, a slow 2-core box, 2026-12-01).
     """
     try:
-        status, _, content = await upstream.fetch("GET", "/metrics", 2.0)
+        status, _, content = await upstream.fetch("GET", _GAUGES_PATH, 2.0)
     except (UpstreamError, TimeoutError):
         return None, None, None
     if status != 200:
