@@ -177,7 +177,3 @@ class Tenants:
                 state.dirty = False
                 out[state.id] = state.budgets.levels(now)
         return out
-
-    def budget_levels(self) -> dict[str, dict[str, float]]:
-        now = self._clock()
-        return {s.id: s.budgets.levels(now) for s in self._states.values()}
