@@ -13,11 +13,20 @@ KV_CACHE_BYTES ?= 268435456
 # The gateway configuration of `make serve`: its engines are started on this machine.
 CONFIG ?= examples/gateway.yaml
 
+# tests/sched (vLLM's real scheduler, synthetic outputs) also runs against the other
+# supported vLLM series: the GPU package `vllm` 0.33 with its CUDA torch, in a second
+# environment (about 9.5 GB, 3 minutes to build; kept between runs like .venv). It imports
+# and schedules on a CPU-only machine once told the device (VLLM_TARGET_DEVICE=cpu).
+VLLM_033 ?= 0.33.0
+VENV33   := .venv-vllm033
+PY33     := $(VENV33)/bin/python
+STAMP33  := $(VENV33)/.tokenpace-installed
+
 # `make monitor`: Prometheus with deploy/prometheus/ (scrapes what `make serve` started).
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install model serve test services monitor
+.PHONY: install install-vllm033 model serve test test-sched-vllm033 services monitor
 
 install: $(STAMP)
 
@@ -30,6 +39,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
+install-vllm033: $(STAMP33)
+
+$(STAMP33): pyproject.toml
+	@test -x $(PY33) || $(PYTHON) -m venv $(VENV33)
+	$(PY33) -m pip install --quiet --upgrade pip
+	$(PY33) -m pip install --quiet -e '.[gpu,test,bench]' 'vllm==$(VLLM_033)'
+	@touch $@
+
 model: $(STAMP)
 	@$(VENV)/bin/tokenpace tiny-model $(MODEL)
 
@@ -38,8 +55,11 @@ serve: model
 		--host $(HOST) --port $(PORT) \
 		-- --kv-cache-memory-bytes $(KV_CACHE_BYTES) --enforce-eager
 
-test: $(STAMP) services
+test: $(STAMP) services test-sched-vllm033
 	$(PY) -m pytest
+
+test-sched-vllm033: $(STAMP33)
+	VLLM_TARGET_DEVICE=cpu $(PY33) -m pytest tests/sched -p no:cacheprovider
 
 # The real servers the tests start on free ports (prometheus + promtool, redis-server, a
 # throwaway PostgreSQL): Debian's packages, installed in one apt call when missing and we are

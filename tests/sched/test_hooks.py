@@ -61,6 +61,21 @@ def test_start_up_refuses_another_scheduler_class(tiny_model: Path) -> None:
                 scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_start_up_refuses_the_paced_class_of_the_other_mode(tiny_model: Path,
+                                                            async_scheduling: bool) -> None:
+    """vLLM runs whatever ``--scheduler-cls`` names; the class must match the loop."""
+    wrong = _hooks.PACED_SCHEDULER if async_scheduling else _hooks.PACED_ASYNC_SCHEDULER
+    right = _hooks.PACED_ASYNC_SCHEDULER if async_scheduling else _hooks.PACED_SCHEDULER
+    with pytest.raises(ValueError, match=rf"--scheduler-cls {wrong} does not match async "
+                                         rf"scheduling .*: use {right}"):
+        _config(tiny_model, additional_config=PACING, scheduler_cls=wrong,
+                async_scheduling=async_scheduling)
+    config = _config(tiny_model, additional_config=PACING, scheduler_cls=right,
+                     async_scheduling=async_scheduling)
+    assert config.scheduler_config.scheduler_cls == right
+
+
 def test_start_up_refuses_speculative_decoding(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"does not support speculative decoding"):
         _config(tiny_model, additional_config=PACING, speculative_config={
@@ -174,6 +189,34 @@ def test_stock_schedulers_never_wait() -> None:
     core.scheduler = object()
     _hooks.idle_wait(core, clock)
     assert core.input_queue.waits == []
+
+
+def test_the_idle_wait_pauses_vllms_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 disables its stack-dump watchdog while its loop waits for work; the idle
+    wait is such a wait. On 0.32, which has no watchdog, the wait is the same without."""
+    try:
+        from vllm.config import WatchdogConfig
+        from vllm.utils import watch_dog
+    except ImportError:
+        watch_dog = None
+    clock = _Clock()
+    core = _core(clock, ready_at=0.2)
+    seen: list[bool] = []
+    if watch_dog is not None:
+        dog = watch_dog.ThreadedWatchDog("test", WatchdogConfig(timeout=1), _hooks.logger)
+        monkeypatch.setattr(watch_dog, "_watch_dog", dog)  # installed, its thread not started
+        original_get = core.input_queue.get
+
+        def get(block: bool = True, timeout: float | None = None) -> Any:
+            seen.append(dog.active)
+            return original_get(block, timeout)
+
+        core.input_queue.get = get
+    _hooks.idle_wait(core, clock)
+    assert core.input_queue.waits == pytest.approx([0.2])
+    if watch_dog is not None:
+        assert seen == [False], "the watchdog is paused during the wait"
+        assert dog.active, "and watches again after it"
 
 
 # -- worker nap ---------------------------------------------------------------------------

@@ -26,7 +26,15 @@ def test_a_missing_internal_is_reported_by_name(monkeypatch):
     assert "vllm Request has no attribute 'next_decode_eligible_step'" in problems
 
 
-def test_another_vllm_version_refuses_to_start(tiny_model, monkeypatch):
-    monkeypatch.setattr(_vllm.vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=r"vLLM 0.33.0 is installed; tokenpace supports 0.32.x"):
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.3.3"])
+def test_another_vllm_version_refuses_to_start(tiny_model, monkeypatch, version):
+    monkeypatch.setattr(_vllm.vllm, "__version__", version)
+    with pytest.raises(RuntimeError, match=rf"vLLM {version} is installed; tokenpace "
+                                           r"supports 0.32.x and 0.33.x"):
         make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 10})
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.1rc1"])
+def test_both_supported_series_start(tiny_model, monkeypatch, version):
+    monkeypatch.setattr(_vllm.vllm, "__version__", version)
+    make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 10})

@@ -158,6 +158,7 @@ def make_sim(
     policy: str = "fcfs",
     step_ns: int = 10_000_000,
     max_model_len: int = 2048,
+    prefill_schedule_interval: int = 1,
 ) -> Sim:
     model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -169,6 +170,7 @@ def make_sim(
         is_encoder_decoder=False,
         async_scheduling=is_async,
         policy=policy,
+        prefill_schedule_interval=prefill_schedule_interval,
     )
     cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")
     cache_config.num_gpu_blocks = num_blocks

@@ -145,8 +145,19 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
         logger.warning("tokenpace: keeping --async-scheduling on as requested "
                        "(the platform had turned it off)")
         sched.async_scheduling = True
+    matching = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
+    named = _paced_class_named(sched.scheduler_cls)
     if sched.scheduler_cls is None:
-        sched.scheduler_cls = PACED_ASYNC_SCHEDULER if sched.async_scheduling else PACED_SCHEDULER
+        sched.scheduler_cls = matching
+    elif named is not None and named != matching:
+        # vLLM runs the named class whatever its engine loop does. The sync class under
+        # async scheduling does not count the step in flight (vLLM PR #43724 warns of
+        # this pairing); each class is tested only with its own mode.
+        raise ValueError(
+            f"--scheduler-cls {named} does not match async scheduling "
+            f"{'on' if sched.async_scheduling else 'off'}: use {matching}, or leave "
+            "--scheduler-cls out and tokenpace picks the class"
+        )
     parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1:
         # The engine processes (started after this, with this environment) see a config
@@ -169,6 +180,24 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
     else:
         os.environ.pop(DATA_PARALLEL_ENV, None)
     return pacing
+
+
+def _paced_class_named(scheduler_cls: Any) -> str | None:
+    """``PACED_SCHEDULER`` or ``PACED_ASYNC_SCHEDULER`` when ``--scheduler-cls`` names one
+    of them (by name, or as the class itself), else None."""
+    if scheduler_cls is None:
+        return None
+    if isinstance(scheduler_cls, str):
+        name = scheduler_cls
+    else:
+        name = f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
+    if not name.startswith("tokenpace.engine."):
+        return None
+    tail = name.rsplit(".", 1)[-1]
+    for paced in (PACED_SCHEDULER, PACED_ASYNC_SCHEDULER):
+        if paced.rsplit(".", 1)[-1] == tail:
+            return paced
+    return None
 
 
 def install_config_hook(engine_args_cls: type) -> bool:
@@ -196,7 +225,7 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
     next step can come at the earliest, so they nap instead of spinning. A request that
     ends the wait is handled here (vLLM's loop drains the rest after the step). With
     async scheduling, a batch in flight that ran tokens must be collected first, so there
-    is no wait then.
+    is no wait then. Like vLLM's own wait for work, it pauses vLLM's watchdog (0.33).
     """
     wait_seconds = getattr(core.scheduler, "idle_wait_seconds", None)
     if wait_seconds is None:
@@ -206,22 +235,26 @@ def idle_wait(core: Any, clock: Any = time.monotonic) -> None:
             return
     if wait_seconds() <= 0:
         return  # the usual case, on every step: something can run
+    from ._vllm import watchdog_paused  # imported here: vLLM is loaded in the engine process
+
     hint = _engine_hint()
     started = clock()
     deadline = started + MAX_IDLE_S
+    request = None
     try:
-        while core.is_running():
-            timeout = min(wait_seconds(), deadline - clock())
-            if timeout <= 0:
-                return
-            hint.set(time.monotonic_ns() + int(timeout * 1e9))
-            try:
-                request = core.input_queue.get(timeout=timeout)
-            except queue.Empty:
-                continue
-            hint.set(0)  # before handling: the step for this request comes at once
+        with watchdog_paused():  # as around vLLM 0.33's own wait for work
+            while request is None and core.is_running():
+                timeout = min(wait_seconds(), deadline - clock())
+                if timeout <= 0:
+                    break
+                hint.set(time.monotonic_ns() + int(timeout * 1e9))
+                try:
+                    request = core.input_queue.get(timeout=timeout)
+                except queue.Empty:
+                    continue
+        hint.set(0)  # before handling: the step for this request comes at once
+        if request is not None:
             core._handle_client_request(*request)
-            return
     finally:
         hint.set(0)
         note = getattr(core.scheduler, "note_idle_wait", None)

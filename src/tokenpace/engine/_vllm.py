@@ -1,11 +1,17 @@
 """Every vLLM internal that the adapter relies on, named in one place.
 
-vLLM's scheduler is not a public interface. tokenpace pins vLLM 0.32 and checks at
-start-up (and in a test) that the names below still exist, so a different vLLM fails
-loudly with a list of what changed instead of mis-pacing silently.
+vLLM's scheduler is not a public interface. tokenpace supports the vLLM series in
+``SUPPORTED_VLLM_SERIES`` and checks at start-up (and in a test) that the names below
+still exist, so a different vLLM fails loudly with a list of what changed instead of
+mis-pacing silently. Every difference between the supported series that the adapter has
+to know about is handled here (see ``watchdog_paused``); docs/engine.md "vLLM versions"
+lists each seam and how it was verified on each series.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -14,7 +20,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-SUPPORTED_VLLM_SERIES = "0.32."
+SUPPORTED_VLLM_SERIES = ("0.32.", "0.33.")
 
 # Scheduler attributes read or written around `schedule()`:
 # - running, requests, waiting, policy: the queues and the preemption policy;
@@ -108,12 +114,51 @@ def hook_problems() -> list[str]:
     return problems
 
 
+_NO_WATCHDOG = object()
+_watch_dog_module: object | None = None
+
+
+def _watch_dog() -> object:
+    """vLLM's watchdog module, imported once (``_NO_WATCHDOG`` on 0.32, which has none)."""
+    global _watch_dog_module
+    if _watch_dog_module is None:
+        try:
+            import vllm.utils.watch_dog as module  # noqa: PLC0415 (absent in 0.32)
+        except ImportError:
+            _watch_dog_module = _NO_WATCHDOG
+        else:
+            _watch_dog_module = module
+    return _watch_dog_module
+
+
+@contextlib.contextmanager
+def watchdog_paused() -> Iterator[None]:
+    """Pause vLLM's stack-dump watchdog (0.33 and later) around a wait for work.
+
+    vLLM 0.33's engine loop feeds a watchdog at each step and disables it while it blocks
+    on its input queue (``--watchdog-config``, off unless ``dump_dir`` is set): a wait
+    longer than its timeout would otherwise be reported as a stuck engine, with a dump of
+    every thread. The idle wait (``_hooks``) is such a wait. vLLM 0.32 has no watchdog.
+    Cost: one call and a flag write per idle wait, none per step.
+    """
+    module = _watch_dog()
+    if module is _NO_WATCHDOG:
+        yield
+        return
+    with module.get_watch_dog().disable():  # type: ignore[attr-defined]
+        yield
+
+
+def _supported_series() -> str:
+    return " and ".join(f"{series}x" for series in SUPPORTED_VLLM_SERIES)
+
+
 def internals_problems(scheduler: object | None = None, request: object | None = None) -> list[str]:
     """What is missing or changed in this vLLM, as readable lines (empty: all good)."""
     problems: list[str] = []
     if not vllm.__version__.startswith(SUPPORTED_VLLM_SERIES):
         problems.append(
-            f"vLLM {vllm.__version__} is installed; tokenpace supports {SUPPORTED_VLLM_SERIES}x"
+            f"vLLM {vllm.__version__} is installed; tokenpace supports {_supported_series()}"
         )
     for name in SCHEDULER_METHODS:
         if not callable(getattr(Scheduler, name, None)):
@@ -140,4 +185,5 @@ __all__ = [
     "SchedulingPolicy",
     "hook_problems",
     "internals_problems",
+    "watchdog_paused",
 ]
