@@ -61,3 +61,24 @@ def test_no_count_when_no_decision_depends_on_it(
     # without max_tokens the gateway needs the prompt's size to fill it in
     resp = post(gw.url, {"model": "fake", "prompt": "hello"}, KEY_B)
     assert resp.status_code == 200 and engine.engine.tokenized == 1
+
+
+def test_max_requests_answers_an_openai_429_and_counts_the_refusal(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    cfg = base_config(engine.url, tmp_path / "u.db")
+    cfg["tenants"][1]["max_requests"] = [{"requests": 2, "per": "1h"}]
+    gw = make_gateway(cfg)
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+    assert [post(gw.url, body, KEY_B).status_code for _ in range(2)] == [200, 200]
+    refused = post(gw.url, body, KEY_B)
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded"), error
+    assert "request rate limit 2 per 1h" in error["message"]
+    assert refused.headers["x-ratelimit-limit-requests"] == "2"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(refused.headers["retry-after"]) in range(1790, 1801)  # 1800 s per request
+    assert post(gw.url, body, KEY_A).status_code == 200  # another tenant is not limited
+    assert gw.wait_metric("tokenpace_gateway_rejections_total", 1.0, tenant="team-b",
+                          reason="requests") == 1.0
+    assert len(engine.engine.requests) == 3

@@ -138,3 +138,69 @@ def test_a_prompt_that_must_be_counted_asks_the_engine(runtime: Any) -> None:
     _, refused = run_admit(rt, {"model": "m", "prompt": "hello", "max_tokens": 1})
     assert isinstance(refused, GatewayError)  # the engine (a closed port) could not count it
     assert (refused.status, refused.reason) == (502, "engine_unavailable")
+
+
+def test_max_requests_refuses_the_request_past_the_limit_with_exact_headers(runtime: Any) -> None:
+    """3 requests per minute: a bucket of 3 refilled at one request per 20 s."""
+    rt = runtime(max_requests=[{"requests": 3, "per": "1m"}])
+    body = {"model": "m", "prompt": ids(3), "max_tokens": 5}
+    for _ in range(3):
+        assert isinstance(run_admit(rt, body)[1], Admission)
+    runtime.now[0] = 5.0  # 5 s later: a quarter of a request back
+    _, refused = run_admit(rt, body)
+    assert isinstance(refused, GatewayError)
+    assert (refused.status, refused.reason, refused.code) == (429, "requests", "rate_limit_exceeded")
+    assert "request rate limit 3 per 1m" in refused.message
+    h = refused.headers
+    assert h["x-ratelimit-limit-requests"] == "3"
+    assert h["x-ratelimit-remaining-requests"] == "0"  # 0.25 of a request
+    assert h["retry-after-ms"] == "15000" and h["retry-after"] == "15"  # 0.75 missing
+    assert h["x-ratelimit-reset-requests"] == "55s"  # 2.75 missing at 1 per 20 s
+    assert "x-ratelimit-limit-tokens" not in h
+    runtime.now[0] = 20.0  # one request back
+    assert isinstance(run_admit(rt, body)[1], Admission)
+    assert isinstance(run_admit(rt, body)[1], GatewayError)
+
+
+def test_every_max_requests_limit_must_admit_and_the_longest_wait_is_reported(runtime: Any) -> None:
+    rt = runtime(max_requests=[{"requests": 2, "per": "1s"}, {"requests": 3, "per": "1h"}])
+    body = {"model": "m", "prompt": ids(1), "max_tokens": 1}
+    assert isinstance(run_admit(rt, body)[1], Admission)
+    assert isinstance(run_admit(rt, body)[1], Admission)
+    _, short = run_admit(rt, body)  # the per-second limit refuses, 0.5 s to wait
+    assert short.headers["x-ratelimit-limit-requests"] == "2"
+    assert short.headers["retry-after-ms"] == "500"
+    runtime.now[0] = 1.0
+    assert isinstance(run_admit(rt, body)[1], Admission)  # the third of the hour
+    runtime.now[0] = 2.0
+    _, long = run_admit(rt, body)  # the hourly one now: 1200 s per request
+    assert long.headers["x-ratelimit-limit-requests"] == "3"
+    assert long.headers["x-ratelimit-reset-requests"] == "59m58s"
+
+
+def test_a_request_refused_by_its_budget_still_counts_as_a_request(runtime: Any) -> None:
+    """As OpenAI counts requests: every request that reaches the check."""
+    rt = runtime(max_requests=[{"requests": 2, "per": "1m"}], budgets=[{"tokens": 20, "per": "1m"}])
+    assert isinstance(run_admit(rt, {"model": "m", "prompt": ids(15), "max_tokens": 4})[1],
+                      Admission)  # 19 of 20 reserved
+    # Its lower bound (1) fits, its count (6) does not: refused after the request check.
+    _, refused = run_admit(rt, {"model": "m", "prompt": ids(5), "max_tokens": 1})
+    assert isinstance(refused, GatewayError) and refused.reason == "budget"
+    _, third = run_admit(rt, {"model": "m", "prompt": ids(1), "max_tokens": 1})
+    assert isinstance(third, GatewayError) and third.reason == "requests"
+
+
+def test_a_full_queue_refusal_does_not_count_as_a_request(runtime: Any) -> None:
+    rt = runtime(max_requests=[{"requests": 1, "per": "1m"}], max_concurrency=1, max_queued=0)
+    tenant = rt.tenants.get("t")
+    tenant.inflight = 1
+    _, refused = run_admit(rt, {"model": "m", "prompt": ids(1), "max_tokens": 1})
+    assert isinstance(refused, GatewayError) and refused.reason != "requests"
+    tenant.inflight = 0
+    assert isinstance(run_admit(rt, {"model": "m", "prompt": ids(1), "max_tokens": 1})[1], Admission)
+
+
+def test_a_request_limit_and_a_budget_of_the_same_figures_keep_separate_buckets() -> None:
+    from tokenpace.fairness import BudgetSpec, RequestLimit
+
+    assert RequestLimit(3, 3600).key == "requests:3/1h" != BudgetSpec(3, 3600).key == "3/1h"

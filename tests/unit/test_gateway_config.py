@@ -23,7 +23,8 @@ GOOD: dict[str, Any] = {
         {"id": "team-a", "api_keys": ["sk-a"], "lane": "interactive", "weight": 2,
          "output_tokens_per_second": 100, "max_concurrency": 8, "max_queued": 32,
          "max_input_tokens": 8192, "max_output_tokens": 1024,
-         "budgets": [{"tokens": 20000, "per": "10s"}, {"tokens": 2000000, "per": "1d"}]},
+         "budgets": [{"tokens": 20000, "per": "10s"}, {"tokens": 2000000, "per": "1d"}],
+         "max_requests": [{"requests": 600, "per": "1m"}, {"requests": 10000, "per": "1d"}]},
         {"id": "team-b", "api_keys": ["sha256:" + hashlib.sha256(b"sk-b").hexdigest()]},
     ],
 }
@@ -51,6 +52,8 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     a = config.tenants[0]
     assert (a.lane, a.weight, a.max_concurrency, a.queue_timeout_s) == ("interactive", 2.0, 8, 60.0)
     assert [b.key for b in a.budgets] == ["20000/10s", "2000000/1d"]
+    assert [(r.requests, r.period_s) for r in a.max_requests] == [(600, 60.0), (10000, 86400.0)]
+    assert config.tenants[1].max_requests == ()
     assert config.tenant_for_key("sk-a") is a
     assert config.tenant_for_key("sk-b") is config.tenants[1]
     assert config.tenants[1].lane == "interactive"  # the first lane by default
@@ -64,6 +67,13 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     ("tenants.0.budgets.0.per", "10 parsecs", "tenants[0].budgets[0].per"),
     ("tenants.0.budgets.1.tokens", -5, "tenants[0].budgets[1].tokens"),
     ("tenants.0.lane", "gold", "tenants[0].lane: unknown lane 'gold'"),
+    ("tenants.0.max_requests.0.requests", 1.5, "tenants[0].max_requests[0].requests"),
+    ("tenants.0.max_requests.0.requests", 0, "tenants[0].max_requests[0].requests"),
+    ("tenants.0.max_requests.0.requests", KeyError, "tenants[0].max_requests[0].requests: required"),
+    ("tenants.0.max_requests.1.per", "daily", "tenants[0].max_requests[1].per"),
+    ("tenants.0.max_requests.1.tokens", 5, "tenants[0].max_requests[1].tokens: unknown key"),
+    ("tenants.0.max_requests.1", {"requests": 600, "per": "60s"}, "max_requests: the same limit"),
+    ("tenants.0.max_requests", {"requests": 600}, "tenants[0].max_requests"),
     ("tenants.0.max_concurrency", 0, "tenants[0].max_concurrency"),
     ("tenants.0.max_output_tokens", "1024", "tenants[0].max_output_tokens"),
     ("tenants.0.weight", True, "tenants[0].weight"),

@@ -7,6 +7,7 @@ drive it exactly.
 from ._budget import (
     BudgetRefusal,
     BudgetSpec,
+    RequestLimit,
     TenantBudgets,
     TokenBucket,
     parse_duration,
@@ -20,6 +21,7 @@ __all__ = [
     "CostModel",
     "FairQueue",
     "LaneSpec",
+    "RequestLimit",
     "TenantBudgets",
     "TokenBucket",
     "parse_duration",

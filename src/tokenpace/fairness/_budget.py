@@ -45,6 +45,25 @@ class BudgetSpec:
         return self.tokens / self.period_s
 
 
+@dataclass(frozen=True)
+class RequestLimit(BudgetSpec):
+    """A request-rate limit: ``tokens`` requests per ``period_s`` seconds.
+
+    The same bucket as a budget (it holds at most ``tokens`` requests and refills at
+    ``tokens / period_s`` a second, so ``600 per 1m`` admits a burst of 600, then one every
+    100 ms); each request costs one and is never settled. Its ``key`` keeps its bucket
+    apart from a token budget of the same figures, in process and in Redis.
+    """
+
+    @property
+    def requests(self) -> int:
+        return int(self.tokens)
+
+    @property
+    def key(self) -> str:
+        return "requests:" + BudgetSpec.key.fget(self)  # type: ignore[attr-defined]
+
+
 class TokenBucket:
     """One budget's bucket. ``level`` may go negative (debt), never above ``tokens``."""
 

@@ -21,7 +21,7 @@ import httpx
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from ..fairness import BudgetRefusal
+from ..fairness import BudgetRefusal, RequestLimit
 from . import _metrics as metrics
 from ._body import ParsedRequest, count_calls, prompt_token_ids
 from ._dispatch import EngineSlots, Pool
@@ -148,6 +148,8 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     """
     tenant = ex.tenant
     _cheap_refusals(rt, ex, req)
+    if tenant.config.max_requests:
+        await _take_request(rt, tenant)
     ids = prompt_token_ids(req)
     if ids is not None:
         return await _admit_counted(rt, ex, req, sum(map(len, ids)), None, counted=True,
@@ -240,6 +242,27 @@ async def _reserve(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | No
         ex.reservation = result
         return None
     return tenant.try_reserve(cost, rt.clock())
+
+
+async def _take_request(rt: Runtime, tenant: TenantState) -> None:
+    """Count the request against the tenant's ``max_requests``, or refuse it (429).
+
+    Checked after the refusals that need nothing (a full queue, a prompt too large by its
+    bytes) and before the prompt count and the budgets: a request that gets this far
+    counts, whether or not a later check refuses it, as OpenAI counts requests. Cost: a
+    bucket update per limit in process; with ``state: redis`` one more script call (one
+    round trip), only for tenants that have such limits.
+    """
+    if rt.store is not None:
+        try:
+            result = await rt.store.reserve(tenant.id, tenant.config.max_requests, 1.0)
+        except StateUnavailable:
+            raise state_unavailable() from None
+        refusal = result if isinstance(result, BudgetRefusal) else None
+    else:
+        refusal = tenant.take_request(rt.clock())
+    if refusal is not None:
+        raise request_limit_error(refusal)
 
 
 def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
@@ -446,6 +469,24 @@ def budget_error(refusal: BudgetRefusal) -> GatewayError:
             "x-ratelimit-limit-tokens": str(int(budget.tokens)),
             "x-ratelimit-remaining-tokens": str(math.floor(refusal.remaining)),
             "x-ratelimit-reset-tokens": _go_duration(refusal.reset_s),
+        })
+
+
+def request_limit_error(refusal: BudgetRefusal) -> GatewayError:
+    """429 for a ``max_requests`` limit, with OpenAI's request headers: the limit, the
+    requests left now (0 when refused) and how long until the limit is whole again."""
+    limit = refusal.budget
+    assert isinstance(limit, RequestLimit)
+    return GatewayError(
+        429, f"request rate limit {limit.requests} per {limit.key.rsplit('/', 1)[1]} reached; "
+        f"retry in {refusal.retry_after_s:.3f} s",
+        reason="requests", code="rate_limit_exceeded",
+        headers={
+            "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
+            "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
+            "x-ratelimit-limit-requests": str(limit.requests),
+            "x-ratelimit-remaining-requests": str(math.floor(refusal.remaining)),
+            "x-ratelimit-reset-requests": _go_duration(refusal.reset_s),
         })
 
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from ..fairness import BudgetSpec, CostModel, parse_duration
+from ..fairness import BudgetSpec, CostModel, RequestLimit, parse_duration
 from ..pacing import LimitsError, validate_user_id
 from ._state import StateConfig, StateConfigError, parse_state
 
@@ -98,6 +98,8 @@ class TenantConfig:
     max_output_tokens: int | None = None
     queue_timeout_s: float = 60.0
     budgets: tuple[BudgetSpec, ...] = ()
+    # Request-rate limits (``max_requests``), checked beside concurrency and budgets.
+    max_requests: tuple[RequestLimit, ...] = ()
     share_prefix_cache: bool = False
     # The models (served names, aliases resolved) the tenant may use; None: every model.
     models: frozenset[str] | None = None
@@ -593,7 +595,8 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
     m = _mapping(value, where)
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
-                      "queue_timeout", "budgets", "share_prefix_cache", "models"))
+                      "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
+                      "models"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
@@ -621,6 +624,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         budgets.append(BudgetSpec(tokens, per))
     if len({b.key for b in budgets}) != len(budgets):
         raise ConfigError(f"{where}.budgets: the same budget is listed twice")
+    max_requests = _request_limits(m, where)
     return TenantConfig(
         id=tenant_id,
         key_hashes=keys,
@@ -633,9 +637,30 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
         queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
         budgets=tuple(budgets),
+        max_requests=max_requests,
         share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
         models=_allowed_models(m, where, aliases or {}, served),
     )
+
+
+def _request_limits(m: Mapping[str, Any], where: str) -> tuple[RequestLimit, ...]:
+    """``max_requests: [{requests: 600, per: 1m}, ...]``: whole requests per period."""
+    limits = []
+    for i, item in enumerate(_list(m, "max_requests", where)):
+        lw = f"{where}.max_requests[{i}]"
+        lm = _mapping(item, lw)
+        _known(lm, lw, ("requests", "per"))
+        requests = _int(lm, "requests", lw, None, minimum=1)
+        if requests is None:
+            raise ConfigError(f"{lw}.requests: required (a whole number of requests, >= 1)")
+        try:
+            per = parse_duration(lm.get("per"))
+        except ValueError as exc:
+            raise ConfigError(f"{lw}.per: {exc}") from None
+        limits.append(RequestLimit(requests, per))
+    if len({x.key for x in limits}) != len(limits):
+        raise ConfigError(f"{where}.max_requests: the same limit is listed twice")
+    return tuple(limits)
 
 
 def _allowed_models(m: Mapping[str, Any], where: str, aliases: Mapping[str, str],

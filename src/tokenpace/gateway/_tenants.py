@@ -32,6 +32,8 @@ class TenantState:
         levels = {b.key: saved[b.key][0] + saved[b.key][1] * b.refill_per_s
                   for b in config.budgets if b.key in saved}
         self.budgets = TenantBudgets(list(config.budgets), now, levels)
+        # max_requests, in process (the shared store keeps its own with state: redis).
+        self.request_limits = TenantBudgets(list(config.max_requests), now)
         self.inflight = 0
         self.queued = 0
         self.service_s: float | None = None  # moving average of time on the engine
@@ -73,6 +75,10 @@ class TenantState:
     def settle(self, reserved: float, actual: float, now: float) -> None:
         self.dirty = True
         self.budgets.settle(reserved, actual, now)
+
+    def take_request(self, now: float) -> BudgetRefusal | None:
+        """Count one request against every ``max_requests`` limit, or the refusal."""
+        return self.request_limits.try_reserve(1.0, now)
 
 
 @dataclass
@@ -148,6 +154,10 @@ class Tenants:
                 state.budgets = TenantBudgets(list(tenant.budgets), now)
                 state.budgets.carry_over(old_budgets, now)
                 state.dirty = True
+            if state.config.max_requests != tenant.max_requests:
+                old_limits = state.request_limits
+                state.request_limits = TenantBudgets(list(tenant.max_requests), now)
+                state.request_limits.carry_over(old_limits, now)
             state.config = tenant
             self.series.replace(state)
         for tenant_id in plan.removed:
