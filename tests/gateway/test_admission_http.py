@@ -82,3 +82,33 @@ def test_max_requests_answers_an_openai_429_and_counts_the_refusal(
     assert gw.wait_metric("tokenpace_gateway_rejections_total", 1.0, tenant="team-b",
                           reason="requests") == 1.0
     assert len(engine.engine.requests) == 3
+
+
+def test_observed_max_concurrency_holds_nothing_back_and_counts(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    """max_concurrency 1 in observe mode: three requests at once all reach the engine;
+    the two dispatched past the limit are counted (the enforced limit would have queued
+    them)."""
+    import threading
+
+    cfg = base_config(engine.url, tmp_path / "u.db")
+    cfg["tenants"][1]["max_concurrency"] = {"limit": 1, "mode": "observe"}
+    gw = make_gateway(cfg)
+    engine.engine.gate = threading.Event()  # every request stays in flight until set
+    answers: list[int] = []
+    threads = [threading.Thread(target=lambda: answers.append(post(
+        gw.url, {"model": "fake", "prompt": "hi", "max_tokens": 2}, KEY_B).status_code))
+        for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert gw.wait_metric("tokenpace_gateway_inflight_requests", 3.0, timeout_s=30,
+                              tenant="team-b") == 3.0, "all three run at once"
+        assert gw.wait_metric("tokenpace_gateway_would_reject_total", 2.0, tenant="team-b",
+                              reason="max_concurrency") == 2.0
+    finally:
+        engine.engine.gate.set()
+        for t in threads:
+            t.join()
+    assert answers == [200, 200, 200]
+    assert gw.metric("tokenpace_gateway_rejections_total", tenant="team-b") is None

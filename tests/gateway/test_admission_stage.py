@@ -204,3 +204,50 @@ def test_a_request_limit_and_a_budget_of_the_same_figures_keep_separate_buckets(
     from tokenpace.fairness import BudgetSpec, RequestLimit
 
     assert RequestLimit(3, 3600).key == "requests:3/1h" != BudgetSpec(3, 3600).key == "3/1h"
+
+
+def _would_reject(reason: str, tenant: str = "t") -> float:
+    from tokenpace.gateway import _metrics as metrics
+
+    value = metrics.REGISTRY.get_sample_value("tokenpace_gateway_would_reject_total",
+                                              {"tenant": tenant, "reason": reason})
+    return value or 0.0
+
+
+def test_an_observed_budget_refuses_nothing_counts_what_it_would_and_settles(runtime: Any) -> None:
+    """100 per minute in observe mode: kept as if enforced, but it never refuses."""
+    rt = runtime(budgets=[{"tokens": 100, "per": "1m", "mode": "observe"}])
+    tenant = rt.tenants.get("t")
+    before = _would_reject("budget")
+    ex1, first = run_admit(rt, {"model": "m", "prompt": ids(30), "max_tokens": 30})
+    assert isinstance(first, Admission) and ex1.observed_reserved == 60.0
+    ex2, second = run_admit(rt, {"model": "m", "prompt": ids(30), "max_tokens": 30})
+    assert isinstance(second, Admission), "observe mode refuses nothing"
+    assert _would_reject("budget") == before + 1
+    assert ex2.observed_reserved == 0.0, "what it would have refused is not charged to it"
+    assert tenant.observed_budgets.levels(0.0) == {"observe:100/1m": 40.0}
+    assert tenant.budgets.levels(0.0) == {}, "no enforced budget"
+    # At the end the observed reservation is replaced by the actual cost (30 + 10).
+    ex1.completion_tokens, ex1.prompt_tokens = 10, 30
+    asyncio.run(_finish(ex1))
+    assert tenant.observed_budgets.levels(0.0) == {"observe:100/1m": 60.0}
+
+
+async def _finish(ex: Any) -> None:
+    from tokenpace.gateway._settle import Outcome
+
+    ex.finish(Outcome.FINISHED, "stop")
+
+
+def test_an_observed_request_limit_counts_and_an_enforced_one_beside_it_refuses(
+        runtime: Any) -> None:
+    rt = runtime(max_requests=[{"requests": 3, "per": "1m"},
+                               {"requests": 1, "per": "1m", "mode": "observe"}])
+    before = _would_reject("requests")
+    body = {"model": "m", "prompt": ids(1), "max_tokens": 1}
+    assert [isinstance(run_admit(rt, body)[1], Admission) for _ in range(3)] == [True] * 3
+    assert _would_reject("requests") == before + 2  # the 2nd and 3rd are past 1 per minute
+    _, refused = run_admit(rt, body)
+    assert isinstance(refused, GatewayError) and refused.reason == "requests"
+    assert refused.headers["x-ratelimit-limit-requests"] == "3", "the enforced limit"
+    assert _would_reject("requests") == before + 2, "refused by an enforced limit first"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests._redis import RedisServer, require_redis_client
 
@@ -72,6 +73,54 @@ def test_replicas_count_requests_against_one_limit(tmp_path: Path,
                 assert h["retry-after"] in ("1199", "1200")  # one request: 1200 s, less elapsed
                 reset = h["x-ratelimit-reset-requests"]  # 3 requests: 3600 s, less elapsed
                 assert reset == "1h0m0s" or reset.startswith("59m59."), reset
+        finally:
+            for rt in (a, b):
+                await rt.store.close()
+                rt.ledger.close()
+
+    asyncio.run(body())
+
+
+def test_limits_in_observe_mode_are_shared_too_and_refuse_nothing(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """An observed ``max_requests`` of 1 per hour and an observed budget of 3 per hour,
+    counted in Redis across two replicas; an enforced limit of the same figures would
+    have its own key."""
+    from tokenpace.gateway import _metrics as metrics
+
+    def runtime(name: str) -> Runtime:
+        config = parse_config({
+            "engines": [CLOSED], "ledger": f"sqlite:///{tmp_path / f'{name}.db'}",
+            "state": {"url": redis_server.url, "timeout": "1s"},
+            "cost": {"prompt": 1.0, "completion": 1.0},
+            "tenants": [{"id": "obs", "api_keys": ["k"],
+                         "max_requests": [{"requests": 1, "per": "1h", "mode": "observe"}],
+                         "budgets": [{"tokens": 3, "per": "1h", "mode": "observe"}]}],
+        })
+        store = RedisStore(redis_server.url, timeout_s=1.0)
+        return Runtime(config, Tenants(config, time.monotonic),
+                       Dispatcher(config, time.monotonic), {}, open_ledger(config.ledger),
+                       clock=time.monotonic, store=store)
+
+    def count(reason: str) -> float:
+        return metrics.REGISTRY.get_sample_value(
+            "tokenpace_gateway_would_reject_total", {"tenant": "obs", "reason": reason}) or 0.0
+
+    async def body() -> None:
+        a, b = runtime("a"), runtime("b")
+        try:
+            requests0, budget0 = count("requests"), count("budget")
+            for rt in (a, b, a):  # each request costs 2: 1 prompt token + max_tokens 1
+                ex = Exchange(rt, "tpg-test", "completion", rt.tenants.get("obs"), rt.clock(),
+                              time.time())
+                req = parse_request("completion", {"model": "m", "prompt": [1], "max_tokens": 1})
+                async with httpx.AsyncClient(base_url=CLOSED) as client:
+                    assert isinstance(await admit(rt, ex, req, client), Admission)
+            assert count("requests") == requests0 + 2  # the 2nd and 3rd, on either replica
+            assert count("budget") == budget0 + 2  # 2 of 3 taken by the first
+            levels = await a.store.budget_levels("obs", [rt_spec for rt_spec in
+                                                         a.config.tenants[0].observed_budgets])
+            assert levels == {"observe:3/1h": pytest.approx(1.0, abs=0.01)}
         finally:
             for rt in (a, b):
                 await rt.store.close()

@@ -170,3 +170,23 @@ def test_prompts_are_counted_as_the_engine_renders_them() -> None:
     assert path == "/v1/messages/count_tokens" and "max_tokens" not in sent
     req = parse_request("completion", body("completion", prompt=["a", "b"]))
     assert [c[1]["prompt"] for c in count_calls(req)] == ["a", "b"]
+
+
+def test_a_body_nested_deeper_than_the_encoder_goes_is_a_400_not_a_crash() -> None:
+    """Parsed on a shallow stack, encoded on a deeper one: ``json.dumps`` can hit the
+    recursion limit where ``json.loads`` did not (seen once in the hostile-body battery)."""
+    import pytest
+
+    from tokenpace.gateway._body import engine_body, parse_request
+    from tokenpace.gateway._errors import GatewayError
+
+    deep: list = []
+    node = deep
+    for _ in range(100_000):  # far past any recursion limit, built without recursion
+        node.append([])
+        node = node[0]
+    req = parse_request("completion", {"model": "m", "prompt": "hi", "max_tokens": 2, "x": deep})
+    with pytest.raises(GatewayError) as info:
+        engine_body(req, user="t", rate=None, priority=0, max_tokens=2)
+    assert (info.value.status, info.value.code) == (400, "invalid_json")
+    assert "nested too deeply" in info.value.message

@@ -54,11 +54,29 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     assert [b.key for b in a.budgets] == ["20000/10s", "2000000/1d"]
     assert [(r.requests, r.period_s) for r in a.max_requests] == [(600, 60.0), (10000, 86400.0)]
     assert config.tenants[1].max_requests == ()
+    assert (a.observed_budgets, a.observed_requests, a.observed_concurrency) == ((), (), None)
     assert config.tenant_for_key("sk-a") is a
     assert config.tenant_for_key("sk-b") is config.tenants[1]
     assert config.tenants[1].lane == "interactive"  # the first lane by default
     assert config.tenant_for_key("sk-c") is None
     assert config.is_admin_key("admin") and not config.is_admin_key("sk-a")
+
+
+def test_limits_in_observe_mode_are_kept_apart_from_enforced_ones() -> None:
+    config = copy.deepcopy(GOOD)
+    tenant = config["tenants"][0]
+    tenant["budgets"].append({"tokens": 20000, "per": "10s", "mode": "observe"})
+    tenant["max_requests"][1]["mode"] = "observe"
+    tenant["max_concurrency"] = {"limit": 4, "mode": "observe"}
+    a = parse_config(config).tenants[0]
+    assert [b.key for b in a.budgets] == ["20000/10s", "2000000/1d"]
+    assert [b.key for b in a.observed_budgets] == ["observe:20000/10s"]
+    assert [r.key for r in a.max_requests] == ["requests:600/1m"]
+    assert [r.key for r in a.observed_requests] == ["requests:observe:10000/1d"]
+    assert (a.max_concurrency, a.observed_concurrency) == (None, 4)
+    tenant["max_concurrency"] = {"limit": 4}  # mode enforce by default
+    a = parse_config(config).tenants[0]
+    assert (a.max_concurrency, a.observed_concurrency) == (4, None)
 
 
 @pytest.mark.parametrize("path,value,message", [
@@ -74,6 +92,12 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     ("tenants.0.max_requests.1.tokens", 5, "tenants[0].max_requests[1].tokens: unknown key"),
     ("tenants.0.max_requests.1", {"requests": 600, "per": "60s"}, "max_requests: the same limit"),
     ("tenants.0.max_requests", {"requests": 600}, "tenants[0].max_requests"),
+    ("tenants.0.max_requests.0.mode", "dry-run", "tenants[0].max_requests[0].mode: expected 'enforce'"),
+    ("tenants.0.budgets.0.mode", "watch", "tenants[0].budgets[0].mode: expected 'enforce'"),
+    ("tenants.0.max_concurrency", {"limit": 0, "mode": "observe"}, "tenants[0].max_concurrency.limit"),
+    ("tenants.0.max_concurrency", {"mode": "observe"}, "tenants[0].max_concurrency.limit: required"),
+    ("tenants.0.max_concurrency", {"limit": 2, "mode": "shadow"}, "tenants[0].max_concurrency.mode"),
+    ("tenants.0.max_concurrency", {"limit": 2, "burst": 1}, "tenants[0].max_concurrency.burst: unknown key"),
     ("tenants.0.max_concurrency", 0, "tenants[0].max_concurrency"),
     ("tenants.0.max_output_tokens", "1024", "tenants[0].max_output_tokens"),
     ("tenants.0.weight", True, "tenants[0].weight"),

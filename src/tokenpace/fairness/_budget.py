@@ -28,6 +28,9 @@ class BudgetSpec:
 
     tokens: float
     period_s: float
+    observe: bool = False
+    """``mode: observe``: the limit refuses nothing; the gateway counts what it would have
+    refused. Its bucket is kept apart from an enforced one of the same figures (``key``)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tokens) and self.tokens > 0):
@@ -37,7 +40,14 @@ class BudgetSpec:
 
     @property
     def key(self) -> str:
-        """A stable name, e.g. ``20000/10s``: labels metrics and keys persisted state."""
+        """A stable name, e.g. ``20000/10s`` (``observe:20000/10s`` in observe mode):
+        labels metrics and keys persisted and shared state."""
+        name = f"{_number(self.tokens)}/{_duration(self.period_s)}"
+        return "observe:" + name if self.observe else name
+
+    @property
+    def figures(self) -> str:
+        """``20000/10s``, whatever the mode (for messages)."""
         return f"{_number(self.tokens)}/{_duration(self.period_s)}"
 
     @property

@@ -23,6 +23,7 @@ from starlette.types import Receive
 
 from ..fairness import BudgetRefusal, RequestLimit
 from . import _metrics as metrics
+from . import _observe as observe
 from ._body import ParsedRequest, count_calls, prompt_token_ids
 from ._dispatch import EngineSlots, Pool
 from ._errors import GatewayError
@@ -150,6 +151,8 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     _cheap_refusals(rt, ex, req)
     if tenant.config.max_requests:
         await _take_request(rt, tenant)
+    if tenant.config.observed_requests:
+        await observe.requests(rt, tenant)
     ids = prompt_token_ids(req)
     if ids is not None:
         return await _admit_counted(rt, ex, req, sum(map(len, ids)), None, counted=True,
@@ -187,6 +190,8 @@ async def _admit_counted(rt: Runtime, ex: Exchange, req: ParsedRequest, prompt_t
         raise budget_error(refusal)
     ex.reserved = reserved
     ex.max_completion_tokens = max_tokens * req.sequences
+    if tenant.config.observed_budgets:
+        await observe.budgets(rt, ex, reserved)
     return Admission(prompt_tokens, max_tokens, reserved)
 
 
@@ -229,6 +234,8 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
     ex.prompt_bound, ex.bound_source = bound, learned
     ex.reserved = reserved
     ex.max_completion_tokens = max_tokens * req.sequences
+    if cfg.observed_budgets:
+        await observe.budgets(rt, ex, reserved)
     return Admission(0, max_tokens, reserved)
 
 

@@ -318,9 +318,9 @@ def responses_as_chat(model: str, body: dict[str, Any]) -> dict[str, Any]:
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json.dumps(output)})
+                             "content": output if isinstance(output, str) else _dumps(output)})
         else:
-            messages.append({"role": "user", "content": json.dumps(item)})
+            messages.append({"role": "user", "content": _dumps(item)})
     out: dict[str, Any] = {"model": model, "messages": messages}
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
                                                                  "parameters") if k in t}}
@@ -341,7 +341,7 @@ def _chat_content(content: Any) -> Any:
         elif isinstance(part, dict) and part.get("type") == "input_image":
             parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
         else:
-            parts.append({"type": "text", "text": json.dumps(part)})
+            parts.append({"type": "text", "text": _dumps(part)})
     return parts
 
 
@@ -392,12 +392,31 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
         body["store"] = False
         if request_id is not None:
             body["request_id"] = f"resp_{request_id}"
-        return json.dumps(body).encode()
+        return _encode(body)
     if req.stream and req.kind != "messages":
         # Usage in every chunk: the gateway then knows how many tokens were generated at
         # any moment, also when the client or the engine goes away mid-stream.
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return json.dumps(body).encode()
+    return _encode(body)
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return _dumps(body).encode()
+
+
+def _dumps(value: Any) -> str:
+    """JSON text of a client's value, or a 400 for one nested deeper than the encoder goes.
+
+    Python's parser and encoder both stop at the interpreter's recursion limit, counted
+    from wherever they run, so a body nested just short of that limit can parse on one
+    stack and fail to encode on a deeper one (a generated body of ~1,000 nested lists did,
+    once in many runs). Cost: nothing unless it fails.
+    """
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise GatewayError(400, "the request body is nested too deeply to forward",
+                           reason="bad_request", code="invalid_json") from None
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -100,6 +100,11 @@ class TenantConfig:
     budgets: tuple[BudgetSpec, ...] = ()
     # Request-rate limits (``max_requests``), checked beside concurrency and budgets.
     max_requests: tuple[RequestLimit, ...] = ()
+    # Limits with ``mode: observe``: they refuse nothing; what they would have refused is
+    # counted (``_observe``).
+    observed_budgets: tuple[BudgetSpec, ...] = ()
+    observed_requests: tuple[RequestLimit, ...] = ()
+    observed_concurrency: int | None = None
     share_prefix_cache: bool = False
     # The models (served names, aliases resolved) the tenant may use; None: every model.
     models: frozenset[str] | None = None
@@ -614,30 +619,34 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
     for i, b in enumerate(_list(m, "budgets", where)):
         bw = f"{where}.budgets[{i}]"
         bm = _mapping(b, bw)
-        _known(bm, bw, ("tokens", "per"))
+        _known(bm, bw, ("tokens", "per", "mode"))
         tokens = _number(bm, "tokens", bw, required=True)
         try:
             per = parse_duration(bm.get("per"))
         except ValueError as exc:
             raise ConfigError(f"{bw}.per: {exc}") from None
         assert tokens is not None
-        budgets.append(BudgetSpec(tokens, per))
+        budgets.append(BudgetSpec(tokens, per, _observe(bm, bw)))
     if len({b.key for b in budgets}) != len(budgets):
         raise ConfigError(f"{where}.budgets: the same budget is listed twice")
     max_requests = _request_limits(m, where)
+    max_concurrency, observed_concurrency = _concurrency(m, where)
     return TenantConfig(
         id=tenant_id,
         key_hashes=keys,
         lane=lane,
         weight=_number(m, "weight", where) or 1.0,
         output_tokens_per_second=_number(m, "output_tokens_per_second", where),
-        max_concurrency=_int(m, "max_concurrency", where, None, minimum=1),
+        max_concurrency=max_concurrency,
+        observed_concurrency=observed_concurrency,
         max_queued=_int(m, "max_queued", where, None, minimum=0),
         max_input_tokens=_int(m, "max_input_tokens", where, None, minimum=1),
         max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
         queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
-        budgets=tuple(budgets),
-        max_requests=max_requests,
+        budgets=tuple(b for b in budgets if not b.observe),
+        observed_budgets=tuple(b for b in budgets if b.observe),
+        max_requests=tuple(r for r in max_requests if not r.observe),
+        observed_requests=tuple(r for r in max_requests if r.observe),
         share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
         models=_allowed_models(m, where, aliases or {}, served),
     )
@@ -649,7 +658,7 @@ def _request_limits(m: Mapping[str, Any], where: str) -> tuple[RequestLimit, ...
     for i, item in enumerate(_list(m, "max_requests", where)):
         lw = f"{where}.max_requests[{i}]"
         lm = _mapping(item, lw)
-        _known(lm, lw, ("requests", "per"))
+        _known(lm, lw, ("requests", "per", "mode"))
         requests = _int(lm, "requests", lw, None, minimum=1)
         if requests is None:
             raise ConfigError(f"{lw}.requests: required (a whole number of requests, >= 1)")
@@ -657,10 +666,32 @@ def _request_limits(m: Mapping[str, Any], where: str) -> tuple[RequestLimit, ...
             per = parse_duration(lm.get("per"))
         except ValueError as exc:
             raise ConfigError(f"{lw}.per: {exc}") from None
-        limits.append(RequestLimit(requests, per))
+        limits.append(RequestLimit(requests, per, _observe(lm, lw)))
     if len({x.key for x in limits}) != len(limits):
         raise ConfigError(f"{where}.max_requests: the same limit is listed twice")
     return tuple(limits)
+
+
+def _observe(m: Mapping[str, Any], where: str) -> bool:
+    """A limit's ``mode``: ``enforce`` (the default) or ``observe`` (True)."""
+    mode = m.get("mode", "enforce")
+    if mode not in ("enforce", "observe"):
+        raise ConfigError(f"{where}.mode: expected 'enforce' (the default) or 'observe', "
+                          f"got {mode!r}")
+    return mode == "observe"
+
+
+def _concurrency(m: Mapping[str, Any], where: str) -> tuple[int | None, int | None]:
+    """``max_concurrency``: a number, or ``{limit: 8, mode: observe}``; (enforced, observed)."""
+    value = m.get("max_concurrency")
+    if not isinstance(value, Mapping):
+        return _int(m, "max_concurrency", where, None, minimum=1), None
+    cw = f"{where}.max_concurrency"
+    _known(value, cw, ("limit", "mode"))
+    limit = _int(value, "limit", cw, None, minimum=1)
+    if limit is None:
+        raise ConfigError(f"{cw}.limit: required (requests in flight at once, >= 1)")
+    return (None, limit) if _observe(value, cw) else (limit, None)
 
 
 def _allowed_models(m: Mapping[str, Any], where: str, aliases: Mapping[str, str],

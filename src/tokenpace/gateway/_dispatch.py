@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from ..fairness import FairQueue, LaneSpec
 from . import _metrics as metrics
+from . import _observe as observe
 from ._config import EngineConfig, GatewayConfig
 from ._state import Reservation
 from ._tenants import TenantState
@@ -514,6 +515,7 @@ class Dispatcher:
             waiter.granted = True
             tenant.queued -= 1
             tenant.inflight += 1
+            observe.dispatched(tenant, self._clock())
             engine.dispatched()
             engine.inflight_gauge.set(engine.inflight)
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)

@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 import anyio
 
 from . import _metrics as metrics
+from . import _observe as observe
 from ._config import GatewayConfig
 from ._dispatch import Dispatcher, EngineSlots, Pool, QueueFull, Waiter
 from ._state import (
@@ -222,6 +223,7 @@ class SharedDispatcher(Dispatcher):
         waiter.running = lease
         waiter.granted = True
         tenant.inflight += 1
+        observe.dispatched(tenant, self._clock())
         engine.dispatched()
         if waiter.prompt_cost:
             self.store.charge(tenant.config.lane, tenant.id,

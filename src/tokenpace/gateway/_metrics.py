@@ -61,6 +61,11 @@ REJECTIONS = Counter(
     "tokenpace_gateway_rejections", "Requests refused by the gateway, by reason.",
     ["tenant", "reason"], registry=REGISTRY,
 )
+WOULD_REJECT = Counter(
+    "tokenpace_gateway_would_reject", "Requests that a limit in observe mode would have "
+    "refused (or, for max_concurrency, held in the queue), by reason; none was refused.",
+    ["tenant", "reason"], registry=REGISTRY,
+)
 PROMPT_TOKENS = Counter(
     "tokenpace_gateway_prompt_tokens", "Prompt tokens of requests that reached an engine.",
     ["tenant", "lane"], registry=REGISTRY,
@@ -196,6 +201,7 @@ ENGINE_INFLIGHT = Gauge(
 _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     REQUESTS: ("tenant", "lane", "outcome"),
     REJECTIONS: ("tenant", "reason"),
+    WOULD_REJECT: ("tenant", "reason"),
     PROMPT_TOKENS: ("tenant", "lane"),
     COMPLETION_TOKENS: ("tenant", "lane"),
     SERVICE: ("tenant", "lane"),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from . import _metrics as metrics
+from . import _observe as observe
 
 if TYPE_CHECKING:
     from ._tenants import TenantState
@@ -55,6 +56,7 @@ class TenantSeries:
         self._last.pop(tenant, None)
         self._states.pop(tenant, None)
         metrics.forget_tenant(tenant)
+        observe.forget(tenant)
 
     def clear(self) -> None:
         """Drop every tenant's series (the gateway stops)."""

@@ -69,6 +69,9 @@ class Exchange:
     completion_tokens: int = 0
     reserved: float = 0.0
     reservation: Reservation | None = None  # taken in the shared store (state: redis://)
+    # Taken from the budgets in observe mode (``_observe``): in process, or in the store.
+    observed_reserved: float = 0.0
+    observed_reservation: Reservation | None = None
     max_completion_tokens: int = 0
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
@@ -157,6 +160,13 @@ class Exchange:
             task.add_done_callback(rt.settling.discard)
         elif self.reserved:
             self.tenant.settle(self.reserved, actual, rt.clock())
+        if self.observed_reservation is not None:
+            task = asyncio.get_running_loop().create_task(
+                rt.store.settle(self.observed_reservation, actual))  # type: ignore[union-attr]
+            rt.settling.add(task)
+            task.add_done_callback(rt.settling.discard)
+        elif self.observed_reserved:
+            self.tenant.observed_budgets.settle(self.observed_reserved, actual, rt.clock())
         e2e = rt.clock() - self.arrived
         if self.lease is not None:
             self.tenant.record_service(e2e - (self.queue_s or 0.0))

@@ -34,6 +34,9 @@ class TenantState:
         self.budgets = TenantBudgets(list(config.budgets), now, levels)
         # max_requests, in process (the shared store keeps its own with state: redis).
         self.request_limits = TenantBudgets(list(config.max_requests), now)
+        # Limits in observe mode (``_observe``), kept as if enforced.
+        self.observed_budgets = TenantBudgets(list(config.observed_budgets), now)
+        self.observed_requests = TenantBudgets(list(config.observed_requests), now)
         self.inflight = 0
         self.queued = 0
         self.service_s: float | None = None  # moving average of time on the engine
@@ -154,10 +157,14 @@ class Tenants:
                 state.budgets = TenantBudgets(list(tenant.budgets), now)
                 state.budgets.carry_over(old_budgets, now)
                 state.dirty = True
-            if state.config.max_requests != tenant.max_requests:
-                old_limits = state.request_limits
-                state.request_limits = TenantBudgets(list(tenant.max_requests), now)
-                state.request_limits.carry_over(old_limits, now)
+            for attr, specs in (("request_limits", "max_requests"),
+                                ("observed_budgets", "observed_budgets"),
+                                ("observed_requests", "observed_requests")):
+                if getattr(state.config, specs) != getattr(tenant, specs):
+                    old_buckets = getattr(state, attr)
+                    buckets = TenantBudgets(list(getattr(tenant, specs)), now)
+                    buckets.carry_over(old_buckets, now)
+                    setattr(state, attr, buckets)
             state.config = tenant
             self.series.replace(state)
         for tenant_id in plan.removed:
