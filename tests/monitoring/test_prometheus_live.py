@@ -43,8 +43,10 @@ pytestmark = pytest.mark.vllm
 KEY_A, KEY_B = "sk-mon-a", "sk-mon-b"
 EXPECTED_EMPTY: dict[str, str] = {}
 # What the load ends with, so the test knows when Prometheus has scraped all of it: requests of
-# known tenants (6 streams, 1 refused), and refusals (one of them without a valid key).
-DONE = "sum(tokenpace_gateway_requests_total) >= 7 and sum(tokenpace_gateway_rejections_total) >= 2"
+# known tenants (6 streams, 1 refused), refusals (one of them without a valid key), and
+# what a's request limit in observe mode would have refused.
+DONE = ("sum(tokenpace_gateway_requests_total) >= 7 and sum(tokenpace_gateway_rejections_total) >= 2"
+        " and sum(tokenpace_gateway_would_reject_total) >= 2")
 
 
 @dataclass
@@ -136,7 +138,9 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "ledger": f"sqlite:///{home / 'usage.db'}",
             "tenants": [
                 {"id": "a", "api_keys": [KEY_A], "lane": "interactive", "output_tokens_per_second": 100,
-                 "max_output_tokens": 64, "budgets": [{"tokens": 1000000, "per": "1d"}]},
+                 "max_output_tokens": 64, "budgets": [{"tokens": 1000000, "per": "1d"}],
+                 # observe mode: a's 2nd to 4th requests would be refused, none is
+                 "max_requests": [{"requests": 1, "per": "1h", "mode": "observe"}]},
                 {"id": "b", "api_keys": [KEY_B], "lane": "batch", "output_tokens_per_second": 50,
                  "max_concurrency": 1, "budgets": [{"tokens": 5000, "per": "10s"}]},
             ],
