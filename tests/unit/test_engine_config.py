@@ -37,6 +37,8 @@ def test_overrides_from_file(tmp_path):
     ({"default_user_output_tokens_per_second": 0}, "greater than 0"),
     ({"default_user_output_tokens_per_second": "10"}, "must be a number"),
     ({"default_user_output_tokens_per_second": 10, "typo": 1}, "unknown key.*'typo'"),
+    ({"default_user_output_tokens_per_second": 10, "end_user_output_tokens_per_second": 0},
+     "end_user_output_tokens_per_second.*greater than 0"),
     ({"user_output_tokens_per_second": {"a": 1}}, "needs 'default_user_output_tokens_per_second'"),
     ({"default_user_output_tokens_per_second": 1, "user_output_tokens_per_second": {"a": -1}},
      "user_output_tokens_per_second.*greater than 0"),
@@ -97,3 +99,10 @@ def test_trusted_gateway_still_checks_the_default_rate():
         PacingConfig.from_section({
             "trusted_gateway": True, "default_user_output_tokens_per_second": 0,
         })
+
+
+def test_an_end_user_rate_paces_end_users_inside_their_users():
+    cfg = PacingConfig.from_section({"default_user_output_tokens_per_second": 100,
+                                     "end_user_output_tokens_per_second": 5})
+    assert cfg.end_user_rate == 5.0
+    assert PacingConfig.from_section({"trusted_gateway": True}).end_user_rate is None

@@ -38,6 +38,13 @@ def _rate(value: Any) -> dict:
         (_rate(float("nan")), RATE),
         (_rate(10**400), RATE),
         ({"vllm_xargs": {"output_rate_tokens_per_second": 0}}, RATE),
+        ({"vllm_xargs": {"output_rate_end_user": ""}}, "vllm_xargs.output_rate_end_user"),
+        ({"vllm_xargs": {"output_rate_end_user": 5}}, "vllm_xargs.output_rate_end_user"),
+        ({"vllm_xargs": {"output_rate_end_user": "e" * 257}}, "vllm_xargs.output_rate_end_user"),
+        ({"vllm_xargs": {"output_rate_end_user_tokens_per_second": -1}},
+         "vllm_xargs.output_rate_end_user_tokens_per_second"),
+        ({"vllm_xargs": {"output_rate_end_user_tokens_per_second": "5"}},
+         "vllm_xargs.output_rate_end_user_tokens_per_second"),
     ],
 )
 def test_refused_bodies_name_the_field(body: dict, param: str) -> None:
@@ -56,6 +63,8 @@ def test_refused_bodies_name_the_field(body: dict, param: str) -> None:
         _rate(2.5),
         _rate(1e6),
         {"vllm_xargs": {"output_rate_tokens_per_second": 50}},  # the engine decides on trust
+        {"vllm_xargs": {"output_rate_end_user": "alice",
+                        "output_rate_end_user_tokens_per_second": 4.5}},
         {"vllm_xargs": "not an object: vLLM's own validation answers this"},
         [1, 2],
         "text",

@@ -29,8 +29,9 @@ KEY_EVENT_LOG = "event_log"
 KEY_IDLE_WAIT = "idle_wait"
 KEY_TRUSTED_GATEWAY = "trusted_gateway"
 KEY_METRICS_USERS = "metrics_users"
+KEY_END_USER = "end_user_output_tokens_per_second"
 KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY,
-              KEY_METRICS_USERS)
+              KEY_METRICS_USERS, KEY_END_USER)
 
 
 class PacingConfigError(ValueError):
@@ -55,6 +56,9 @@ class PacingConfig:
     trusted_gateway: bool = False
     # Users with their own label on /metrics (the rest are counted as "__other__").
     metrics_users: int = DEFAULT_MAX_USERS
+    # Rate of each end user (``vllm_xargs.output_rate_end_user``) inside its user's rate;
+    # None: end users are not paced unless a trusted gateway sends their rate.
+    end_user_rate: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +96,11 @@ class PacingConfig:
         event_log = section.get(KEY_EVENT_LOG)
         if event_log is not None and (not isinstance(event_log, str) or not event_log):
             raise PacingConfigError(f"{where}[{KEY_EVENT_LOG!r}] must be a non-empty path string")
+        try:
+            end_user_rate = (None if section.get(KEY_END_USER) is None else
+                             validate_rate(section[KEY_END_USER], f"{where}[{KEY_END_USER!r}]"))
+        except LimitsError as exc:
+            raise PacingConfigError(str(exc)) from None
         default = section.get(KEY_DEFAULT)
         overrides_value = section.get(KEY_OVERRIDES)
         if default is None and not trusted:
@@ -118,6 +127,7 @@ class PacingConfig:
             idle_wait=idle_wait,
             trusted_gateway=trusted,
             metrics_users=metrics_users,
+            end_user_rate=end_user_rate,
         )
 
 

@@ -36,13 +36,21 @@ from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_j
 from ._aborted import ABORTED_PATH, handle_aborted
 from ._control import RATES_PATH, handle_rates
 from ._metrics import METRICS_PATHS, handle_metrics
-from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
+from ._xargs import (
+    END_USER_EXTRA_ARG,
+    END_USER_RATE_EXTRA_ARG,
+    RATE_EXTRA_ARG,
+    RATE_VERSION_EXTRA_ARG,
+    USER_EXTRA_ARG,
+)
 
 
 SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
 USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
 RATE_PARAM = f"vllm_xargs.{RATE_EXTRA_ARG}"
 VERSION_PARAM = f"vllm_xargs.{RATE_VERSION_EXTRA_ARG}"
+END_USER_PARAM = f"vllm_xargs.{END_USER_EXTRA_ARG}"
+END_USER_RATE_PARAM = f"vllm_xargs.{END_USER_RATE_EXTRA_ARG}"
 
 
 class RequestRefused(ValueError):
@@ -81,6 +89,16 @@ def check_request_body(body: Any) -> None:
             validate_rate_version(xargs[RATE_VERSION_EXTRA_ARG], VERSION_PARAM)
         except LimitsError as exc:
             raise RequestRefused(str(exc), VERSION_PARAM) from None
+    if END_USER_EXTRA_ARG in xargs:
+        try:
+            validate_user_id(xargs[END_USER_EXTRA_ARG], END_USER_PARAM)
+        except LimitsError as exc:
+            raise RequestRefused(str(exc), END_USER_PARAM) from None
+    if END_USER_RATE_EXTRA_ARG in xargs:
+        try:
+            validate_rate(xargs[END_USER_RATE_EXTRA_ARG], END_USER_RATE_PARAM)
+        except LimitsError as exc:
+            raise RequestRefused(str(exc), END_USER_RATE_PARAM) from None
 
 
 def _is_json(scope: Scope) -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..pacing import (
+    EndUserRates,
     MAY_SAMPLE,
     NO_SAMPLE,
     SAMPLES,
@@ -66,7 +67,13 @@ from ._vllm import (
     SchedulingPolicy,
     internals_problems,
 )
-from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
+from ._xargs import (
+    END_USER_EXTRA_ARG,
+    END_USER_RATE_EXTRA_ARG,
+    RATE_EXTRA_ARG,
+    RATE_VERSION_EXTRA_ARG,
+    USER_EXTRA_ARG,
+)
 
 # Under "vllm." so that vLLM's logging configuration (format, level) applies in the engine process.
 logger = logging.getLogger("vllm.tokenpace.engine")
@@ -109,6 +116,24 @@ def request_user(request: Any) -> str:
         logger.warning("request %s: %s; paced as %s", getattr(request, "request_id", "?"),
                        exc, ANONYMOUS_USER)
         return ANONYMOUS_USER
+
+
+def request_end_user(request: Any) -> str | None:
+    """The end user a request names (``vllm_xargs.output_rate_end_user``), or None.
+
+    A malformed one cannot crash the engine: the API layer refuses it with HTTP 400 when
+    tokenpace serves; anything that still gets here is paced under its user alone.
+    """
+    extra = _extra_args(request)
+    end_user = None if extra is None else extra.get(END_USER_EXTRA_ARG)
+    if end_user is None:
+        return None
+    try:
+        return validate_user_id(end_user, END_USER_EXTRA_ARG)
+    except LimitsError as exc:
+        logger.warning("request %s: %s; paced under its user alone",
+                       getattr(request, "request_id", "?"), exc)
+        return None
 
 
 class _PacingMixin:
@@ -156,7 +181,8 @@ class _PacingMixin:
             install_rate_control(engine_core.EngineCoreProc)
         self._planner = StepPlanner(
             OutputRateLimiter(config.limits),
-            PacingStats(config.metrics_users, first=config.limits.overrides))
+            PacingStats(config.metrics_users, first=config.limits.overrides),
+            EndUserRates(config.end_user_rate))
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
@@ -217,16 +243,17 @@ class _PacingMixin:
                 "idle_waits": snap.idle_waits, "idle_wait_seconds": snap.idle_wait_ns / 1e9,
                 "folded_users": snap.folded}
 
-    def _quota_needs(self) -> Iterator[str | None]:
-        """For each request that could be scheduled: the user its next step charges, or
-        None when that step samples nothing (it runs without quota)."""
+    def _quota_needs(self) -> Iterator[Stream | None]:
+        """For each request that could be scheduled: its stream (the user, and end user if
+        any, its next step charges), or None when that step samples nothing (it runs
+        without quota)."""
         cap = self.max_num_scheduled_tokens
         for req in self.running:
             remaining = req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens
             if remaining > 0:
-                yield self._user_of(req) if remaining <= cap else None
+                yield self._stream_of(req) if remaining <= cap else None
         for req in self.waiting:  # type: ignore[attr-defined]
-            yield self._user_of(req) if req.num_tokens - req.num_computed_tokens <= cap else None
+            yield self._stream_of(req) if req.num_tokens - req.num_computed_tokens <= cap else None
 
     def _stream_of(self, request: Request) -> Stream:
         """The request's planner stream, opened (user resolved) on first sight."""
@@ -234,7 +261,8 @@ class _PacingMixin:
         if stream is None:
             assert self._planner is not None
             priority = request.priority if self.policy == SchedulingPolicy.PRIORITY else 0  # type: ignore[attr-defined]
-            stream = self._planner.open_stream(request.request_id, request_user(request), priority)
+            stream = self._planner.open_stream(request.request_id, request_user(request), priority,
+                                               request_end_user(request))
             setattr(request, STREAM_ATTRIBUTE, stream)
         return stream
 
@@ -260,7 +288,31 @@ class _PacingMixin:
                 self._adopt_rate(request, extra)
             else:
                 _report_untrusted_rate(request)
+        if extra is not None and END_USER_RATE_EXTRA_ARG in extra:
+            if self._planner is not None and self.pacing_config.trusted_gateway:
+                self._adopt_end_user_rate(request, extra[END_USER_RATE_EXTRA_ARG])
+            else:
+                _report_untrusted_rate(request)
         super().add_request(request)  # type: ignore[misc]
+
+    def _adopt_end_user_rate(self, request: Request, value: Any) -> None:
+        """Make the rate a trusted gateway sent the end-user rate of the request's user
+        (every end user of that user, from now on). A bad value is logged and ignored."""
+        assert self._planner is not None
+        try:
+            rate = validate_rate(value, f"vllm_xargs.{END_USER_RATE_EXTRA_ARG}")
+        except LimitsError as exc:
+            logger.warning("tokenpace: request %s: %s; ignored", request.request_id, exc)
+            return
+        user = self._user_of(request)
+        if user == ANONYMOUS_USER:
+            return  # a malformed identity's rate must not retune the anonymous users' one
+        limiter = self._planner.end_users
+        rates: EndUserRates = limiter.limits  # type: ignore[assignment]
+        if rates.of_user(user) != rate:
+            # Cost: a copy of the per-user table, per change (a gateway sends the same
+            # rate with every request of a tenant; it changes on a reload).
+            limiter.set_limits(rates.with_user(user, rate))  # type: ignore[arg-type]
 
     def _adopt_rate(self, request: Request, extra: dict[str, Any]) -> None:
         """Make the request's user's rate the one its trusted gateway sent.
@@ -517,6 +569,7 @@ class _PacingMixin:
     def _cleanup(self) -> None:
         assert self._planner is not None
         self._planner.limiter.cleanup_idle_users()
+        self._planner.end_users.cleanup_idle_users()
         self._planner.forget(self.requests.__contains__)
 
 

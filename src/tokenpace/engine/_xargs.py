@@ -19,3 +19,11 @@ user's rate. The engine adopts a rate only when its version is at least the last
 adopted for that user, so a request that carried an older rate and reached the engine
 late cannot undo a newer, lower one sent since (the gateway lowers one engine's share of
 a tenant's rate before it raises another's; see ``tokenpace.engine`` rate control)."""
+
+END_USER_EXTRA_ARG = "output_rate_end_user"
+"""The end user a request is for, inside its user (a gateway's tenant): paced at the
+end-user rate inside the user's rate when one is set (``end_user_output_tokens_per_second``
+in the engine's configuration, or sent by a trusted gateway)."""
+
+END_USER_RATE_EXTRA_ARG = "output_rate_end_user_tokens_per_second"
+"""The end-user rate of the request's user; honoured only with ``trusted_gateway``."""

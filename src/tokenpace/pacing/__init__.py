@@ -4,6 +4,7 @@ Nothing here imports vLLM or a web stack; the clock is injected so that tests an
 simulations can drive time exactly.
 """
 
+from ._end_users import EndUserRates
 from ._limiter import BURST_NS, OutputRateLimiter
 from ._planner import (
     MAY_SAMPLE,
@@ -35,6 +36,7 @@ from ._limits import (
 __all__ = [
     "BURST_NS",
     "DEFAULT_MAX_USERS",
+    "EndUserRates",
     "OTHER_USER",
     "PacingStats",
     "StatsSnapshot",
