@@ -35,6 +35,7 @@ from tests.gateway.conftest import GatewayProcess
 pytestmark = pytest.mark.vllm
 
 KEY_SLOW, KEY_FAST, KEY_BUDGET = "sk-slow", "sk-fast", "sk-budget"
+KEY_READERS = "sk-readers"
 BUDGET = 10000  # per day: refills 0.12 per second
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 
@@ -81,6 +82,9 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             # A cap and a budget the byte bound of short prompts fits: no /tokenize first.
             {"id": "budgeted", "api_keys": [KEY_BUDGET], "max_input_tokens": 2000,
              "budgets": [{"tokens": BUDGET, "per": "1d"}]},
+            # End users (the OpenAI "user" field) paced at 6 tok/s each inside 20.
+            {"id": "readers", "api_keys": [KEY_READERS], "output_tokens_per_second": 20,
+             "end_user_output_tokens_per_second": 6},
         ],
     }
     gw = GatewayProcess(home, config).start()
@@ -387,3 +391,43 @@ def test_batched_completion_prompts_are_admitted_and_charged_whole(gateway: Gate
     rows = gateway.rows_since(t0, 2)
     assert sorted((r.prompt_tokens, r.completion_tokens) for r in rows) == sorted(
         [(plain.usage.prompt_tokens, 12), (5, last.usage.completion_tokens)])
+
+
+def test_end_users_are_paced_in_the_engine_inside_their_tenant(gateway: GatewayProcess,
+                                                               engine: Server) -> None:
+    """Issue 29, part 2: two end users of one tenant at 6 tok/s each (the tenant's
+    end-user rate, inside its 20): alice with one stream of 30 tokens, bob with three of
+    10 that share his quota. Measured at the engine (event log, net of the engine's
+    absences as in the tenant-rate test above, same 10% margin). The engine's request ids
+    do not name the end user; the token counts do (alice's is the one of 30). Without
+    end-user pacing alice alone would run at up to 20; with one quota for both, 3 each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+
+    def stream(job: tuple[str, int]) -> int:
+        end_user, tokens = job
+        usage = None
+        for chunk in api(gateway, KEY_READERS).completions.create(
+                model="tiny", prompt="Hello", max_tokens=tokens, stream=True, user=end_user,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    jobs = [("alice", 30), ("bob", 10), ("bob", 10), ("bob", 10)]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(stream, jobs)) == [30, 10, 10, 10]
+    found = wait_for_engine_requests(events, {"readers"}, since, 60)
+    assert sorted(len(r.times) for r in found) == [10, 10, 10, 30], events
+    everyone = all_dispatches(events, since)
+    alice = next(r.times for r in found if len(r.times) == 30)
+    bob = sorted(t for r in found if len(r.times) == 10 for t in r.times)
+    logs = [engine.log_path, events]
+    for name, times in (("alice", alice), ("bob (3 streams)", bob)):
+        rate = paced_rate(times, 6, everyone)
+        for bound, upper in ((0.9 * 6, False), (1.1 * 6, True)):
+            expect("gateway_engine", f"end user {name} at 6 tok/s", rate.paced_rate, bound,
+                   upper=upper, logs=logs, **rate.as_series())

@@ -190,3 +190,34 @@ def test_a_body_nested_deeper_than_the_encoder_goes_is_a_400_not_a_crash() -> No
         engine_body(req, user="t", rate=None, priority=0, max_tokens=2)
     assert (info.value.status, info.value.code) == (400, "invalid_json")
     assert "nested too deeply" in info.value.message
+
+
+def test_the_end_user_is_the_openai_user_field_or_the_messages_metadata() -> None:
+    import pytest
+
+    from tokenpace.gateway._body import end_user_of, engine_body, parse_request
+    from tokenpace.gateway._errors import GatewayError
+
+    chat = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 2, "user": "alice",
+                                  "vllm_xargs": {"output_rate_end_user": "mallory",
+                                                 "output_rate_end_user_tokens_per_second": 1e9}})
+    assert end_user_of(chat) == "alice"
+    sent = json.loads(engine_body(chat, user="t", rate=None, priority=0, max_tokens=2,
+                                  end_user="alice", end_user_rate=4.0))["vllm_xargs"]
+    assert (sent["output_rate_end_user"], sent["output_rate_end_user_tokens_per_second"]) \
+        == ("alice", 4.0)
+    # Without an end-user rate for the tenant, a client's own end-user fields are dropped.
+    plain = json.loads(engine_body(chat, user="t", rate=None, priority=0, max_tokens=2))
+    assert "output_rate_end_user" not in plain["vllm_xargs"]
+    assert "output_rate_end_user_tokens_per_second" not in plain["vllm_xargs"]
+    messages = parse_request("messages", {"model": "m", "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "hi"}],
+                                          "metadata": {"user_id": "bob"}})
+    assert end_user_of(messages) == "bob"
+    assert end_user_of(parse_request("completion", {"model": "m", "prompt": "x"})) is None
+    for bad in ("", 7, "u" * 257):
+        req = parse_request("completion", {"model": "m", "prompt": "x", "user": bad})
+        with pytest.raises(GatewayError) as info:
+            end_user_of(req)
+        assert (info.value.status, info.value.param) == (400, "user")

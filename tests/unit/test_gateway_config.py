@@ -21,7 +21,8 @@ GOOD: dict[str, Any] = {
     "admin_api_keys": ["admin"],
     "tenants": [
         {"id": "team-a", "api_keys": ["sk-a"], "lane": "interactive", "weight": 2,
-         "output_tokens_per_second": 100, "max_concurrency": 8, "max_queued": 32,
+         "output_tokens_per_second": 100, "end_user_output_tokens_per_second": 8,
+         "max_concurrency": 8, "max_queued": 32,
          "max_input_tokens": 8192, "max_output_tokens": 1024,
          "budgets": [{"tokens": 20000, "per": "10s"}, {"tokens": 2000000, "per": "1d"}],
          "max_requests": [{"requests": 600, "per": "1m"}, {"requests": 10000, "per": "1d"}]},
@@ -55,6 +56,8 @@ def test_good_config_and_key_lookup(tmp_path: Path) -> None:
     assert [(r.requests, r.period_s) for r in a.max_requests] == [(600, 60.0), (10000, 86400.0)]
     assert config.tenants[1].max_requests == ()
     assert (a.observed_budgets, a.observed_requests, a.observed_concurrency) == ((), (), None)
+    assert a.end_user_output_tokens_per_second == 8.0
+    assert config.tenants[1].end_user_output_tokens_per_second is None
     assert config.tenant_for_key("sk-a") is a
     assert config.tenant_for_key("sk-b") is config.tenants[1]
     assert config.tenants[1].lane == "interactive"  # the first lane by default
@@ -85,6 +88,7 @@ def test_limits_in_observe_mode_are_kept_apart_from_enforced_ones() -> None:
     ("tenants.0.budgets.0.per", "10 parsecs", "tenants[0].budgets[0].per"),
     ("tenants.0.budgets.1.tokens", -5, "tenants[0].budgets[1].tokens"),
     ("tenants.0.lane", "gold", "tenants[0].lane: unknown lane 'gold'"),
+    ("tenants.0.end_user_output_tokens_per_second", 0, "tenants[0].end_user_output_tokens_per_second"),
     ("tenants.0.max_requests.0.requests", 1.5, "tenants[0].max_requests[0].requests"),
     ("tenants.0.max_requests.0.requests", 0, "tenants[0].max_requests[0].requests"),
     ("tenants.0.max_requests.0.requests", KeyError, "tenants[0].max_requests[0].requests: required"),

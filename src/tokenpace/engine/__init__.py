@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
     from ._aborted import ABORTED_PATH
     from ._control import RATES_PATH
-    from ._xargs import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
+    from ._xargs import (
+        END_USER_EXTRA_ARG,
+        END_USER_RATE_EXTRA_ARG,
+        RATE_EXTRA_ARG,
+        RATE_VERSION_EXTRA_ARG,
+        USER_EXTRA_ARG,
+    )
 
 _WHERE = {
     "ABORTED_PATH": "_aborted",
@@ -37,6 +43,8 @@ _WHERE = {
     "register": "_hooks",
     "read_charges": "_events",
     "ANONYMOUS_USER": "_scheduler",
+    "END_USER_EXTRA_ARG": "_xargs",
+    "END_USER_RATE_EXTRA_ARG": "_xargs",
     "PacedAsyncScheduler": "_scheduler",
     "PacedScheduler": "_scheduler",
     "RATE_EXTRA_ARG": "_xargs",

@@ -15,7 +15,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..engine import RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, USER_EXTRA_ARG
+from ..engine import (
+    END_USER_EXTRA_ARG,
+    END_USER_RATE_EXTRA_ARG,
+    RATE_EXTRA_ARG,
+    RATE_VERSION_EXTRA_ARG,
+    USER_EXTRA_ARG,
+)
+from ..pacing import LimitsError, validate_user_id
 from ._errors import GatewayError
 
 Kind = Literal["chat", "completion", "responses", "messages"]
@@ -345,10 +352,31 @@ def _chat_content(content: Any) -> Any:
     return parts
 
 
+def end_user_of(req: ParsedRequest) -> str | None:
+    """The end user a request names, or None: the OpenAI ``user`` field (chat,
+    completions, Responses), the Messages API's ``metadata.user_id``. 400 when it is not
+    a usable identity (a non-empty string of at most 256 characters)."""
+    if req.kind == "messages":
+        metadata = req.body.get("metadata")
+        value, param = (metadata.get("user_id") if isinstance(metadata, dict) else None,
+                        "metadata.user_id")
+    else:
+        value, param = req.body.get("user"), "user"
+    if value is None:
+        return None
+    try:
+        return validate_user_id(value, param)
+    except LimitsError as exc:
+        raise GatewayError(400, f"{exc} (it names the end user, paced at the tenant's "
+                           "end_user_output_tokens_per_second)", reason="bad_request",
+                           code="invalid_end_user", param=param) from None
+
+
 def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: int,
                 max_tokens: int, cache_salt: str | None = None,
                 model: str | None = None, rate_version: int | None = None,
-                request_id: str | None = None) -> bytes:
+                request_id: str | None = None, end_user: str | None = None,
+                end_user_rate: float | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
@@ -358,6 +386,8 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     never reach another tenant's. ``model``: the served name, when the client sent an alias.
     ``rate_version``: the version of a rate split over engines (``_rate_split``).
     ``request_id``: the gateway's, given to the engine where the body names it (Responses).
+    ``end_user`` with ``end_user_rate``: the end user the engine paces at that rate inside
+    the tenant's; a client's own end-user fields are dropped.
     """
     body = dict(req.body)
     if model is not None:
@@ -378,6 +408,12 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
         xargs[RATE_VERSION_EXTRA_ARG] = rate_version
     else:
         xargs.pop(RATE_VERSION_EXTRA_ARG, None)
+    if end_user is not None and end_user_rate is not None:
+        xargs[END_USER_EXTRA_ARG] = end_user
+        xargs[END_USER_RATE_EXTRA_ARG] = end_user_rate
+    else:
+        xargs.pop(END_USER_EXTRA_ARG, None)
+        xargs.pop(END_USER_RATE_EXTRA_ARG, None)
     body["vllm_xargs"] = xargs
     if req.kind == "messages":
         # vLLM's Messages request has no priority field (one sent would be ignored): the

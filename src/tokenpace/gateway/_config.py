@@ -92,6 +92,8 @@ class TenantConfig:
     lane: str
     weight: float = 1.0
     output_tokens_per_second: float | None = None
+    # Each end user's rate inside output_tokens_per_second (the request's OpenAI ``user``).
+    end_user_output_tokens_per_second: float | None = None
     max_concurrency: int | None = None
     max_queued: int | None = None
     max_input_tokens: int | None = None
@@ -599,6 +601,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
             served: frozenset[str] | None = None) -> TenantConfig:
     m = _mapping(value, where)
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
+                      "end_user_output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
                       "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
                       "models"))
@@ -637,6 +640,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         lane=lane,
         weight=_number(m, "weight", where) or 1.0,
         output_tokens_per_second=_number(m, "output_tokens_per_second", where),
+        end_user_output_tokens_per_second=_number(m, "end_user_output_tokens_per_second", where),
         max_concurrency=max_concurrency,
         observed_concurrency=observed_concurrency,
         max_queued=_int(m, "max_queued", where, None, minimum=0),

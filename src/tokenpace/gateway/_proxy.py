@@ -30,7 +30,7 @@ from ._admission import (
     route,
     state_unavailable,
 )
-from ._body import Kind, engine_body, parse_json_body, parse_request
+from ._body import Kind, end_user_of, engine_body, parse_json_body, parse_request
 from ._dispatch import Lease, Pool, QueueFull
 from ._errors import GatewayError
 from ._rate_split import SplitFailed
@@ -74,6 +74,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         req.model = ex.model = model  # an alias resolved: what the engine serves
         ex.routed = True
         ex.cost = rt.config.cost_of(model)
+        end_user_rate = tenant.config.end_user_output_tokens_per_second
+        end_user = end_user_of(req) if end_user_rate is not None else None
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
         admitted = rt.clock()
         ex.lease = await _wait_for_slot(ex, pool, admission, watch)
@@ -92,7 +94,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             req, user=tenant.id, rate=rate,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
-            model=model, rate_version=version, request_id=request_id)
+            model=model, rate_version=version, request_id=request_id,
+            end_user=end_user, end_user_rate=end_user_rate)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)
