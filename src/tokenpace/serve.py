@@ -31,7 +31,8 @@ FLAG_OVERRIDES = "--user-output-tokens-per-second"
 FLAG_EVENT_LOG = "--output-rate-event-log"
 FLAG_TRUSTED_GATEWAY = "--trusted-gateway"
 FLAG_ALLOW_UNAUTHENTICATED = "--allow-unauthenticated-trusted-gateway"
-OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG)
+FLAG_END_USER = "--end-user-output-tokens-per-second"
+OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG, FLAG_END_USER)
 """Our flags that take a value."""
 OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED)
 """Our flags that take no value."""
@@ -42,7 +43,7 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 USAGE = f"""\
 usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
-                       [{FLAG_OVERRIDES} JSON|@FILE]
+                       [{FLAG_OVERRIDES} JSON|@FILE] [{FLAG_END_USER} N]
                        [{FLAG_EVENT_LOG} PATH] [{FLAG_TRUSTED_GATEWAY}]
                        [{FLAG_ALLOW_UNAUTHENTICATED}]
                        [any vllm serve flag ...]
@@ -58,6 +59,9 @@ pacing flags:
   {FLAG_OVERRIDES} JSON|@FILE
         per-user rates, e.g. '{{"user-a": 100, "user-b": 500}}', or @/path/limits.json;
         edits to the file take effect within about a second, without a restart.
+  {FLAG_END_USER} N
+        output tokens per second for each end user (vllm_xargs.output_rate_end_user)
+        inside its user's rate: both must allow a token. Needs pacing on.
   {FLAG_EVENT_LOG} PATH
         append one JSON line per charged or refunded token (t_ns, user, request_id,
         event), to check rates and token spacing at the engine.
@@ -177,6 +181,24 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
         section["user_output_tokens_per_second"] = (
             value if path is not None else json.loads(value)
         )
+    if FLAG_END_USER in ours:
+        if FLAG_DEFAULT not in ours and not trusted:
+            raise ServeUsageError(
+                f"argument {FLAG_END_USER}: needs {FLAG_DEFAULT} or {FLAG_TRUSTED_GATEWAY} "
+                "(without either pacing is off)")
+        raw = ours[FLAG_END_USER]
+        try:
+            number = float(raw)
+        except ValueError:
+            raise ServeUsageError(
+                f"argument {FLAG_END_USER}: expected a number of tokens per second, got {raw!r}"
+            ) from None
+        try:
+            end_user_rate = validate_rate(number, f"argument {FLAG_END_USER}")
+        except LimitsError as exc:
+            raise ServeUsageError(str(exc)) from None
+        section["end_user_output_tokens_per_second"] = (
+            int(end_user_rate) if end_user_rate.is_integer() else end_user_rate)
     if FLAG_EVENT_LOG in ours:
         log = base / ours[FLAG_EVENT_LOG]
         if not log.parent.is_dir():

@@ -52,6 +52,19 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
                    logs=[tmp_path / "pacing.json"], user=user)
 
 
+    # End users at 4 tok/s beside a stream of their user without one (20 tok/s in all):
+    # paced, each is at 4 (client-side, over 40 tokens: 25% for chunks read together);
+    # unpaced they would share the 20 three ways (6.7 each).
+    [end_users] = result["end_users"]
+    rates = {row["end_user"]: row["client_rate"] for row in end_users["streams"]}
+    for name in ("reader-1", "reader-2"):
+        expect("bench_quick", f"end user {name} client rate / 4 tok/s", rates[name] / 4.0,
+               1.25, logs=[tmp_path / "pacing.json"], end_users=end_users)
+    expect("bench_quick", "the stream without an end user / 12 tok/s",
+           rates["(no end user)"] / 12.0, 0.8, upper=False, logs=[tmp_path / "pacing.json"],
+           end_users=end_users)
+
+
 def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
     # --quick's workload (8 streams of 64 tokens: about 0.2 s a run), alternated 5 times:
     # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in issue 19's

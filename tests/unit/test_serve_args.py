@@ -88,6 +88,11 @@ def test_a_tokenpace_section_in_additional_config_turns_pacing_on_too() -> None:
         ([RATE], f"argument {RATE}: expected a value"),
         ([RATE, "--port", "1"], f"argument {RATE}: expected a value"),
         ([RATE, "1", RATE, "2"], "given more than once"),
+        (["--end-user-output-tokens-per-second", "5"],
+         "argument --end-user-output-tokens-per-second: needs"),
+        ([RATE, "20", "--end-user-output-tokens-per-second", "fast"],
+         "argument --end-user-output-tokens-per-second: expected a number"),
+        ([RATE, "20", "--end-user-output-tokens-per-second", "-2"], "greater than 0"),
         ([USERS, '{"a": 1}'], f"argument {USERS}: needs {RATE}"),
         ([RATE, "1", USERS, '{"a": -1}'], "rate of user 'a'"),
         ([RATE, "1", USERS, "{not json"], USERS),
@@ -208,3 +213,11 @@ def test_cli_help_lists_the_pacing_flags() -> None:
     for flag in (RATE, USERS, EVENTS, TRUSTED, ALLOW):
         assert flag in proc.stdout
     assert "vllm_xargs.output_rate_tokens_per_second" in proc.stdout
+
+
+def test_an_end_user_rate_goes_into_the_section() -> None:
+    from tokenpace.serve import build_command
+
+    cmd = build_command(["m", RATE, "20", "--end-user-output-tokens-per-second", "4.5"])
+    config = json.loads(cmd.vllm_args[cmd.vllm_args.index("--additional-config") + 1])
+    assert config["tokenpace"]["end_user_output_tokens_per_second"] == 4.5

@@ -7,6 +7,11 @@ client (token arrival times). Rates are net of the GCRA burst allowance: ``N`` t
 ``r`` tok/s span at least ``(N - 1 - 0.1 r) / r`` seconds, so the reported rate is
 ``(N - 1 - 0.1 r) / span``. Token gaps are measured over all of a user's streams merged,
 and compared with ``1 / limit``.
+
+Then end users (issue 29): a 20 tok/s user ("readers") with two end users paced at 4 tok/s
+each (reading speed), one stream each, beside a stream of the same user that names no end
+user: each end user at 4 at the client, the user's total at 20 at the engine (the stream
+without an end user takes the other 12; unpaced end users would get a third of 20 each).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from ._environment import environment
-from ._load import StreamRecord, percentile, run_streams
+from ._load import StreamRecord, percentile, run_streams, stream_completion
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ..engine import read_charges
 
 SLOW_RATE = 20.0
 FAST_RATE = 100.0
+END_USER_RATE = 4.0
+END_USERS = ("reader-1", "reader-2")
 BURST_S = 0.1
 
 
@@ -93,6 +100,40 @@ def _scenario(server: Server, event_log: Path, streams: int, tokens: int) -> dic
     }
 
 
+def _end_user_scenario(server: Server, event_log: Path, tokens: int) -> dict[str, Any]:
+    """Three end users of "readers" at END_USER_RATE, one stream each, and a stream of
+    "readers" without an end user: per end user its rate at the client, the user's total
+    at the engine (its limit, SLOW_RATE)."""
+    import httpx
+
+    user = "readers"
+
+    async def streams() -> list[StreamRecord]:
+        async with httpx.AsyncClient(timeout=900) as client:
+            jobs = [stream_completion(client, server.base_url, None, tokens, extra={
+                "vllm_xargs": {"output_rate_user": user, "output_rate_end_user": e}})
+                for e in END_USERS]
+            jobs.append(stream_completion(client, server.base_url, user, tokens))
+            return list(await asyncio.gather(*jobs))
+
+    records = asyncio.run(streams())
+    engine = wait_for_engine_log(event_log, {user}, tokens * (len(END_USERS) + 1))
+    total = engine.get(user, [])
+    rows = []
+    for name, record in zip([*END_USERS, "(no end user)"], records):
+        times = record.token_times
+        rows.append({"end_user": name, "tokens": record.completion_tokens,
+                     "client_rate": round(_net_rate(times, END_USER_RATE), 3),
+                     "client_gap_p50_s": round(percentile(_gaps(times), 50), 4)})
+    # The user's total while all four streams ran (until the first of them ended).
+    until = min(max(r.token_times) for r in records)
+    engine_until = min(total) + (until - min(min(r.token_times) for r in records))
+    busy = [t for t in total if t <= engine_until]
+    return {"user": user, "user_limit": SLOW_RATE, "end_user_limit": END_USER_RATE,
+            "tokens_per_stream": tokens, "streams": rows,
+            "user_engine_rate_all_streams": round(_net_rate(busy, SLOW_RATE), 3)}
+
+
 def wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict[str, list[float]]:
     """The event log is written by a background thread: wait until it has every token."""
     deadline = time.monotonic() + 10
@@ -116,11 +157,13 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
             "--default-user-output-tokens-per-second", str(SLOW_RATE),
             "--user-output-tokens-per-second", json.dumps(overrides),
             "--output-rate-event-log", str(events),
+            "--end-user-output-tokens-per-second", str(END_USER_RATE),
             "--async-scheduling" if mode == "async" else "--no-async-scheduling",
         )
         servers[mode] = (Server(argv, port, home / f"vllm-{mode}.log"), events)
     start_all([s for s, _ in servers.values()])
     results = []
+    end_users: list[dict[str, Any]] = []
     try:
         for mode, (server, events) in servers.items():
             asyncio.run(run_streams(server.base_url, [("warm-up", 8, 32)]))
@@ -133,11 +176,20 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
                           f"gap p50={u['client_gap_p50_s'] * 1000:6.1f} ms "
                           f"p99={u['client_gap_p99_s'] * 1000:6.1f} ms "
                           f"(ideal {u['ideal_gap_s'] * 1000:.0f} ms)", flush=True)
+            eu = {"mode": mode, **_end_user_scenario(server, events, tokens)}
+            end_users.append(eu)
+            for row in eu["streams"]:
+                print(f"{mode:5s} readers end user {row['end_user']:14s} "
+                      f"client={row['client_rate']:6.2f} tok/s (limit {END_USER_RATE:.0f})",
+                      flush=True)
+            print(f"{mode:5s} readers total at the engine "
+                  f"{eu['user_engine_rate_all_streams']:6.2f} tok/s (limit {SLOW_RATE:.0f})",
+                  flush=True)
     finally:
         for server, _ in servers.values():
             server.stop()
     return {"benchmark": "pacing", "tokens_per_stream": tokens, "scenarios": results,
-            **environment()}
+            "end_users": end_users, **environment()}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
