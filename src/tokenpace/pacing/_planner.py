@@ -673,6 +673,9 @@ class StepPlanner:
         users = {s.user for s in self._streams.values()}
         self._accounts = {u: a for u, a in self._accounts.items() if u in users}
         self._end_user_streams = sum(1 for s in self._streams.values() if s.end_user is not None)
+        if self._end_user_starved:
+            self._end_user_starved = {e: k for e, k in self._end_user_starved.items()
+                                      if k in self._streams}
 
 
 def _stream_counts(streams: Sequence[Stream]) -> dict[str, int]:
