@@ -112,6 +112,21 @@ def _take_value(args: Sequence[str], i: int, name: str, inline: str | None) -> t
     return args[i + 1], i + 2
 
 
+def _rate_flag(ours: Mapping[str, str], flag: str) -> float | int:
+    """The rate a flag gives (an int when whole, as vLLM's JSON shows it), or the error."""
+    raw = ours[flag]
+    try:
+        number = float(raw)
+    except ValueError:
+        raise ServeUsageError(
+            f"argument {flag}: expected a number of tokens per second, got {raw!r}") from None
+    try:
+        rate = validate_rate(number, f"argument {flag}")
+    except LimitsError as exc:
+        raise ServeUsageError(str(exc)) from None
+    return int(rate) if rate.is_integer() else rate
+
+
 def build_command(args: Sequence[str], cwd: Path | None = None,
                   environ: Mapping[str, str] | None = None,
                   host: _amx.Host | None = None) -> ServeCommand:
@@ -149,18 +164,7 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
     trusted = FLAG_TRUSTED_GATEWAY in switches
     section: dict[str, object] = {}
     if FLAG_DEFAULT in ours:
-        raw = ours[FLAG_DEFAULT]
-        try:
-            number = float(raw)
-        except ValueError:
-            raise ServeUsageError(
-                f"argument {FLAG_DEFAULT}: expected a number of tokens per second, got {raw!r}"
-            ) from None
-        try:
-            rate = validate_rate(number, f"argument {FLAG_DEFAULT}")
-        except LimitsError as exc:
-            raise ServeUsageError(str(exc)) from None
-        section["default_user_output_tokens_per_second"] = int(rate) if rate.is_integer() else rate
+        section["default_user_output_tokens_per_second"] = _rate_flag(ours, FLAG_DEFAULT)
     if FLAG_OVERRIDES in ours:
         if FLAG_DEFAULT not in ours and not trusted:
             raise ServeUsageError(
@@ -186,19 +190,7 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
             raise ServeUsageError(
                 f"argument {FLAG_END_USER}: needs {FLAG_DEFAULT} or {FLAG_TRUSTED_GATEWAY} "
                 "(without either pacing is off)")
-        raw = ours[FLAG_END_USER]
-        try:
-            number = float(raw)
-        except ValueError:
-            raise ServeUsageError(
-                f"argument {FLAG_END_USER}: expected a number of tokens per second, got {raw!r}"
-            ) from None
-        try:
-            end_user_rate = validate_rate(number, f"argument {FLAG_END_USER}")
-        except LimitsError as exc:
-            raise ServeUsageError(str(exc)) from None
-        section["end_user_output_tokens_per_second"] = (
-            int(end_user_rate) if end_user_rate.is_integer() else end_user_rate)
+        section["end_user_output_tokens_per_second"] = _rate_flag(ours, FLAG_END_USER)
     if FLAG_EVENT_LOG in ours:
         log = base / ours[FLAG_EVENT_LOG]
         if not log.parent.is_dir():

@@ -29,6 +29,7 @@ untouched; a body that is not valid JSON is left to vLLM, which answers it with 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
@@ -46,11 +47,16 @@ from ._xargs import (
 
 
 SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
-USER_PARAM = f"vllm_xargs.{USER_EXTRA_ARG}"
-RATE_PARAM = f"vllm_xargs.{RATE_EXTRA_ARG}"
-VERSION_PARAM = f"vllm_xargs.{RATE_VERSION_EXTRA_ARG}"
-END_USER_PARAM = f"vllm_xargs.{END_USER_EXTRA_ARG}"
-END_USER_RATE_PARAM = f"vllm_xargs.{END_USER_RATE_EXTRA_ARG}"
+
+
+# The pacing fields of ``vllm_xargs`` and how each is checked (its param is its path).
+_XARG_CHECKS: tuple[tuple[str, Callable[[Any, str], object]], ...] = (
+    (USER_EXTRA_ARG, validate_user_id),
+    (RATE_EXTRA_ARG, validate_rate),
+    (RATE_VERSION_EXTRA_ARG, validate_rate_version),
+    (END_USER_EXTRA_ARG, validate_user_id),
+    (END_USER_RATE_EXTRA_ARG, validate_rate),
+)
 
 
 class RequestRefused(ValueError):
@@ -74,32 +80,13 @@ def check_request_body(body: Any) -> None:
     xargs = body.get("vllm_xargs")
     if not isinstance(xargs, dict):
         return
-    if USER_EXTRA_ARG in xargs:
-        try:
-            validate_user_id(xargs[USER_EXTRA_ARG], USER_PARAM)
-        except LimitsError as exc:
-            raise RequestRefused(str(exc), USER_PARAM) from None
-    if RATE_EXTRA_ARG in xargs:
-        try:
-            validate_rate(xargs[RATE_EXTRA_ARG], RATE_PARAM)
-        except LimitsError as exc:
-            raise RequestRefused(str(exc), RATE_PARAM) from None
-    if RATE_VERSION_EXTRA_ARG in xargs:
-        try:
-            validate_rate_version(xargs[RATE_VERSION_EXTRA_ARG], VERSION_PARAM)
-        except LimitsError as exc:
-            raise RequestRefused(str(exc), VERSION_PARAM) from None
-    if END_USER_EXTRA_ARG in xargs:
-        try:
-            validate_user_id(xargs[END_USER_EXTRA_ARG], END_USER_PARAM)
-        except LimitsError as exc:
-            raise RequestRefused(str(exc), END_USER_PARAM) from None
-    if END_USER_RATE_EXTRA_ARG in xargs:
-        try:
-            validate_rate(xargs[END_USER_RATE_EXTRA_ARG], END_USER_RATE_PARAM)
-        except LimitsError as exc:
-            raise RequestRefused(str(exc), END_USER_RATE_PARAM) from None
-
+    for field, validate in _XARG_CHECKS:
+        if field in xargs:
+            param = f"vllm_xargs.{field}"
+            try:
+                validate(xargs[field], param)
+            except LimitsError as exc:
+                raise RequestRefused(str(exc), param) from None
 
 def _is_json(scope: Scope) -> bool:
     for name, value in scope.get("headers", ()):

@@ -470,13 +470,7 @@ def budget_error(refusal: BudgetRefusal) -> GatewayError:
         429, f"token budget {budget.key} exhausted: this request needs {refusal.cost:g}, "
         f"{math.floor(refusal.remaining)} remain; retry in {refusal.retry_after_s:.3f} s",
         reason="budget", code="rate_limit_exceeded",
-        headers={
-            "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
-            "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
-            "x-ratelimit-limit-tokens": str(int(budget.tokens)),
-            "x-ratelimit-remaining-tokens": str(math.floor(refusal.remaining)),
-            "x-ratelimit-reset-tokens": _go_duration(refusal.reset_s),
-        })
+        headers=_ratelimit_headers(refusal, "tokens", int(budget.tokens)))
 
 
 def request_limit_error(refusal: BudgetRefusal) -> GatewayError:
@@ -485,16 +479,21 @@ def request_limit_error(refusal: BudgetRefusal) -> GatewayError:
     limit = refusal.budget
     assert isinstance(limit, RequestLimit)
     return GatewayError(
-        429, f"request rate limit {limit.requests} per {limit.key.rsplit('/', 1)[1]} reached; "
+        429, f"request rate limit {limit.requests} per {limit.figures.rsplit('/', 1)[1]} reached; "
         f"retry in {refusal.retry_after_s:.3f} s",
         reason="requests", code="rate_limit_exceeded",
-        headers={
-            "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
-            "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
-            "x-ratelimit-limit-requests": str(limit.requests),
-            "x-ratelimit-remaining-requests": str(math.floor(refusal.remaining)),
-            "x-ratelimit-reset-requests": _go_duration(refusal.reset_s),
-        })
+        headers=_ratelimit_headers(refusal, "requests", limit.requests))
+
+
+def _ratelimit_headers(refusal: BudgetRefusal, unit: str, limit: int) -> dict[str, str]:
+    """``retry-after`` and OpenAI's ``x-ratelimit-*-<unit>`` headers of a refusal."""
+    return {
+        "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
+        "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
+        f"x-ratelimit-limit-{unit}": str(limit),
+        f"x-ratelimit-remaining-{unit}": str(math.floor(refusal.remaining)),
+        f"x-ratelimit-reset-{unit}": _go_duration(refusal.reset_s),
+    }
 
 
 def _go_duration(seconds: float) -> str:

@@ -154,17 +154,11 @@ class Exchange:
             pass
         elif self.reservation is not None:
             # One script, off the request's path; a failure leaves the reservation charged.
-            task = asyncio.get_running_loop().create_task(
-                rt.store.settle(self.reservation, actual))  # type: ignore[union-attr]
-            rt.settling.add(task)
-            task.add_done_callback(rt.settling.discard)
+            _settle_in_store(rt, self.reservation, actual)
         elif self.reserved:
             self.tenant.settle(self.reserved, actual, rt.clock())
         if self.observed_reservation is not None:
-            task = asyncio.get_running_loop().create_task(
-                rt.store.settle(self.observed_reservation, actual))  # type: ignore[union-attr]
-            rt.settling.add(task)
-            task.add_done_callback(rt.settling.discard)
+            _settle_in_store(rt, self.observed_reservation, actual)
         elif self.observed_reserved:
             self.tenant.observed_budgets.settle(self.observed_reserved, actual, rt.clock())
         e2e = rt.clock() - self.arrived
@@ -203,3 +197,11 @@ class Exchange:
             served=self.charge_usage and self.lease is not None,
             route=ROUTES[self.kind],
         ))
+
+
+def _settle_in_store(rt: Runtime, reservation: Reservation, actual: float) -> None:
+    """Settle a shared-store reservation in the background (kept in ``rt.settling``)."""
+    task = asyncio.get_running_loop().create_task(
+        rt.store.settle(reservation, actual))  # type: ignore[union-attr]
+    rt.settling.add(task)
+    task.add_done_callback(rt.settling.discard)
