@@ -104,7 +104,8 @@ def test_limits_in_observe_mode_are_shared_too_and_refuse_nothing(
 
     def count(reason: str) -> float:
         return metrics.REGISTRY.get_sample_value(
-            "tokenpace_gateway_would_reject_total", {"tenant": "obs", "reason": reason}) or 0.0
+            "tokenpace_gateway_would_reject_total",
+            {"tenant": "obs", "application": "", "reason": reason}) or 0.0
 
     async def body() -> None:
         a, b = runtime("a"), runtime("b")

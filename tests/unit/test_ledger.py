@@ -37,6 +37,7 @@ def record(
     completion: int = 20,
     finish: str = "stop",
     ended_at: float | None = None,
+    application: str = "",
 ) -> UsageRecord:
     """A distinct, fully populated row; cost is 1 per prompt and 2 per completion token."""
     end = T0 + i if ended_at is None else ended_at
@@ -55,6 +56,7 @@ def record(
         started_at=end - 0.5,
         ended_at=end,
         route=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")[i % 4],
+        application=application,
     )
 
 
@@ -88,7 +90,7 @@ def check_round_trip(url: str) -> None:
     recs = mixed_records()
     recs.append(
         UsageRecord("req-ü", "tenant ü", "m/ö", "lane", 2**40, 3, 1.5e-7, 0.0, None, 1e-3,
-                    "stop", T0 - 100.123456789, T0 - 99.987654321)
+                    "stop", T0 - 100.123456789, T0 - 99.987654321, application="app/ü 1")
     )
     ledger = open_ledger(url, flush_interval_s=60)
     for rec in reversed(recs):
@@ -224,8 +226,8 @@ def check_an_old_ledger_is_migrated(url: str, execute: Any, integer: str, real: 
     execute(old.format(id="c", p=9, c=0, cost=0.0, finish="cancelled", t=T0 + 2))
     ledger = open_ledger(url, flush_interval_s=60)
     try:
-        assert [(r.request_id, r.served, r.route) for r in ledger.rows()] == [
-            ("a", True, ""), ("b", False, ""), ("c", False, "")]  # route unknown before
+        assert [(r.request_id, r.served, r.route, r.application) for r in ledger.rows()] == [
+            ("a", True, "", ""), ("b", False, "", ""), ("c", False, "", "")]  # unknown before
         assert ledger.usage() == [UsageTotal("acme", 3, 10, 5, 20.0, 1, 49)]
         ledger.record(record(0))
         ledger.record(record(0))
@@ -234,6 +236,96 @@ def check_an_old_ledger_is_migrated(url: str, execute: Any, integer: str, real: 
     finally:
         ledger.close()
     open_ledger(url).close()  # migrating again is a no-op
+
+
+def check_usage_by_application(url: str) -> None:
+    """Totals per (tenant, application): each application of a tenant, and the tenant's
+    own keys (application ""), apart; the same application id in two tenants is two
+    applications; a tenant id with a "/" cannot be confused with an application id."""
+    recs = [
+        record(0, tenant="acme", application="chat", prompt=10, completion=20),
+        record(1, tenant="acme", application="chat", prompt=5, completion=5,
+               finish="rejected:budget"),
+        record(2, tenant="acme", application="batch", prompt=3, completion=4),
+        record(3, tenant="acme", prompt=1, completion=2),  # a tenant-level key
+        record(4, tenant="beta", application="chat", prompt=7, completion=8),
+        record(5, tenant="a/b", application="c", prompt=1, completion=1),
+        record(6, tenant="a", application="b/c", prompt=2, completion=2),
+        UsageRecord("req-7", "", "tiny", "interactive", 0, 0, 0.0, None, None, 0.3,
+                    "rejected:unknown_key", T0 + 7, T0 + 7),
+    ]
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        for rec in recs:
+            ledger.record(rec)
+        ledger.flush()
+        assert ledger.usage(by="application") == [
+            UsageTotal("", 1, 0, 0, 0.0, 1, tenant=""),
+            UsageTotal("b/c", 1, 2, 2, 6.0, 0, tenant="a"),
+            UsageTotal("c", 1, 1, 1, 3.0, 0, tenant="a/b"),
+            UsageTotal("", 1, 1, 2, 5.0, 0, tenant="acme"),
+            UsageTotal("batch", 1, 3, 4, 11.0, 0, tenant="acme"),
+            # record() charges the refused row too; the ledger sums what it was given.
+            UsageTotal("chat", 2, 15, 25, 65.0, 1, tenant="acme"),
+            UsageTotal("chat", 1, 7, 8, 23.0, 0, tenant="beta"),
+        ]
+        assert ledger.usage(since=T0 + 4, by="application") == [
+            UsageTotal("", 1, 0, 0, 0.0, 1, tenant=""),
+            UsageTotal("b/c", 1, 2, 2, 6.0, 0, tenant="a"),
+            UsageTotal("c", 1, 1, 1, 3.0, 0, tenant="a/b"),
+            UsageTotal("chat", 1, 7, 8, 23.0, 0, tenant="beta"),
+        ]
+        # Every other grouping leaves `tenant` unset, and by tenant the applications merge.
+        assert [t for t in ledger.usage() if t.key == "acme"] == [
+            UsageTotal("acme", 4, 19, 31, 81.0, 1)]
+    finally:
+        ledger.close()
+
+
+PREVIOUS_REQUESTS_TABLE = """CREATE TABLE requests (
+    request_id TEXT NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL, lane TEXT NOT NULL,
+    prompt_tokens {integer} NOT NULL, completion_tokens {integer} NOT NULL, cost {real} NOT NULL,
+    queue_ms {real}, ttft_ms {real}, e2e_ms {real} NOT NULL, finish_reason TEXT NOT NULL,
+    started_at {real} NOT NULL, ended_at {real} NOT NULL,
+    served {integer} NOT NULL DEFAULT 1, route TEXT NOT NULL DEFAULT '')"""
+"""The ``requests`` table of the version before applications: ``served`` and ``route``
+already there, no ``application``."""
+
+
+def check_a_ledger_without_application_is_migrated(
+    url: str, execute: Any, integer: str, real: str
+) -> None:
+    """A ledger of the version before applications opens: the column is added, its old
+    rows read back with application "", and an insert that does not name the column (a
+    replica of the previous version still writing to a shared ledger) still works."""
+    execute(PREVIOUS_REQUESTS_TABLE.format(integer=integer, real=real))
+    execute("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
+    old = "INSERT INTO requests (request_id, tenant, model, lane, prompt_tokens, " \
+          "completion_tokens, cost, queue_ms, ttft_ms, e2e_ms, finish_reason, started_at, " \
+          "ended_at, served, route) VALUES ('{id}', 'acme', 'tiny', 'lane', 10, 5, 20.0, " \
+          "NULL, NULL, 1.0, 'stop', {t}, {t}, 1, '/v1/responses')"
+    execute(old.format(id="a", t=T0))
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        assert [(r.request_id, r.route, r.application) for r in ledger.rows()] == [
+            ("a", "/v1/responses", "")]
+        execute(old.format(id="b", t=T0 + 1))  # the previous version's insert
+        ledger.record(record(2, tenant="acme", application="chat", prompt=1, completion=1))
+        ledger.flush()
+        assert [(r.request_id, r.application) for r in ledger.rows()] == [
+            ("a", ""), ("b", ""), ("req-2", "chat")]
+        assert ledger.usage(by="application") == [
+            UsageTotal("", 2, 20, 10, 40.0, 0, tenant="acme"),
+            UsageTotal("chat", 1, 1, 1, 3.0, 0, tenant="acme"),
+        ]
+    finally:
+        ledger.close()
+    open_ledger(url).close()  # migrating again is a no-op
+    reader = open_ledger(url)
+    try:
+        assert len(reader.rows()) == 3
+    finally:
+        reader.close()
 
 
 # -- SQLite ------------------------------------------------------------------------------
@@ -276,6 +368,23 @@ def test_an_old_ledger_is_migrated(tmp_path: Path) -> None:
             conn.execute(sql)
 
     check_an_old_ledger_is_migrated(_url(path), execute, "INTEGER", "REAL")
+
+
+def test_usage_by_application_keeps_tenants_apart(tmp_path: Path) -> None:
+    check_usage_by_application(_url(tmp_path / "usage.db"))
+
+
+def test_a_ledger_without_application_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+
+    def execute(sql: str) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_application_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    with sqlite3.connect(path) as conn:
+        column = [c for c in conn.execute("PRAGMA table_info(requests)") if c[1] == "application"]
+    assert [(c[2], c[3], c[4]) for c in column] == [("TEXT", 1, "''")]  # NOT NULL DEFAULT ''
 
 
 def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:

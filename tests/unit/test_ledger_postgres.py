@@ -29,11 +29,13 @@ from tokenpace.gateway._ledger import LedgerError, open_ledger
 
 from .test_ledger import (
     T0,
+    check_a_ledger_without_application_is_migrated,
     check_an_old_ledger_is_migrated,
     check_budgets_survive_restart,
     check_rewritten_rows_are_recorded_once,
     check_round_trip,
     check_unserved_prompt_tokens_are_a_separate_total,
+    check_usage_by_application,
     check_usage_totals,
     record,
 )
@@ -185,6 +187,7 @@ def test_schema_types_and_idempotent_creation(pg_url: str) -> None:
     assert types["prompt_tokens"] == "bigint"
     assert types["ended_at"] == "double precision"
     assert types["request_id"] == "text"
+    assert types["application"] == "text"
     assert {"requests_ended_at", "requests_tenant"} <= indexes
 
 
@@ -247,3 +250,15 @@ def test_an_old_ledger_is_migrated(pg_url: str) -> None:
             conn.execute(sql)
 
     check_an_old_ledger_is_migrated(pg_url, execute, "BIGINT", "DOUBLE PRECISION")
+
+
+def test_usage_by_application_keeps_tenants_apart(pg_url: str) -> None:
+    check_usage_by_application(pg_url)
+
+
+def test_a_ledger_without_application_is_migrated(pg_url: str) -> None:
+    def execute(sql: str) -> None:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_application_is_migrated(pg_url, execute, "BIGINT", "DOUBLE PRECISION")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -87,6 +88,59 @@ def test_json_by_model_and_lane(ledger_url: str, capsys: pytest.CaptureFixture[s
     ]
     by_lane = _json(capsys, ["--ledger", ledger_url, "--by", "lane"])
     assert [(x["lane"], x["requests"]) for x in by_lane] == [("batch", 2), ("interactive", 4)]
+
+
+def test_by_application_names_tenant_and_application(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two columns name a row: the same application id in two tenants stays two rows, a
+    tenant's own keys get a row of their own, and a "/" in an id cannot blur the two."""
+    def rec(rid: str, tenant: str, application: str, prompt: int, completion: int,
+            finish: str = "stop") -> UsageRecord:
+        return replace(_rec(rid, tenant, "tiny", "interactive", prompt, completion, NOV28,
+                            finish), application=application)
+
+    url = _write(tmp_path / "usage.db", [
+        rec("a", "acme", "chat", 100, 10),
+        rec("b", "acme", "chat", 20, 2),
+        rec("c", "acme", "batch", 4, 4),
+        rec("d", "acme", "", 6, 2),  # a tenant-level key
+        rec("e", "beta", "chat", 40, 0, "rejected:concurrency"),
+        rec("f", "beta/x", "y", 2, 2),
+        rec("g", "", "", 0, 0, "rejected:unknown_key"),
+    ])
+    assert main(["--ledger", url, "--by", "application"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "tenant", "application", "requests", "rejected", "prompt_tokens", "completion_tokens",
+        "cost", "unserved_prompt_tokens",
+    ]
+    assert [line.split() for line in lines[1:7]] == [
+        ["(none)", "(none)", "1", "1", "0", "0", "0", "0"],
+        ["acme", "(none)", "1", "0", "6", "2", "6", "0"],
+        ["acme", "batch", "1", "0", "4", "4", "8", "0"],
+        ["acme", "chat", "2", "0", "120", "12", "78", "0"],
+        ["beta", "chat", "1", "1", "0", "0", "0", "40"],
+        ["beta/x", "y", "1", "0", "2", "2", "4", "0"],
+    ]
+    assert lines[8].split() == ["total", "7", "2", "132", "20", "96", "40"]
+    # Both name columns left-aligned: the application column starts at its header.
+    start = lines[0].index("application")
+    assert all(line[start - 2:start] == "  " and line[start] != " " for line in lines[1:7])
+
+    totals = _json(capsys, ["--ledger", url, "--by", "application"])
+    assert [(x["tenant"], x["application"], x["requests"]) for x in totals] == [
+        ("", "", 1), ("acme", "", 1), ("acme", "batch", 1), ("acme", "chat", 2),
+        ("beta", "chat", 1), ("beta/x", "y", 1),
+    ]
+    assert list(totals[0]) == [
+        "tenant", "application", "requests", "rejected", "prompt_tokens",
+        "completion_tokens", "cost", "unserved_prompt_tokens",
+    ]
+    # By tenant, the applications merge into their tenant again.
+    by_tenant = _json(capsys, ["--ledger", url])
+    assert [(x["tenant"], x["requests"]) for x in by_tenant] == [
+        ("", 1), ("acme", 4), ("beta", 1), ("beta/x", 1)]
 
 
 def test_since_relative(ledger_url: str, capsys: pytest.CaptureFixture[str]) -> None:

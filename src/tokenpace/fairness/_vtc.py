@@ -18,8 +18,18 @@ each token as the stream reports it. A tenant that becomes backlogged is lifted 
 smallest counter among the lane's backlogged tenants (or, when none is, to the counter of
 the last tenant that left the backlog), so time spent idle banks no credit. Counters are
 already divided by the weight, so a weight change applies to future service only (smooth).
-The queue is work-conserving: it never holds back an eligible request. Within a tenant it
-is first in, first out.
+The queue is work-conserving: it never holds back an eligible request.
+
+Inside a tenant, the same rule once more between its applications: each application has a
+counter of the service it received divided by its weight (lifted when it becomes backlogged
+to the smallest counter among the tenant's backlogged applications, or to the last one's
+that left), and the tenant's next request is the oldest of its backlogged application with
+the smallest counter. The two levels compose: the tenant level decides *which tenant*
+(its counter counts every application's service), the application level *which of its
+requests*. A tenant backlogged beside others receives its weighted share of the lane, and
+an application backlogged beside its siblings its weighted share of its tenant's. Requests
+of the tenant's own keys (no application) form one more application of weight 1. Within
+an application it is first in, first out.
 
 Several gateway replicas each keep a queue of the requests that reached them; they share
 the counters (``set_counters``) and the lane costs (``set_lane_costs``) through a store,
@@ -61,6 +71,16 @@ class _Entry(Generic[T]):
     seq: int
     prompt_cost: float
     estimate: float
+    application: str | None = None
+
+
+@dataclass
+class _Application(Generic[T]):
+    """One application of a tenant (``None``: the tenant's own keys)."""
+
+    weight: float = 1.0
+    counter: float = 0.0  # service / weight
+    queue: deque[_Entry[T]] = field(default_factory=deque)
 
 
 @dataclass
@@ -68,9 +88,38 @@ class _Tenant(Generic[T]):
     lane: str
     weight: float
     counter: float = 0.0  # service / weight
-    queue: deque[_Entry[T]] = field(default_factory=deque)
     queued_cost: float = 0.0
+    waiting: int = 0
     stamp: int = 0  # bumped whenever its place in its lane's heap changes
+    applications: dict[str | None, _Application[T]] = field(default_factory=dict)
+    backlog: dict[str | None, _Application[T]] = field(default_factory=dict)
+    last_left: float | None = None  # counter of the last application that left the backlog
+
+    def application(self, application: str | None) -> _Application[T]:
+        state = self.applications.get(application)
+        if state is None:
+            state = self.applications[application] = _Application()
+        return state
+
+    def head(self, fair: bool,
+             eligible: Callable[[str | None], bool] | None = None) -> _Entry[T] | None:
+        """The entry the tenant dispatches next: the oldest of the backlogged application
+        with the smallest counter (the oldest of all in FCFS order) among those
+        ``eligible`` accepts. O(1) with one application waiting, else O(applications
+        waiting)."""
+        backlog = self.backlog
+        if len(backlog) == 1 and eligible is None:
+            return next(iter(backlog.values())).queue[0]
+        best: _Entry[T] | None = None
+        best_key: tuple[float, int] | None = None
+        for application, state in backlog.items():
+            if eligible is not None and not eligible(application):
+                continue
+            entry = state.queue[0]
+            key = (state.counter if fair else 0.0, entry.seq)
+            if best_key is None or key < best_key:
+                best, best_key = entry, key
+        return best
 
 
 @dataclass
@@ -107,7 +156,7 @@ class FairQueue(Generic[T]):
         self._seq = count()
         self._tenants: dict[str, _Tenant[T]] = {}
         self._backlogs: dict[str, _Backlog[T]] = {}
-        self._where: dict[T, str] = {}
+        self._where: dict[T, tuple[str, _Entry[T]]] = {}
         self._last_left: dict[str, float] = {}
         self._window: deque[tuple[float, str, float]] = deque()
         self._window_cost: dict[str, float] = {}
@@ -137,18 +186,22 @@ class FairQueue(Generic[T]):
         for lane in self._lanes:
             self._backlogs.setdefault(lane.name, _Backlog())
 
-    def set_tenant(self, tenant: str, lane: str, weight: float) -> None:
-        """Declare or update a tenant. Its counter is kept: the new weight only divides
-        future service, so the change takes effect smoothly."""
+    def set_tenant(self, tenant: str, lane: str, weight: float,
+                   applications: Mapping[str, float] | None = None) -> None:
+        """Declare or update a tenant, and the weights of its ``applications``. Counters
+        are kept: a new weight only divides future service, so the change takes effect
+        smoothly. An application not declared has weight 1."""
         if lane not in self._lane_names:
             raise ValueError(f"unknown lane {lane!r}")
         state = self._tenants.get(tenant)
         if state is None:
-            self._tenants[tenant] = _Tenant(lane, weight)
-            return
-        state.weight = weight
-        if state.lane != lane and not state.queue:
-            state.lane = lane
+            state = self._tenants[tenant] = _Tenant(lane, weight)
+        else:
+            state.weight = weight
+            if state.lane != lane and not state.waiting:
+                state.lane = lane
+        for application, app_weight in (applications or {}).items():
+            state.application(application).weight = app_weight
 
     def declared(self, tenant: str) -> bool:
         return tenant in self._tenants
@@ -158,81 +211,106 @@ class FairQueue(Generic[T]):
 
     # -- queue operations ------------------------------------------------------------
 
-    def push(self, item: T, tenant: str, prompt_cost: float, estimate: float) -> None:
-        """Queue ``item``. ``prompt_cost`` is charged at dispatch; ``estimate`` (prompt +
-        max output cost) is what the lane shares count."""
+    def push(self, item: T, tenant: str, prompt_cost: float, estimate: float,
+             application: str | None = None) -> None:
+        """Queue ``item`` of ``tenant`` (and of its ``application``, if any).
+        ``prompt_cost`` is charged at dispatch; ``estimate`` (prompt + max output cost) is
+        what the lane shares count."""
         state = self._tenants[tenant]
-        entry = _Entry(item, next(self._seq), prompt_cost, estimate)
-        if not state.queue:
+        entry = _Entry(item, next(self._seq), prompt_cost, estimate, application)
+        app = state.application(application)
+        if not app.queue:
+            # Application level: lifted like a tenant, always here (the shared store keeps
+            # tenant counters only, so replicas lift applications each on their own).
+            floor = (min(a.counter for a in state.backlog.values()) if state.backlog
+                     else state.last_left)
+            if floor is not None and floor > app.counter:
+                app.counter = floor
+            state.backlog[application] = app
+        app.queue.append(entry)
+        state.waiting += 1
+        if state.waiting == 1:
             if self.lift:
                 floor = self._lift_floor(state.lane)
                 if floor is not None and floor > state.counter:
                     state.counter = floor
-            state.queue.append(entry)
             self._backlogs[state.lane].tenants[tenant] = state
             self._place(tenant, state)
-        else:
-            state.queue.append(entry)  # its oldest request, and so its place, is unchanged
+        elif len(state.backlog) > 1 and app.queue[0] is entry:
+            self._place(tenant, state)  # a new application waits: the tenant's head may move
         state.queued_cost += estimate
-        self._where[item] = tenant
+        self._where[item] = (tenant, entry)
 
     def remove(self, item: T) -> bool:
         """Take a waiting item out (cancelled, timed out); False if it is not queued.
-        O(the tenant's queue)."""
-        tenant = self._where.pop(item, None)
-        if tenant is None:
+        O(its application's queue)."""
+        where = self._where.pop(item, None)
+        if where is None:
             return False
-        state = self._tenants[tenant]
-        self._unlink(tenant, state, next(e for e in state.queue if e.item == item))
+        tenant, entry = where
+        self._unlink(tenant, self._tenants[tenant], entry)
         return True
 
-    def pop(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
-        """The next item to dispatch among tenants for which ``eligible(tenant)`` holds."""
+    def pop(self, eligible: Callable[[str], bool] = lambda tenant: True,
+            eligible_application: Callable[[str, str], bool] | None = None) -> T | None:
+        """The next item to dispatch among tenants for which ``eligible(tenant)`` holds
+        (and, inside a tenant, applications for which ``eligible_application(tenant,
+        application)`` holds; the tenant's own requests always may go)."""
         now = self._clock()
         self._trim(now)
-        chosen = self._choose(eligible)
+        chosen = self._choose(eligible, eligible_application)
         if chosen is None:
             return None
-        tenant, state = chosen
-        entry = state.queue[0]
+        tenant, state, entry = chosen
         del self._where[entry.item]
-        state.counter += entry.prompt_cost / state.weight
+        self._serve(state, entry.application, entry.prompt_cost)
         self._unlink(tenant, state, entry)
         self._count(now, state.lane, entry.estimate)
         return entry.item
 
-    def peek(self, eligible: Callable[[str], bool] = lambda tenant: True) -> T | None:
+    def peek(self, eligible: Callable[[str], bool] = lambda tenant: True,
+             eligible_application: Callable[[str, str], bool] | None = None) -> T | None:
         """The item ``pop`` would return, left in the queue.
 
         For a dispatcher that must ask someone else before it dispatches (gateway replicas
         take a global slot in a shared store first): ``take`` it once the answer is yes.
         Same cost as ``pop``'s choice."""
         self._trim(self._clock())
-        chosen = self._choose(eligible)
-        return None if chosen is None else chosen[1].queue[0].item
+        chosen = self._choose(eligible, eligible_application)
+        return None if chosen is None else chosen[2].item
 
     def take(self, item: T) -> bool:
         """Dispatch ``item`` (chosen by ``peek``) with ``pop``'s accounting: its prompt cost
-        on its tenant's counter, its estimate in its lane's share. False when it is no longer
-        queued (removed while the dispatcher was asking). O(tenant's queue)."""
-        tenant = self._where.pop(item, None)
-        if tenant is None:
+        on its tenant's and application's counters, its estimate in its lane's share. False
+        when it is no longer queued (removed while the dispatcher was asking).
+        O(its application's queue)."""
+        where = self._where.pop(item, None)
+        if where is None:
             return False
+        tenant, entry = where
         state = self._tenants[tenant]
-        entry = next(e for e in state.queue if e.item == item)
-        state.counter += entry.prompt_cost / state.weight
+        self._serve(state, entry.application, entry.prompt_cost)
         self._unlink(tenant, state, entry)
         self._count(self._clock(), state.lane, entry.estimate)
         return True
 
-    def charge(self, tenant: str, cost: float) -> None:
-        """Service delivered to ``tenant`` after dispatch (output tokens as they stream).
-        O(1), or O(log w) while the tenant also has requests waiting (its place moves)."""
+    def charge(self, tenant: str, cost: float, application: str | None = None) -> None:
+        """Service delivered to ``tenant`` (and its ``application``) after dispatch (output
+        tokens as they stream). O(1), or O(log w) while the tenant also has requests
+        waiting (its place moves)."""
         state = self._tenants.get(tenant)
         if state is not None:
-            state.counter += cost / state.weight
-            if state.queue and self._fair:
+            self._serve(state, application, cost)
+            if state.waiting and self._fair:
                 self._place(tenant, state)
+
+    @staticmethod
+    def _serve(state: _Tenant[T], application: str | None, cost: float) -> None:
+        """Service on the tenant's counter and its application's (each by its weight)."""
+        state.counter += cost / state.weight
+        app = state.applications.get(application)
+        if app is not None:
+            app.counter += cost / app.weight
 
     def set_counters(self, counters: Mapping[str, float]) -> None:
         """Adopt counters kept elsewhere (several gateway replicas share them in a store).
@@ -246,7 +324,7 @@ class FairQueue(Generic[T]):
             state = self._tenants.get(tenant)
             if state is not None and state.counter != value:
                 state.counter = value
-                if state.queue and self._fair:
+                if state.waiting and self._fair:
                     self._place(tenant, state)
 
     def set_lane_costs(self, costs: Mapping[str, float] | None) -> None:
@@ -277,10 +355,14 @@ class FairQueue(Generic[T]):
     def counter(self, tenant: str) -> float:
         return self._tenants[tenant].counter
 
+    def application_counter(self, tenant: str, application: str | None) -> float:
+        """An application's counter inside its tenant (service / its weight)."""
+        return self._tenants[tenant].application(application).counter
+
     def queued(self, tenant: str) -> tuple[int, float]:
         """(requests, estimated cost) waiting for ``tenant``."""
         state = self._tenants.get(tenant)
-        return (len(state.queue), state.queued_cost) if state else (0, 0.0)
+        return (state.waiting, state.queued_cost) if state else (0, 0.0)
 
     def backlogged(self) -> Iterator[tuple[str, str]]:
         """``(tenant, lane)`` of every tenant with a waiting request. O(w)."""
@@ -314,26 +396,33 @@ class FairQueue(Generic[T]):
         """(Re)insert a backlogged tenant in its lane's heap at its current key."""
         state.stamp += 1
         backlog = self._backlogs[state.lane]
+        head = state.head(self._fair)
+        assert head is not None
         heapq.heappush(backlog.heap, (state.counter if self._fair else 0.0,
-                                      state.queue[0].seq, state.stamp, tenant))
+                                      head.seq, state.stamp, tenant))
         if len(backlog.heap) > 2 * len(backlog.tenants) + _COMPACT_SLACK:
             self._rebuild(backlog)
 
     def _rebuild(self, backlog: _Backlog[T]) -> None:
         """The heap from the lane's backlog alone (drops every stale entry). O(w)."""
-        backlog.heap = [(s.counter if self._fair else 0.0, s.queue[0].seq, s.stamp, t)
-                        for t, s in backlog.tenants.items()]
+        backlog.heap = [(s.counter if self._fair else 0.0, s.head(self._fair).seq,  # type: ignore[union-attr]
+                         s.stamp, t) for t, s in backlog.tenants.items()]
         heapq.heapify(backlog.heap)
 
     def _unlink(self, tenant: str, state: _Tenant[T], entry: _Entry[T]) -> None:
         """``entry`` leaves ``tenant``'s queue; the tenant's place follows (O(log w))."""
-        head = state.queue[0] is entry
+        app = state.backlog[entry.application]
+        head = app.queue[0] is entry
         if head:
-            state.queue.popleft()
+            app.queue.popleft()
         else:
-            state.queue.remove(entry)
+            app.queue.remove(entry)
+        if not app.queue:
+            del state.backlog[entry.application]
+            state.last_left = app.counter
+        state.waiting -= 1
         state.queued_cost -= entry.estimate
-        if not state.queue:
+        if not state.waiting:
             state.stamp += 1  # its heap entries are stale now
             del self._backlogs[state.lane].tenants[tenant]
             self._last_left[state.lane] = state.counter
@@ -365,21 +454,32 @@ class FairQueue(Generic[T]):
         floor = self._backlog_floor(lane)
         return floor if floor is not None else self._last_left.get(lane)
 
-    def _candidate(self, backlog: _Backlog[T],
-                   eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]] | None:
-        """The lane's first tenant in heap order that ``eligible`` accepts. Those turned
-        down are set aside and put back: O((1 + turned down) x log w)."""
+    def _candidate(self, backlog: _Backlog[T], eligible: Callable[[str], bool],
+                   eligible_application: Callable[[str, str], bool] | None,
+                   ) -> tuple[str, _Tenant[T], _Entry[T]] | None:
+        """The lane's first tenant in heap order that ``eligible`` accepts (with an
+        application ``eligible_application`` accepts, or its own requests, waiting), and
+        the entry it dispatches. Those turned down are set aside and put back:
+        O((1 + turned down) x log w)."""
         heap = backlog.heap
         aside: list[tuple[float, int, int, str]] = []
-        found: tuple[str, _Tenant[T]] | None = None
+        found: tuple[str, _Tenant[T], _Entry[T]] | None = None
         while heap:
             top = heapq.heappop(heap)
             state = backlog.tenants.get(top[3])
             if state is None or state.stamp != top[2]:
                 continue  # stale
             aside.append(top)
-            if eligible(top[3]):
-                found = (top[3], state)
+            if not eligible(top[3]):
+                continue
+            tenant = top[3]
+            if eligible_application is None or (len(state.backlog) == 1 and None in state.backlog):
+                entry = state.head(self._fair)
+            else:
+                entry = state.head(self._fair, lambda app: app is None
+                                   or eligible_application(tenant, app))
+            if entry is not None:
+                found = (tenant, state, entry)
                 break
         for entry in aside:
             heapq.heappush(heap, entry)
@@ -407,10 +507,12 @@ class FairQueue(Generic[T]):
             _, lane, cost = self._window.popleft()
             self._window_cost[lane] -= cost
 
-    def _choose(self, eligible: Callable[[str], bool]) -> tuple[str, _Tenant[T]] | None:
+    def _choose(self, eligible: Callable[[str], bool],
+                eligible_application: Callable[[str, str], bool] | None = None,
+                ) -> tuple[str, _Tenant[T], _Entry[T]] | None:
         """Lanes in priority order: the first with an eligible tenant, unless a lane below
         it with an eligible tenant has fallen under its ``min_share`` (the first such)."""
-        first: tuple[str, _Tenant[T]] | None = None
+        first: tuple[str, _Tenant[T], _Entry[T]] | None = None
         total: float | None = None
         costs: Mapping[str, float] = {}
         for lane in self._lanes:
@@ -418,13 +520,13 @@ class FairQueue(Generic[T]):
             if not backlog.tenants:
                 continue
             if first is None:
-                first = self._candidate(backlog, eligible)
+                first = self._candidate(backlog, eligible, eligible_application)
                 continue
             if total is None:
                 costs = self._share_costs()
                 total = sum(costs.values())
             if costs.get(lane.name, 0.0) < lane.min_share * total:
-                protected = self._candidate(backlog, eligible)
+                protected = self._candidate(backlog, eligible, eligible_application)
                 if protected is not None:
                     return protected
         return first

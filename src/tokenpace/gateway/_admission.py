@@ -29,9 +29,10 @@ from ._dispatch import EngineSlots, Pool
 from ._errors import GatewayError
 from ._prompt_bound import bound as prompt_bound
 from ._runtime import Runtime
-from ._settle import Exchange
+from ._settle import Exchange, settle_in_store
 from ._state import Reservation, StateStore, StateUnavailable
-from ._tenants import TenantState
+from ._hold import Hold
+from ._tenants import ApplicationState, LimitState, TenantState
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,22 @@ def authorization_of(headers: Mapping[str, str]) -> str | None:
 
 def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
     """The tenant of the request's ``Authorization`` header value, or a 401."""
+    return identify(rt, authorization)[0]
+
+
+def identify(rt: Runtime, authorization: str | None,
+             ) -> tuple[TenantState, ApplicationState | None]:
+    """The tenant, and the application when the key is an application's, of the
+    request's ``Authorization`` header value, or a 401. Per request: a SHA-256 of the key
+    and two or three dict lookups."""
     key = bearer_key(authorization)
-    tenant = rt.config.tenant_for_key(key) if key else None
-    state = rt.tenants.get(tenant.id) if tenant else None
+    identity = rt.config.identity_for_key(key) if key else None
+    state = rt.tenants.get(identity[0].id) if identity else None
+    application = None
+    if state is not None and identity is not None and identity[1] is not None:
+        application = state.applications.get(identity[1].id)
+        if application is None:  # a reload removed it between the two lookups
+            state = None
     if state is None:
         metrics.child(metrics.REJECTIONS, "", "unauthenticated").inc()
         raise GatewayError(
@@ -71,7 +85,7 @@ def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
             else "Incorrect API key provided",
             reason="unauthenticated", code="invalid_api_key")
     rt.tenants.series.touch(state)
-    return state
+    return state, application
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
@@ -147,17 +161,19 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     ids (their number); the byte bound (``_prompt_bound``), when it proves every limit
     holds and the budgets take a reservation on it; else the engine's exact count.
     """
-    tenant = ex.tenant
+    tenant, app = ex.tenant, ex.application
     _cheap_refusals(rt, ex, req)
-    if tenant.config.max_requests:
-        await _take_request(rt, tenant)
-    if tenant.config.observed_requests:
-        await observe.requests(rt, tenant)
+    for level in (tenant,) if app is None else (app, tenant):
+        if level.config.max_requests:
+            await _take_request(rt, level)
+    for level in (tenant,) if app is None else (tenant, app):
+        if level.config.observed_requests:
+            await observe.requests(rt, level)
     ids = prompt_token_ids(req)
     if ids is not None:
         return await _admit_counted(rt, ex, req, sum(map(len, ids)), None, counted=True,
                                     longest=max(map(len, ids)))
-    if not _needs_count(tenant, req):
+    if not _needs_count(ex, req):
         # No decision depends on the prompt's size: it is counted by the engine, and
         # the engine's first usage chunk (or its answer) brings the exact number.
         return await _admit_counted(rt, ex, req, 0, None, counted=False)
@@ -185,14 +201,25 @@ async def _admit_counted(rt: Runtime, ex: Exchange, req: ParsedRequest, prompt_t
     max_tokens = _admit_sizes(tenant, req, prompt_tokens, max_model_len,
                               prompt_tokens if longest is None else longest)
     reserved = ex.cost.of(prompt_tokens, max_tokens * req.sequences)
-    refusal = await _reserve(rt, ex, reserved)
-    if refusal is not None:
-        raise budget_error(refusal)
+    refused = await _reserve(rt, ex, reserved)
+    if refused is not None:
+        raise budget_error(*refused)
     ex.reserved = reserved
     ex.max_completion_tokens = max_tokens * req.sequences
-    if tenant.config.observed_budgets:
-        await observe.budgets(rt, ex, reserved)
+    await _observe_budgets(rt, ex, reserved)
     return Admission(prompt_tokens, max_tokens, reserved)
+
+
+async def _observe_budgets(rt: Runtime, ex: Exchange, reserved: float) -> None:
+    """The admitted cost on the budgets in observe mode of the tenant and its application."""
+    for level in _levels(ex):
+        if level.config.observed_budgets:
+            await observe.budgets(rt, ex, level, reserved)
+
+
+def _levels(ex: Exchange) -> tuple[LimitState, ...]:
+    """The tenant, and its application when the key named one."""
+    return (ex.tenant,) if ex.application is None else (ex.tenant, ex.application)
 
 
 async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
@@ -234,12 +261,35 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
     ex.prompt_bound, ex.bound_source = bound, learned
     ex.reserved = reserved
     ex.max_completion_tokens = max_tokens * req.sequences
-    if cfg.observed_budgets:
-        await observe.budgets(rt, ex, reserved)
+    await _observe_budgets(rt, ex, reserved)
     return Admission(0, max_tokens, reserved)
 
 
-async def _reserve(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | None:
+async def _reserve(rt: Runtime, ex: Exchange,
+                   cost: float) -> tuple[BudgetRefusal, LimitState | None] | None:
+    """Take ``cost`` from the tenant's budgets and its application's (shared store or in
+    process): both take it, or neither keeps it and the refusal is returned with whose
+    budget refused (None: the tenant's, and it has no application to tell apart). The
+    application's first: its refusal leaves the tenant's budgets untouched."""
+    app = ex.application
+    held: Hold | None = None
+    if app is not None and app.config.budgets:
+        result = await _reserve_level(rt, app, cost)
+        if isinstance(result, BudgetRefusal):
+            return result, app
+        held = result
+    refusal = await _reserve_tenant(rt, ex, cost)
+    if held is not None:
+        if refusal is None:
+            ex.holds.append(held)
+        else:
+            _undo(rt, held)
+    if refusal is None:
+        return None
+    return refusal, None if app is None else ex.tenant
+
+
+async def _reserve_tenant(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | None:
     """Take ``cost`` from the tenant's budgets (shared store or in process), or the refusal."""
     tenant = ex.tenant
     if rt.store is not None and tenant.config.budgets:
@@ -251,8 +301,31 @@ async def _reserve(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | No
     return tenant.try_reserve(cost, rt.clock())
 
 
-async def _take_request(rt: Runtime, tenant: TenantState) -> None:
-    """Count the request against the tenant's ``max_requests``, or refuse it (429).
+async def _reserve_level(rt: Runtime, level: LimitState, cost: float) -> Hold | BudgetRefusal:
+    """Take ``cost`` from an application's budgets: the hold, or the refusal."""
+    if rt.store is not None:
+        try:
+            result = await rt.store.reserve(level.owner, level.config.budgets, cost)
+        except StateUnavailable:
+            raise state_unavailable() from None
+        if isinstance(result, BudgetRefusal):
+            return result
+        return Hold(level.budgets, 0.0, result, level)
+    refusal = level.try_reserve(cost, rt.clock())
+    return refusal if refusal is not None else Hold(level.budgets, cost, None, level)
+
+
+def _undo(rt: Runtime, hold: Hold) -> None:
+    """Give a hold back whole (the other level refused the request)."""
+    if hold.reservation is not None:
+        settle_in_store(rt, hold.reservation, 0.0)
+    else:
+        hold.settle_local(0.0, rt.clock())
+
+
+async def _take_request(rt: Runtime, level: LimitState) -> None:
+    """Count the request against the ``max_requests`` of its tenant or its application
+    (``level``), or refuse it (429).
 
     Checked after the refusals that need nothing (a full queue, a prompt too large by its
     bytes) and before the prompt count and the budgets: a request that gets this far
@@ -262,22 +335,24 @@ async def _take_request(rt: Runtime, tenant: TenantState) -> None:
     """
     if rt.store is not None:
         try:
-            result = await rt.store.reserve(tenant.id, tenant.config.max_requests, 1.0)
+            result = await rt.store.reserve(level.owner, level.config.max_requests, 1.0)
         except StateUnavailable:
             raise state_unavailable() from None
         refusal = result if isinstance(result, BudgetRefusal) else None
     else:
-        refusal = tenant.take_request(rt.clock())
+        refusal = level.take_request(rt.clock())
     if refusal is not None:
-        raise request_limit_error(refusal)
+        raise request_limit_error(refusal, level)
 
 
-def _needs_count(tenant: TenantState, req: ParsedRequest) -> bool:
+def _needs_count(ex: Exchange, req: ParsedRequest) -> bool:
     """Whether a decision before dispatch depends on the prompt's size: a prompt cap, a
-    budget reservation, or the ``max_tokens`` the gateway must fill in (it fits the
-    context only with the prompt's size known)."""
-    cfg = tenant.config
-    return cfg.max_input_tokens is not None or bool(cfg.budgets) or req.max_tokens is None
+    budget reservation (the tenant's or its application's), or the ``max_tokens`` the
+    gateway must fill in (it fits the context only with the prompt's size known)."""
+    cfg = ex.tenant.config
+    app = ex.application
+    return cfg.max_input_tokens is not None or bool(cfg.budgets) or req.max_tokens is None \
+        or (app is not None and bool(app.config.budgets))
 
 
 MAX_BYTES_PER_TOKEN = 64
@@ -312,11 +387,12 @@ def _cheap_refusals(rt: Runtime, ex: Exchange, req: ParsedRequest) -> None:
             reason="max_input_tokens", code="max_input_tokens_exceeded",
             param=req.prompt_param)
     output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
-    if cfg.budgets:
-        least = ex.cost.of(least_tokens, (output or 0) * req.sequences)
-        refusal = tenant.budgets.would_refuse(least, rt.clock())
-        if refusal is not None:
-            raise budget_error(refusal)
+    for level in _levels(ex):
+        if level.config.budgets:
+            least = ex.cost.of(least_tokens, (output or 0) * req.sequences)
+            refusal = level.budgets.would_refuse(least, rt.clock())
+            if refusal is not None:
+                raise budget_error(refusal, level if ex.application is not None else None)
 
 
 def prompt_bytes(req: ParsedRequest) -> int:
@@ -459,28 +535,38 @@ def state_unavailable() -> GatewayError:
                         headers={"retry-after": "1"})
 
 
-def budget_error(refusal: BudgetRefusal) -> GatewayError:
+def _whose(level: LimitState | None) -> str:
+    """`` of application 'bot' of tenant 'acme'`` in a refusal's message, or nothing."""
+    return "" if level is None else f" of {level.label}"
+
+
+def budget_error(refusal: BudgetRefusal, level: LimitState | None = None) -> GatewayError:
+    """400 for a request larger than a whole budget, else 429 with OpenAI's token headers.
+    ``level``: whose budget, when the message should say (a tenant with applications)."""
     budget = refusal.budget
+    whose = _whose(level)
     if math.isinf(refusal.retry_after_s):
         return GatewayError(
             400, f"this request reserves {refusal.cost:g} tokens of cost, more than the whole "
-            f"budget {budget.key}; lower max_tokens or shorten the prompt",
+            f"budget {budget.key}{whose}; lower max_tokens or shorten the prompt",
             reason="larger_than_budget", code="budget_too_small", param="max_tokens")
     return GatewayError(
-        429, f"token budget {budget.key} exhausted: this request needs {refusal.cost:g}, "
-        f"{math.floor(refusal.remaining)} remain; retry in {refusal.retry_after_s:.3f} s",
+        429, f"token budget {budget.key}{whose} exhausted: this request needs "
+        f"{refusal.cost:g}, {math.floor(refusal.remaining)} remain; retry in "
+        f"{refusal.retry_after_s:.3f} s",
         reason="budget", code="rate_limit_exceeded",
         headers=_ratelimit_headers(refusal, "tokens", int(budget.tokens)))
 
 
-def request_limit_error(refusal: BudgetRefusal) -> GatewayError:
+def request_limit_error(refusal: BudgetRefusal, level: LimitState | None = None) -> GatewayError:
     """429 for a ``max_requests`` limit, with OpenAI's request headers: the limit, the
     requests left now (0 when refused) and how long until the limit is whole again."""
     limit = refusal.budget
     assert isinstance(limit, RequestLimit)
+    whose = _whose(level) if isinstance(level, ApplicationState) else ""
     return GatewayError(
-        429, f"request rate limit {limit.requests} per {limit.figures.rsplit('/', 1)[1]} reached; "
-        f"retry in {refusal.retry_after_s:.3f} s",
+        429, f"request rate limit {limit.requests} per {limit.figures.rsplit('/', 1)[1]}"
+        f"{whose} reached; retry in {refusal.retry_after_s:.3f} s",
         reason="requests", code="rate_limit_exceeded",
         headers=_ratelimit_headers(refusal, "requests", limit.requests))
 

@@ -85,6 +85,33 @@ class LaneConfig:
     min_share: float = 0.1
 
 
+APPLICATION_SEPARATOR = "\x1f"
+"""Between a tenant id and an application id where both name one thing (the shared
+store's keys, the ledger's budget rows, the fair queue): neither id may contain it (config
+refuses control characters in both), so no pair can spell another pair or a tenant."""
+
+
+@dataclass(frozen=True)
+class ApplicationConfig:
+    """One application inside a tenant: its own keys, share of the tenant's dispatches,
+    and limits that apply inside the tenant's (both must admit a request)."""
+
+    id: str
+    key_hashes: tuple[bytes, ...]
+    weight: float = 1.0
+    max_concurrency: int | None = None
+    observed_concurrency: int | None = None
+    max_queued: int | None = None
+    budgets: tuple[BudgetSpec, ...] = ()
+    observed_budgets: tuple[BudgetSpec, ...] = ()
+    max_requests: tuple[RequestLimit, ...] = ()
+    observed_requests: tuple[RequestLimit, ...] = ()
+
+    def owner(self, tenant_id: str) -> str:
+        """The name its limits are kept under beside its tenant's (shared store, ledger)."""
+        return f"{tenant_id}{APPLICATION_SEPARATOR}{self.id}"
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     id: str
@@ -110,10 +137,22 @@ class TenantConfig:
     share_prefix_cache: bool = False
     # The models (served names, aliases resolved) the tenant may use; None: every model.
     models: frozenset[str] | None = None
+    # Applications inside the tenant (``applications``): keys of their own, limits nested
+    # in the tenant's, a weighted share of the tenant's dispatches.
+    applications: tuple[ApplicationConfig, ...] = ()
+
+    def application(self, application_id: str) -> ApplicationConfig | None:
+        """The application with this id (O(applications): a handful per tenant)."""
+        return next((a for a in self.applications if a.id == application_id), None)
 
     def may_use(self, model: str) -> bool:
         """Whether the tenant may send requests for ``model`` (a served name)."""
         return self.models is None or model in self.models
+
+    @property
+    def all_key_hashes(self) -> tuple[bytes, ...]:
+        """The digests of the tenant's own keys and of its applications' keys."""
+        return self.key_hashes + tuple(d for a in self.applications for d in a.key_hashes)
 
     @functools.cached_property
     def cache_salt(self) -> str | None:
@@ -128,7 +167,7 @@ class TenantConfig:
         """
         if self.share_prefix_cache:
             return None
-        secret = b"".join(sorted(self.key_hashes))
+        secret = b"".join(sorted(self.all_key_hashes))
         return hmac.new(secret, b"tokenpace-prefix-cache:" + self.id.encode(),
                         hashlib.sha256).hexdigest()
 
@@ -188,18 +227,31 @@ class GatewayConfig:
         return next(lane for lane in self.lanes if lane.name == name)
 
     def tenant_for_key(self, key: str) -> TenantConfig | None:
-        """The tenant owning API key ``key``.
+        """The tenant owning API key ``key`` (its own, or one of its applications')."""
+        identity = self.identity_for_key(key)
+        return None if identity is None else identity[0]
+
+    def identity_for_key(self, key: str) -> tuple[TenantConfig, ApplicationConfig | None] | None:
+        """The tenant, and the application when it is an application's key, of API key
+        ``key``.
 
         The lookup is by SHA-256 digest, so its timing depends on the digest, never on how
         much of a secret key a guess got right.
         """
-        return self._tenant_by_digest.get(hash_key(key))
+        return self._identity_by_digest.get(hash_key(key))
 
     @property
-    def _tenant_by_digest(self) -> dict[bytes, TenantConfig]:
+    def _identity_by_digest(self) -> dict[bytes, tuple[TenantConfig, ApplicationConfig | None]]:
         table = self.__dict__.get("_by_digest")
         if table is None:
-            table = {digest: t for t in self.tenants for digest in t.key_hashes}
+            table = {}
+            for t in self.tenants:
+                own = (t, None)
+                for digest in t.key_hashes:
+                    table[digest] = own
+                for app in t.applications:
+                    for digest in app.key_hashes:
+                        table[digest] = (t, app)
             object.__setattr__(self, "_by_digest", table)
         return table
 
@@ -372,13 +424,15 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         if tenant.id in seen_ids:
             raise ConfigError(f"tenants[{i}].id: tenant {tenant.id!r} is defined twice")
         seen_ids.add(tenant.id)
-        for digest in tenant.key_hashes:
+        owned = [(f"tenants[{i}].api_keys", repr(tenant.id), d) for d in tenant.key_hashes]
+        owned += [(f"tenants[{i}].applications[{j}].api_keys",
+                   f"{tenant.id!r} application {app.id!r}", d)
+                  for j, app in enumerate(tenant.applications) for d in app.key_hashes]
+        for where, owner, digest in owned:
             if digest in seen_keys:
-                raise ConfigError(
-                    f"tenants[{i}].api_keys: a key of {tenant.id!r} also belongs to "
-                    f"{seen_keys[digest]!r}"
-                )
-            seen_keys[digest] = tenant.id
+                raise ConfigError(f"{where}: a key of {owner} also belongs to "
+                                  f"{seen_keys[digest]}")
+            seen_keys[digest] = owner
     admin = tuple(_keys(root.get("admin_api_keys", []), "admin_api_keys"))
     ledger = root.get("ledger", DEFAULT_LEDGER)
     if not isinstance(ledger, str) or not ledger:
@@ -604,20 +658,96 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
                       "end_user_output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
                       "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
-                      "models"))
+                      "models", "applications"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
     except LimitsError as exc:
         raise ConfigError(str(exc)) from None
+    _no_control_characters(tenant_id, f"{where}.id")
     keys = tuple(_keys(m.get("api_keys"), f"{where}.api_keys"))
-    if not keys:
-        raise ConfigError(f"{where}.api_keys: at least one key is needed")
+    applications = _applications(m, where)
+    if not keys and not any(a.key_hashes for a in applications):
+        raise ConfigError(f"{where}.api_keys: at least one key is needed (the tenant's own, "
+                          "or its applications')")
     lane = m.get("lane", lanes[0].name)
     if lane not in {x.name for x in lanes}:
         raise ConfigError(
             f"{where}.lane: unknown lane {lane!r}; lanes are {', '.join(x.name for x in lanes)}"
         )
+    return TenantConfig(
+        id=tenant_id,
+        key_hashes=keys,
+        lane=lane,
+        weight=_number(m, "weight", where) or 1.0,
+        output_tokens_per_second=_number(m, "output_tokens_per_second", where),
+        end_user_output_tokens_per_second=_number(m, "end_user_output_tokens_per_second", where),
+        max_input_tokens=_int(m, "max_input_tokens", where, None, minimum=1),
+        max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
+        queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
+        share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
+        models=_allowed_models(m, where, aliases or {}, served),
+        applications=applications,
+        **_limits(m, where),
+    )
+
+
+def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The limits a tenant and an application both have, as their configs' fields:
+    concurrency, queue, token budgets and request rates, each enforced or observed."""
+    budgets = _budgets(m, where)
+    max_requests = _request_limits(m, where)
+    max_concurrency, observed_concurrency = _concurrency(m, where)
+    return {
+        "max_concurrency": max_concurrency,
+        "observed_concurrency": observed_concurrency,
+        "max_queued": _int(m, "max_queued", where, None, minimum=0),
+        "budgets": tuple(b for b in budgets if not b.observe),
+        "observed_budgets": tuple(b for b in budgets if b.observe),
+        "max_requests": tuple(r for r in max_requests if not r.observe),
+        "observed_requests": tuple(r for r in max_requests if r.observe),
+    }
+
+
+def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, ...]:
+    """``applications: [{id, api_keys, weight, max_concurrency, max_queued, budgets,
+    max_requests}]``: ids unique inside the tenant."""
+    out: list[ApplicationConfig] = []
+    for i, item in enumerate(_list(m, "applications", where)):
+        aw = f"{where}.applications[{i}]"
+        am = _mapping(item, aw)
+        _known(am, aw, ("id", "api_keys", "weight", "max_concurrency", "max_queued",
+                        "budgets", "max_requests"))
+        app_id = am.get("id")
+        if not isinstance(app_id, str) or not app_id:
+            raise ConfigError(f"{aw}.id: required, a non-empty string")
+        if len(app_id) > MAX_APPLICATION_ID_LENGTH:
+            raise ConfigError(f"{aw}.id: is {len(app_id)} characters long; at most "
+                              f"{MAX_APPLICATION_ID_LENGTH} are allowed")
+        _no_control_characters(app_id, f"{aw}.id")
+        if any(a.id == app_id for a in out):
+            raise ConfigError(f"{aw}.id: application {app_id!r} is defined twice in the tenant")
+        keys = tuple(_keys(am.get("api_keys"), f"{aw}.api_keys"))
+        if not keys:
+            raise ConfigError(f"{aw}.api_keys: at least one key is needed (a key names the "
+                              "tenant and the application)")
+        out.append(ApplicationConfig(id=app_id, key_hashes=keys,
+                                     weight=_number(am, "weight", aw) or 1.0,
+                                     **_limits(am, aw)))
+    return tuple(out)
+
+
+MAX_APPLICATION_ID_LENGTH = 128
+"""An application id is a metric label and part of ledger rows and store keys."""
+
+
+def _no_control_characters(value: str, where: str) -> None:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{where}: must not contain control characters")
+
+
+def _budgets(m: Mapping[str, Any], where: str) -> list[BudgetSpec]:
+    """``budgets: [{tokens, per, mode}]``: token buckets, each listed once."""
     budgets = []
     for i, b in enumerate(_list(m, "budgets", where)):
         bw = f"{where}.budgets[{i}]"
@@ -632,28 +762,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         budgets.append(BudgetSpec(tokens, per, _observe(bm, bw)))
     if len({b.key for b in budgets}) != len(budgets):
         raise ConfigError(f"{where}.budgets: the same budget is listed twice")
-    max_requests = _request_limits(m, where)
-    max_concurrency, observed_concurrency = _concurrency(m, where)
-    return TenantConfig(
-        id=tenant_id,
-        key_hashes=keys,
-        lane=lane,
-        weight=_number(m, "weight", where) or 1.0,
-        output_tokens_per_second=_number(m, "output_tokens_per_second", where),
-        end_user_output_tokens_per_second=_number(m, "end_user_output_tokens_per_second", where),
-        max_concurrency=max_concurrency,
-        observed_concurrency=observed_concurrency,
-        max_queued=_int(m, "max_queued", where, None, minimum=0),
-        max_input_tokens=_int(m, "max_input_tokens", where, None, minimum=1),
-        max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
-        queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
-        budgets=tuple(b for b in budgets if not b.observe),
-        observed_budgets=tuple(b for b in budgets if b.observe),
-        max_requests=tuple(r for r in max_requests if not r.observe),
-        observed_requests=tuple(r for r in max_requests if r.observe),
-        share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
-        models=_allowed_models(m, where, aliases or {}, served),
-    )
+    return budgets
 
 
 def _request_limits(m: Mapping[str, Any], where: str) -> tuple[RequestLimit, ...]:

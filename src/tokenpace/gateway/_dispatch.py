@@ -40,7 +40,7 @@ from . import _metrics as metrics
 from . import _observe as observe
 from ._config import EngineConfig, GatewayConfig
 from ._state import Reservation
-from ._tenants import TenantState
+from ._tenants import ApplicationState, TenantState
 
 
 class QueueFull(Exception):
@@ -159,6 +159,7 @@ class Pool:
 class Waiter:
     tenant: TenantState
     pool: Pool
+    application: ApplicationState | None = None
     engine: EngineSlots | None = None  # chosen when the request is granted
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     granted: bool = False
@@ -176,9 +177,10 @@ class Lease:
     """
 
     def __init__(self, dispatcher: Dispatcher, tenant: TenantState, pool: Pool,
-                 timeout_s: float, prompt_cost: float, estimate: float) -> None:
+                 timeout_s: float, prompt_cost: float, estimate: float,
+                 application: ApplicationState | None = None) -> None:
         self._dispatcher = dispatcher
-        self.tenant, self.pool = tenant, pool
+        self.tenant, self.pool, self.application = tenant, pool, application
         self._wait = (timeout_s, prompt_cost, estimate)
         self.waiter: Waiter | None = None  # set once granted
 
@@ -193,7 +195,7 @@ class Lease:
         timeout (see ``Dispatcher.acquire``)."""
         timeout_s, prompt_cost, estimate = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
-                                                     prompt_cost, estimate)
+                                                     prompt_cost, estimate, self.application)
         return self
 
     def charge(self, cost: float) -> None:
@@ -260,14 +262,17 @@ class Dispatcher:
         for tenant_id in queue.declared_tenants():
             tenant = config.tenant(tenant_id)
             if tenant is not None:
-                queue.set_tenant(tenant.id, tenant.lane, tenant.weight)
+                queue.set_tenant(tenant.id, tenant.lane, tenant.weight,
+                                 {a.id: a.weight for a in tenant.applications})
 
     @staticmethod
     def _declare(queue: FairQueue[Waiter], tenant: TenantState) -> None:
         """Declare the tenant to the queue before its first request there (a reload
         updates it from then on: ``_configure_queue``)."""
         if not queue.declared(tenant.id):
-            queue.set_tenant(tenant.id, tenant.config.lane, tenant.config.weight)
+            cfg = tenant.config
+            queue.set_tenant(cfg.id, cfg.lane, cfg.weight,
+                             {a.id: a.weight for a in cfg.applications})
 
     # -- pools -------------------------------------------------------------------------
 
@@ -412,16 +417,18 @@ class Dispatcher:
     # -- waiting and dispatch ----------------------------------------------------------
 
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
-                      prompt_cost: float, estimate: float) -> Waiter:
+                      prompt_cost: float, estimate: float,
+                      application: ApplicationState | None = None) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
         """
-        waiter = Waiter(tenant, pool)
+        waiter = Waiter(tenant, pool, application)
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
-        pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
+        pool.queue.push(waiter, tenant.id, prompt_cost, estimate,
+                        None if application is None else application.id)
         tenant.queued += 1
         self._pump(pool)
         if waiter.granted:
@@ -447,13 +454,16 @@ class Dispatcher:
             raise
 
     def lease(self, tenant: TenantState, pool: Pool, timeout_s: float,
-              prompt_cost: float, estimate: float) -> Lease:
-        """A slot on an engine of ``pool`` for one request of ``tenant``, not yet waited for."""
-        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate)
+              prompt_cost: float, estimate: float,
+              application: ApplicationState | None = None) -> Lease:
+        """A slot on an engine of ``pool`` for one request of ``tenant`` (and of its
+        ``application``), not yet waited for."""
+        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate, application)
 
     def charge(self, waiter: Waiter, cost: float) -> None:
         """Service a dispatched request received (output tokens as the stream reports them)."""
-        waiter.pool.queue.charge(waiter.tenant.id, cost)
+        app = waiter.application
+        waiter.pool.queue.charge(waiter.tenant.id, cost, None if app is None else app.id)
 
     def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
         """Give a dispatched request's slots back (idempotent) and dispatch the next.
@@ -465,6 +475,8 @@ class Dispatcher:
         assert engine is not None
         engine.inflight -= 1
         tenant.inflight -= 1
+        if waiter.application is not None:
+            waiter.application.inflight -= 1
         engine.inflight_gauge.set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         for pool in self.pools.values():  # the tenant's concurrency may unblock any queue
@@ -496,6 +508,13 @@ class Dispatcher:
 
         return eligible, placed
 
+    def _may_dispatch_application(self, tenant_id: str, application_id: str) -> bool:
+        """Whether a waiting request of this application may go now (below its
+        ``max_concurrency``). An application a reload removed has no limit left."""
+        state = self._states.get(tenant_id)
+        app = None if state is None else state.applications.get(application_id)
+        return app is None or not app.at_concurrency_limit()
+
     def _pump(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while an engine of the pool has room for them.
 
@@ -505,7 +524,7 @@ class Dispatcher:
         eligible, placed = self._eligibility(pool)
         while len(pool.queue) and any(e.healthy and self._open(e) for e in pool.engines):
             placed.clear()
-            waiter = pool.queue.pop(eligible)
+            waiter = pool.queue.pop(eligible, self._may_dispatch_application)
             if waiter is None:
                 break
             tenant = waiter.tenant
@@ -516,6 +535,9 @@ class Dispatcher:
             tenant.queued -= 1
             tenant.inflight += 1
             observe.dispatched(tenant, self._clock())
+            if waiter.application is not None:
+                waiter.application.inflight += 1
+                observe.dispatched(waiter.application, self._clock())
             engine.dispatched()
             engine.inflight_gauge.set(engine.inflight)
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)

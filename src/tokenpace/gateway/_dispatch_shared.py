@@ -75,7 +75,7 @@ from ._state import (
     running_slot,
 )
 from ._state import Lease as StoreLease
-from ._tenants import TenantState
+from ._tenants import ApplicationState, TenantState
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -133,15 +133,30 @@ class SharedDispatcher(Dispatcher):
     # -- claims ------------------------------------------------------------------------
 
     @staticmethod
-    def _claims(tenant: TenantState, engine: EngineSlots) -> list[SlotClaim]:
-        return [engine_slot(engine.url, engine.config.max_inflight),
-                running_slot(tenant.id, tenant.config.max_concurrency)]
+    def _claims(tenant: TenantState, engine: EngineSlots,
+                application: ApplicationState | None = None) -> list[SlotClaim]:
+        claims = [engine_slot(engine.url, engine.config.max_inflight),
+                  running_slot(tenant.id, tenant.config.max_concurrency)]
+        if application is not None and application.config.max_concurrency is not None:
+            # An application's max_concurrency is global too: its own running slots.
+            claims.append(running_slot(application.owner, application.config.max_concurrency))
+        return claims
 
     def _may_dispatch(self, tenant_id: str) -> bool:
         state = self._states.get(tenant_id)
         if state is None or state.at_concurrency_limit():
             return False
         until = self._blocked.get(tenant_id)
+        return until is None or until <= self._clock()
+
+    def _may_dispatch_application(self, tenant_id: str, application_id: str) -> bool:
+        state = self._states.get(tenant_id)
+        app = None if state is None else state.applications.get(application_id)
+        if app is None:
+            return True
+        if app.at_concurrency_limit():
+            return False
+        until = self._blocked.get(app.owner)
         return until is None or until <= self._clock()
 
     def _open(self, engine: EngineSlots) -> bool:
@@ -152,29 +167,36 @@ class SharedDispatcher(Dispatcher):
         """Note a refusal: the tenant's slots or the engine's are held by other replicas;
         either is skipped for ``SHARED_POLL_S``."""
         if refusal.claim.key.startswith("running:"):
-            self._blocked[tenant.id] = self._clock() + SHARED_POLL_S
+            # The tenant's slots, or its application's (``running:<owner>``).
+            self._blocked[refusal.claim.key[len("running:"):]] = self._clock() + SHARED_POLL_S
         else:
             self._full[engine] = self._clock() + SHARED_POLL_S
 
     # -- waiting -----------------------------------------------------------------------
 
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
-                      prompt_cost: float, estimate: float) -> Waiter:
+                      prompt_cost: float, estimate: float,
+                      application: ApplicationState | None = None) -> Waiter:
         """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
         ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed)."""
-        waiter = SharedWaiter(tenant, pool, prompt_cost=prompt_cost, estimate=estimate)
+        waiter = SharedWaiter(tenant, pool, application, prompt_cost=prompt_cost,
+                              estimate=estimate)
+        app_id = None if application is None else application.id
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         with anyio.fail_after(timeout_s):
             engine = (self.choose(tenant, pool)
-                      if not len(pool.queue) and self._may_dispatch(tenant.id) else None)
+                      if not len(pool.queue) and self._may_dispatch(tenant.id)
+                      and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
+                      else None)
             if engine is not None:
-                result = await self._call(self.store.acquire(self._claims(tenant, engine)))
+                result = await self._call(self.store.acquire(
+                    self._claims(tenant, engine, application)))
                 if isinstance(result, StoreLease):
                     # Through the queue's books as if popped: the prompt's charge on the
                     # tenant's counter, the estimate in the lane's share; in the store's
                     # lane shares with its next flush (no round trip; one lane: no shares).
-                    pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
+                    pool.queue.push(waiter, tenant.id, prompt_cost, estimate, app_id)
                     pool.queue.take(waiter)
                     if len(self._lane_names) > 1:
                         self.store.count_dispatch(
@@ -192,7 +214,7 @@ class SharedDispatcher(Dispatcher):
             waiter.queued = admitted.queued
             for other in self.pools.values():  # the store's lift, on every queue it uses
                 other.queue.set_counters({tenant.id: admitted.counter})
-            pool.queue.push(waiter, tenant.id, prompt_cost, estimate)
+            pool.queue.push(waiter, tenant.id, prompt_cost, estimate, app_id)
             tenant.queued += 1
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             self._kick(pool)
@@ -224,6 +246,9 @@ class SharedDispatcher(Dispatcher):
         waiter.granted = True
         tenant.inflight += 1
         observe.dispatched(tenant, self._clock())
+        if waiter.application is not None:
+            waiter.application.inflight += 1
+            observe.dispatched(waiter.application, self._clock())
         engine.dispatched()
         if waiter.prompt_cost:
             self.store.charge(tenant.config.lane, tenant.id,
@@ -251,14 +276,17 @@ class SharedDispatcher(Dispatcher):
         assert engine is not None
         engine.inflight -= 1
         tenant.inflight -= 1
+        if waiter.application is not None:
+            waiter.application.inflight -= 1
         engine.inflight_gauge.set(engine.inflight)
         metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
         assert isinstance(waiter, SharedWaiter) and waiter.running is not None
-        self._spawn(self._give_back(waiter.running, tenant.id, settle))
+        self._spawn(self._give_back(waiter.running, tenant.id, settle, waiter.application))
         return settle is not None
 
     async def _give_back(self, lease: StoreLease, tenant_id: str,
-                         settle: tuple[Reservation, float] | None) -> None:
+                         settle: tuple[Reservation, float] | None,
+                         application: ApplicationState | None = None) -> None:
         # The waiters are woken after the store has the slots back, or they would be
         # refused the slots this request still holds there and wait for the next poll.
         try:
@@ -269,6 +297,8 @@ class SharedDispatcher(Dispatcher):
         except StateUnavailable:
             pass  # the lease expires with its lease time
         self._blocked.pop(tenant_id, None)
+        if application is not None:
+            self._blocked.pop(application.owner, None)
         for pool in self.pools.values():
             if len(pool.queue):
                 self._kick(pool)
@@ -352,7 +382,7 @@ class SharedDispatcher(Dispatcher):
             if self._stale(pool):
                 await self._refresh()
             placed.clear()
-            waiter = pool.queue.peek(eligible)
+            waiter = pool.queue.peek(eligible, self._may_dispatch_application)
             if waiter is None:
                 break
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
@@ -361,7 +391,7 @@ class SharedDispatcher(Dispatcher):
             assert engine is not None
             try:
                 result = await self.store.dispatch(
-                    self._claims(tenant, engine), waiter.queued,
+                    self._claims(tenant, engine, waiter.application), waiter.queued,
                     lane_share_key(pool.model, tenant.config.lane), waiter.estimate)
             except StateUnavailable as exc:
                 # on_state_failure: closed: this request cannot get its slots; 503.

@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, declared once.
 
 Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
-without a valid key), ``lane`` a configured lane, ``model`` a name an engine serves (or
+without a valid key), ``application`` a configured application id of that tenant (or
+``""``), ``lane`` a configured lane, ``model`` a name an engine serves (or
 ``""`` for a request refused before it was routed), ``reason`` and ``outcome`` come from
 small fixed sets in the code. A tenant's series exist while it is active: they appear with
 its first request and go once it has been idle for ``metrics_idle_after`` (``_series``), or
@@ -63,8 +64,19 @@ REJECTIONS = Counter(
 )
 WOULD_REJECT = Counter(
     "tokenpace_gateway_would_reject", "Requests that a limit in observe mode would have "
-    "refused (or, for max_concurrency, held in the queue), by reason; none was refused.",
-    ["tenant", "reason"], registry=REGISTRY,
+    "refused (or, for max_concurrency, held in the queue), by reason; none was refused. "
+    "application: whose limit (\"\": the tenant's own).",
+    ["tenant", "application", "reason"], registry=REGISTRY,
+)
+APPLICATION_REQUESTS = Counter(
+    "tokenpace_gateway_application_requests", "Requests of a tenant's applications that "
+    "ended, by outcome (requests of the tenant's own keys are not counted here).",
+    ["tenant", "application", "outcome"], registry=REGISTRY,
+)
+APPLICATION_TOKENS = Counter(
+    "tokenpace_gateway_application_tokens", "Tokens of a tenant's applications' served "
+    "requests, by kind (prompt, completion).",
+    ["tenant", "application", "kind"], registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter(
     "tokenpace_gateway_prompt_tokens", "Prompt tokens of requests that reached an engine.",
@@ -201,7 +213,9 @@ ENGINE_INFLIGHT = Gauge(
 _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     REQUESTS: ("tenant", "lane", "outcome"),
     REJECTIONS: ("tenant", "reason"),
-    WOULD_REJECT: ("tenant", "reason"),
+    WOULD_REJECT: ("tenant", "application", "reason"),
+    APPLICATION_REQUESTS: ("tenant", "application", "outcome"),
+    APPLICATION_TOKENS: ("tenant", "application", "kind"),
     PROMPT_TOKENS: ("tenant", "lane"),
     COMPLETION_TOKENS: ("tenant", "lane"),
     SERVICE: ("tenant", "lane"),

@@ -23,7 +23,7 @@ from . import _metrics as metrics
 from ._admission import (
     Admission,
     admit,
-    authenticate,
+    identify,
     queue_full,
     read_body,
     retry_headers,
@@ -60,10 +60,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             # How the anthropic SDK sends its key; a Bearer header, if any, comes first.
             authorization = "Bearer " + value.decode("latin-1")
     try:
-        tenant = authenticate(rt, authorization)
+        tenant, application = identify(rt, authorization)
     except GatewayError as exc:
         return exc.response(request_id, kind)
-    ex = Exchange(rt, request_id, kind, tenant, arrived, time.time())
+    ex = Exchange(rt, request_id, kind, tenant, arrived, time.time(), application=application)
     watch: ClientWatch | None = None
     try:
         req = parse_request(kind, parse_json_body(
@@ -161,7 +161,8 @@ async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
     rt, tenant = ex.rt, ex.tenant
     lease = rt.dispatcher.lease(
         tenant, pool, tenant.config.queue_timeout_s,
-        prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved)
+        prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
+        application=ex.application)
     async with watch.guard():
         try:
             return await lease.acquire()

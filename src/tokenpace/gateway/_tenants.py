@@ -11,21 +11,26 @@ touching only the tenants whose configuration changed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from ..fairness import BudgetRefusal, TenantBudgets
-from ._config import GatewayConfig, TenantConfig
+from ._config import ApplicationConfig, GatewayConfig, TenantConfig
 from ._series import TenantSeries
 
 
 TOKENIZE_SLOTS_PER_TENANT = 2
 
 
-class TenantState:
-    """Counters the admission checks read, and the tenant's budgets."""
+C = TypeVar("C", TenantConfig, ApplicationConfig)
 
-    def __init__(self, config: TenantConfig, now: float,
+
+class LimitState(Generic[C]):
+    """What a tenant and an application inside it both keep: the counters the admission
+    checks read and the buckets of their limits (``C``: its configuration's type)."""
+
+    def __init__(self, config: C, now: float,
                  saved: dict[str, tuple[float, float]] | None = None) -> None:
         self.config = config
         saved = saved or {}
@@ -38,22 +43,132 @@ class TenantState:
         self.observed_budgets = TenantBudgets(list(config.observed_budgets), now)
         self.observed_requests = TenantBudgets(list(config.observed_requests), now)
         self.inflight = 0
-        self.queued = 0
-        self.service_s: float | None = None  # moving average of time on the engine
-        # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
-        # for each other here instead of taking every tokenizer slot of the engine.
-        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
         # Budget levels changed since the last snapshot to the ledger: the snapshot writes
         # these only (an untouched tenant's saved level still refills correctly on restore).
         self.dirty = False
 
     @property
-    def id(self) -> str:
-        return self.config.id
+    def owner(self) -> str:
+        """The name its limits are kept under in the shared store and the ledger."""
+        raise NotImplementedError
+
+    @property
+    def tenant_id(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def application_id(self) -> str:
+        """The application's id; ``""`` for the tenant itself (a metric label)."""
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        """How refusals name it: ``tenant 'acme'``, ``application 'bot' of tenant 'acme'``."""
+        raise NotImplementedError
 
     def at_concurrency_limit(self) -> bool:
         limit = self.config.max_concurrency
         return limit is not None and self.inflight >= limit
+
+    def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
+        self.dirty = True
+        return self.budgets.try_reserve(cost, now)
+
+    def settle(self, reserved: float, actual: float, now: float) -> None:
+        self.dirty = True
+        self.budgets.settle(reserved, actual, now)
+
+    def take_request(self, now: float) -> BudgetRefusal | None:
+        """Count one request against every ``max_requests`` limit, or the refusal."""
+        return self.request_limits.try_reserve(1.0, now)
+
+    def reconfigure(self, config: C, now: float) -> None:
+        """Take a reloaded configuration: buckets whose definition did not change keep
+        their levels (``TenantBudgets.carry_over``), the others start full."""
+        if self.config.budgets != config.budgets:
+            old_budgets = self.budgets
+            self.budgets = TenantBudgets(list(config.budgets), now)
+            self.budgets.carry_over(old_budgets, now)
+            self.dirty = True
+        for attr, specs in (("request_limits", "max_requests"),
+                            ("observed_budgets", "observed_budgets"),
+                            ("observed_requests", "observed_requests")):
+            if getattr(self.config, specs) != getattr(config, specs):
+                old_buckets = getattr(self, attr)
+                buckets = TenantBudgets(list(getattr(config, specs)), now)
+                buckets.carry_over(old_buckets, now)
+                setattr(self, attr, buckets)
+        self.config = config
+
+
+class ApplicationState(LimitState[ApplicationConfig]):
+    """An application inside a tenant: its limits apply inside the tenant's."""
+
+    def __init__(self, config: ApplicationConfig, tenant_id: str, now: float,
+                 saved: dict[str, tuple[float, float]] | None = None) -> None:
+        super().__init__(config, now, saved)
+        self._tenant_id = tenant_id
+        self._owner = config.owner(tenant_id)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def tenant_id(self) -> str:
+        return self._tenant_id
+
+    @property
+    def application_id(self) -> str:
+        return self.config.id
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    @property
+    def label(self) -> str:
+        return f"application {self.config.id!r} of tenant {self._tenant_id!r}"
+
+
+class TenantState(LimitState[TenantConfig]):
+    """A tenant's counters and buckets, and its applications'."""
+
+    def __init__(self, config: TenantConfig, now: float,
+                 saved: dict[str, tuple[float, float]] | None = None,
+                 saved_applications: dict[str, dict[str, tuple[float, float]]] | None = None,
+                 ) -> None:
+        """``saved_applications``: application owner -> its saved budget levels."""
+        super().__init__(config, now, saved)
+        saved_applications = saved_applications or {}
+        self.applications = {
+            a.id: ApplicationState(a, config.id, now, saved_applications.get(a.owner(config.id)))
+            for a in config.applications}
+        self.queued = 0
+        self.service_s: float | None = None  # moving average of time on the engine
+        # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
+        # for each other here instead of taking every tokenizer slot of the engine.
+        self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def owner(self) -> str:
+        return self.config.id
+
+    @property
+    def tenant_id(self) -> str:
+        return self.config.id
+
+    @property
+    def application_id(self) -> str:
+        return ""
+
+    @property
+    def label(self) -> str:
+        return f"tenant {self.config.id!r}"
 
     def record_service(self, seconds: float) -> None:
         """A dispatched request ended after ``seconds`` on the engine (moving average)."""
@@ -71,17 +186,36 @@ class TenantState:
         limit = self.config.max_queued
         return limit is not None and self.queued >= limit
 
-    def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
-        self.dirty = True
-        return self.budgets.try_reserve(cost, now)
+    def reconfigure(self, config: TenantConfig, now: float) -> None:
+        """The tenant's and its applications' new configuration. An application that stays
+        keeps its state (levels, requests in flight); a removed one's requests in flight
+        finish against their own state object."""
+        apps: dict[str, ApplicationState] = {}
+        for app in config.applications:
+            state = self.applications.get(app.id)
+            if state is None:
+                state = ApplicationState(app, config.id, now)
+            elif state.config != app:
+                state.reconfigure(app, now)
+            apps[app.id] = state
+        self.applications = apps
+        super().reconfigure(config, now)
 
-    def settle(self, reserved: float, actual: float, now: float) -> None:
-        self.dirty = True
-        self.budgets.settle(reserved, actual, now)
+    def levels(self, now: float) -> Iterator[tuple[str, dict[str, float]]]:
+        """(owner, budget key -> level now) of the tenant and of each application with
+        budgets: what the ledger's snapshot keeps."""
+        yield self.owner, self.budgets.levels(now)
+        for app in self.applications.values():
+            if app.config.budgets:
+                yield app.owner, app.budgets.levels(now)
 
-    def take_request(self, now: float) -> BudgetRefusal | None:
-        """Count one request against every ``max_requests`` limit, or the refusal."""
-        return self.request_limits.try_reserve(1.0, now)
+    def take_dirty(self) -> bool:
+        """Whether the tenant's or an application's levels changed since the last call."""
+        dirty = self.dirty or any(a.dirty for a in self.applications.values())
+        self.dirty = False
+        for app in self.applications.values():
+            app.dirty = False
+        return dirty
 
 
 @dataclass
@@ -105,7 +239,9 @@ class Tenants:
         self._clock = clock
         now = clock()
         saved_levels = saved_levels or {}
-        self._states = {t.id: TenantState(t, now, saved_levels.get(t.id)) for t in config.tenants}
+        self._states = {t.id: TenantState(t, now, saved_levels.get(t.id),
+                                          _saved_applications(t, saved_levels))
+                        for t in config.tenants}
         self.series = TenantSeries(config.metrics_idle_after_s, clock)
 
     def get(self, tenant_id: str) -> TenantState | None:
@@ -152,20 +288,7 @@ class Tenants:
         """
         now = self._clock()
         for state, tenant in plan.changed:
-            if state.config.budgets != tenant.budgets:
-                old_budgets = state.budgets
-                state.budgets = TenantBudgets(list(tenant.budgets), now)
-                state.budgets.carry_over(old_budgets, now)
-                state.dirty = True
-            for attr, specs in (("request_limits", "max_requests"),
-                                ("observed_budgets", "observed_budgets"),
-                                ("observed_requests", "observed_requests")):
-                if getattr(state.config, specs) != getattr(tenant, specs):
-                    old_buckets = getattr(state, attr)
-                    buckets = TenantBudgets(list(getattr(tenant, specs)), now)
-                    buckets.carry_over(old_buckets, now)
-                    setattr(state, attr, buckets)
-            state.config = tenant
+            state.reconfigure(tenant, now)
             self.series.replace(state)
         for tenant_id in plan.removed:
             self.series.forget(tenant_id)
@@ -190,7 +313,15 @@ class Tenants:
         now = self._clock()
         out: dict[str, dict[str, float]] = {}
         for state in self._states.values():
-            if state.dirty:
-                state.dirty = False
-                out[state.id] = state.budgets.levels(now)
+            if state.take_dirty():
+                out.update(state.levels(now))
         return out
+
+
+def _saved_applications(tenant: TenantConfig, saved: dict[str, dict[str, tuple[float, float]]],
+                        ) -> dict[str, dict[str, tuple[float, float]]] | None:
+    """The saved levels of the tenant's applications (kept under their owner names)."""
+    if not tenant.applications:
+        return None
+    return {owner: saved[owner] for a in tenant.applications
+            if (owner := a.owner(tenant.id)) in saved}

@@ -119,7 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         help="only requests that ended at or after T: an ISO-8601 date or time (naive = UTC), "
         "or a duration ago: 90s, 15m, 2h, 7d",
     )
-    parser.add_argument("--by", choices=("tenant", "model", "lane", "route"), default="tenant")
+    parser.add_argument(
+        "--by",
+        choices=("tenant", "model", "lane", "route", "application"),
+        default="tenant",
+        help="application: one row per (tenant, application), the tenant's own keys "
+        "in a row of their own",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     return parser
 
@@ -132,14 +138,28 @@ def _number(value: float) -> str:
     return "0" if text in ("", "-0") else text
 
 
+def _label_columns(by: str) -> list[str]:
+    """The columns that name a row: ``by``, or tenant and application, since an application
+    id is unique only inside its tenant (and either id may contain ``/``, so joining them
+    into one name could make two pairs look alike)."""
+    return ["tenant", "application"] if by == "application" else [by]
+
+
+def _labels(t: UsageTotal) -> list[str]:
+    """A total's values for :func:`_label_columns`; ``t.tenant`` is set by application only."""
+    return [t.key] if t.tenant is None else [t.tenant, t.key]
+
+
 def _table(totals: list[UsageTotal], by: str) -> str:
-    header = [by, "requests", "rejected", "prompt_tokens", "completion_tokens", "cost",
+    labels = _label_columns(by)
+    header = [*labels, "requests", "rejected", "prompt_tokens", "completion_tokens", "cost",
               "unserved_prompt_tokens"]
     lines: list[list[str]] = []
     for t in totals:
         lines.append(
             [
-                t.key or "(none)",  # rejected before authentication: no tenant
+                # No tenant: rejected before authentication; no application: a tenant key.
+                *(name or "(none)" for name in _labels(t)),
                 str(t.requests),
                 str(t.rejected),
                 str(t.prompt_tokens),
@@ -150,6 +170,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
         )
     total = [
         "total",
+        *[""] * (len(labels) - 1),
         str(sum(t.requests for t in totals)),
         str(sum(t.rejected for t in totals)),
         str(sum(t.prompt_tokens for t in totals)),
@@ -160,7 +181,9 @@ def _table(totals: list[UsageTotal], by: str) -> str:
     widths = [max(len(row[i]) for row in [header, *lines, total]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        n = len(labels)  # names left-aligned, numbers right-aligned
+        cells = [c.ljust(w) for c, w in zip(row[:n], widths[:n])]
+        cells += [c.rjust(w) for c, w in zip(row[n:], widths[n:])]
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
@@ -196,7 +219,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         items: list[dict[str, Any]] = [
             {
-                args.by: t.key,
+                **dict(zip(_label_columns(args.by), _labels(t))),
                 "requests": t.requests,
                 "rejected": t.rejected,
                 "prompt_tokens": t.prompt_tokens,

@@ -38,20 +38,18 @@ class PostgresBackend:
                 conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
                 for statement in schema("TEXT", "BIGINT", "DOUBLE PRECISION"):
                     conn.execute(statement)
-                has_served = conn.execute(
-                    "SELECT 1 FROM information_schema.columns WHERE table_schema = "
-                    "current_schema() AND table_name = 'requests' AND column_name = 'served'"
-                ).fetchone() is not None
-                has_route = conn.execute(
-                    "SELECT 1 FROM information_schema.columns WHERE table_schema = "
-                    "current_schema() AND table_name = 'requests' AND column_name = 'route'"
-                ).fetchone() is not None
+                # One query for every column a migration may add, as SQLite's table_info.
+                columns = {name for (name,) in conn.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                    "current_schema() AND table_name = 'requests'"
+                ).fetchall()}
                 for statement in migrations(
-                    has_served,
+                    "served" in columns,
                     dedupe="DELETE FROM requests a USING requests b "
                            "WHERE a.request_id = b.request_id AND a.ctid > b.ctid",
                     add_served="ALTER TABLE requests ADD COLUMN served BIGINT NOT NULL DEFAULT 1",
-                    has_route=has_route,
+                    has_route="route" in columns,
+                    has_application="application" in columns,
                 ):
                     conn.execute(statement)
         except psycopg.Error as exc:

@@ -16,7 +16,7 @@ from ._schema import RECORD_COLUMNS, record_from_row
 Query = Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]
 """Runs one SELECT with its parameters and returns every row."""
 
-_GROUP_COLUMNS = ("tenant", "model", "lane", "route")
+_GROUP_COLUMNS = ("tenant", "model", "lane", "route", "application")
 
 
 def load_budgets(query: Query) -> list[BudgetState]:
@@ -37,26 +37,36 @@ def rows(query: Query, placeholder: str, since: float | None) -> list[UsageRecor
 
 
 def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[UsageTotal]:
-    """Totals per tenant, model, lane or route (``by``) for rows that ended at or after ``since``,
-    ordered by key."""
+    """Totals per tenant, model, lane, route or application (``by``) for rows that ended at
+    or after ``since``, ordered by key.
+
+    By application the rows are grouped by (tenant, application) and ordered by tenant
+    first: the same application id in two tenants names two applications, and each
+    tenant's own keys (application ``""``) get a total of their own. The tenant comes back
+    in :attr:`UsageTotal.tenant`, the application id in ``key``.
+    """
     if by not in _GROUP_COLUMNS:
         raise ValueError(f"by must be one of {', '.join(_GROUP_COLUMNS)}, got {by!r}")
+    group = "tenant, application" if by == "application" else by
     where, params = _since(placeholder, since)
     # substr rather than LIKE 'rejected:%': a literal % would need escaping for psycopg.
     selected = query(
-        f"SELECT {by}, COUNT(*), SUM(CASE WHEN served = 1 THEN prompt_tokens ELSE 0 END), "
+        f"SELECT {group}, COUNT(*), SUM(CASE WHEN served = 1 THEN prompt_tokens ELSE 0 END), "
         "SUM(completion_tokens), SUM(cost), "
         "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END), "
         "SUM(CASE WHEN served = 1 THEN 0 ELSE prompt_tokens END) "
-        f"FROM requests{where} GROUP BY {by} ORDER BY {by}",
+        f"FROM requests{where} GROUP BY {group} ORDER BY {group}",
         params,
     )
-    # Postgres returns SUM over BIGINT as numeric (Decimal): normalise the types.
-    return [
-        UsageTotal(str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0),
-                   int(unserved or 0))
-        for k, n, p, c, cost, rej, unserved in selected
-    ]
+    totals: list[UsageTotal] = []
+    for row in selected:
+        # The group's key is the last column before the sums (after the tenant, by
+        # application). Postgres returns SUM over BIGINT as numeric (Decimal): normalise.
+        k, n, p, c, cost, rej, unserved = row[-7:]
+        totals.append(UsageTotal(
+            str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0),
+            int(unserved or 0), tenant=str(row[0]) if by == "application" else None))
+    return totals
 
 
 def _since(placeholder: str, since: float | None) -> tuple[str, tuple[Any, ...]]:

@@ -35,6 +35,9 @@ class UsageRecord:
     # its counted prompt size in ``prompt_tokens`` but is not served.
     served: bool = True
     route: str = ""  # the path the client called, e.g. "/v1/responses"
+    # The application whose key the request came with; "" for a tenant-level key, or a
+    # request refused before authentication. Unique only inside its tenant.
+    application: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,17 @@ class BudgetState:
 
 @dataclass(frozen=True)
 class UsageTotal:
-    """Totals for one tenant, model or lane. ``requests`` counts every row, rejected ones
-    included; ``rejected`` counts the rows whose finish reason starts with ``rejected:``.
-    ``prompt_tokens`` are those of served requests only (what the gateway's
-    ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens`` those
-    counted for requests that never ran (refused, cancelled while queued, engine error)."""
+    """Totals for one tenant, model, lane, route or application. ``requests`` counts every
+    row, rejected ones included; ``rejected`` counts the rows whose finish reason starts
+    with ``rejected:``. ``prompt_tokens`` are those of served requests only (what the
+    gateway's ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens``
+    those counted for requests that never ran (refused, cancelled while queued, engine
+    error).
+
+    Grouped by application, ``key`` is the application id (``""``: the tenant's own keys)
+    and ``tenant`` its tenant, in a field of its own: an application id is unique only
+    inside its tenant, and both ids may contain ``/`` or any other printable separator a
+    joined key could use. ``tenant`` is ``None`` for every other grouping."""
 
     key: str
     requests: int
@@ -62,3 +71,4 @@ class UsageTotal:
     cost: float
     rejected: int
     unserved_prompt_tokens: int = 0
+    tenant: str | None = None

@@ -28,6 +28,7 @@ RECORD_COLUMNS = (
     "ended_at",
     "served",
     "route",
+    "application",
 )
 
 
@@ -49,7 +50,8 @@ def schema(text: str, integer: str, real: str) -> list[str]:
             started_at {real} NOT NULL,
             ended_at {real} NOT NULL,
             served {integer} NOT NULL DEFAULT 1,
-            route {text} NOT NULL DEFAULT ''
+            route {text} NOT NULL DEFAULT '',
+            application {text} NOT NULL DEFAULT ''
         )""",
         "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
         "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
@@ -75,9 +77,13 @@ _BACKFILL_SERVED = (
 _ADD_ROUTE = "ALTER TABLE requests ADD COLUMN route TEXT NOT NULL DEFAULT ''"
 """Rows written before the route was kept have ``''`` (they were chat or completions)."""
 
+_ADD_APPLICATION = "ALTER TABLE requests ADD COLUMN application TEXT NOT NULL DEFAULT ''"
+"""Rows written before applications existed have ``''``: they all came with a tenant's own
+key (or were refused before authentication), which is what ``''`` means in new rows too."""
+
 
 def migrations(has_served: bool, dedupe: str, add_served: str,
-               has_route: bool = True) -> list[str]:
+               has_route: bool = True, has_application: bool = True) -> list[str]:
     """Statements that bring a ledger of an older version up to this schema.
 
     ``requests.request_id`` became unique, so that a batch written again after its commit
@@ -87,6 +93,8 @@ def migrations(has_served: bool, dedupe: str, add_served: str,
     out = [] if has_served else [add_served, _BACKFILL_SERVED]
     if not has_route:
         out.append(_ADD_ROUTE)
+    if not has_application:
+        out.append(_ADD_APPLICATION)
     return out + [dedupe, _UNIQUE_ID_INDEX]
 
 
@@ -126,6 +134,7 @@ def record_row(rec: UsageRecord) -> tuple[Any, ...]:
         float(rec.ended_at),
         int(bool(rec.served)),
         rec.route,
+        rec.application,
     )
 
 
@@ -148,4 +157,5 @@ def record_from_row(r: tuple[Any, ...]) -> UsageRecord:
         ended_at=float(r[12]),
         served=bool(r[13]),
         route=r[14],
+        application=r[15],
     )

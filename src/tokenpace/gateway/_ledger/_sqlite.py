@@ -50,6 +50,7 @@ class SqliteBackend:
                        "(SELECT MIN(rowid) FROM requests GROUP BY request_id)",
                 add_served="ALTER TABLE requests ADD COLUMN served INTEGER NOT NULL DEFAULT 1",
                 has_route="route" in columns,
+                has_application="application" in columns,
             ):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")

@@ -222,8 +222,8 @@ class Ledger:
         return queries.rows(self._query, self._backend.placeholder, since)
 
     def usage(self, since: float | None = None, by: str = "tenant") -> list[UsageTotal]:
-        """Totals per tenant, model or lane for rows that ended at or after ``since``,
-        ordered by key."""
+        """Totals per tenant, model, lane, route or application for rows that ended at or
+        after ``since``, ordered by key (see :func:`._queries.usage`)."""
         return queries.usage(self._query, self._backend.placeholder, since, by)
 
     def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
