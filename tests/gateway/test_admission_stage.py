@@ -50,9 +50,12 @@ def runtime(tmp_path: Path) -> Iterator[Any]:
         rt.ledger.close()
 
 
-def run_admit(rt: Runtime, body: dict[str, Any], kind: str = "completion") -> tuple[Exchange, Any]:
+def run_admit(rt: Runtime, body: dict[str, Any], kind: str = "completion",
+              application: str | None = None) -> tuple[Exchange, Any]:
     async def main() -> tuple[Exchange, Any]:
-        ex = Exchange(rt, "tpg-test", kind, rt.tenants.get("t"), rt.clock(), time.time())
+        tenant = rt.tenants.get("t")
+        ex = Exchange(rt, "tpg-test", kind, tenant, rt.clock(), time.time(),
+                      application=None if application is None else tenant.applications[application])
         async with httpx.AsyncClient(base_url=CLOSED) as client:
             try:
                 return ex, await admit(rt, ex, parse_request(kind, body), client)
@@ -257,3 +260,89 @@ def test_an_observed_request_limit_counts_and_an_enforced_one_beside_it_refuses(
     assert isinstance(refused, GatewayError) and refused.reason == "requests"
     assert refused.headers["x-ratelimit-limit-requests"] == "3", "the enforced limit"
     assert _would_reject("requests") == before + 2, "refused by an enforced limit first"
+
+
+# -- applications inside the tenant ---------------------------------------------------------
+
+
+def _apps(**chat: Any) -> list[dict[str, Any]]:
+    return [{"id": "chat", "api_keys": ["k-chat"], **chat}, {"id": "agent", "api_keys": ["k-agent"]}]
+
+
+def test_an_applications_budget_refuses_while_its_sibling_and_the_tenant_go_on(
+        runtime: Any) -> None:
+    rt = runtime(budgets=[{"tokens": 100, "per": "1h"}],
+                 applications=_apps(budgets=[{"tokens": 30, "per": "1h"}]))
+    tenant = rt.tenants.get("t")
+    chat = tenant.applications["chat"]
+    body = {"model": "m", "prompt": ids(10), "max_tokens": 10}  # 20 cost units
+    ex, first = run_admit(rt, body, application="chat")
+    assert isinstance(first, Admission)
+    assert chat.budgets.levels(0.0) == {"30/1h": 10.0} and tenant.budgets.levels(0.0) == {"100/1h": 80.0}
+    _, refused = run_admit(rt, body, application="chat")
+    assert isinstance(refused, GatewayError) and refused.status == 429
+    assert "budget 30/1h of application 'chat' of tenant 't' exhausted" in refused.message
+    assert refused.headers["x-ratelimit-limit-tokens"] == "30"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "10"
+    assert tenant.budgets.levels(0.0) == {"100/1h": 80.0}, "the application refused first"
+    for expected in (60.0, 40.0, 20.0, 0.0):  # the sibling and the tenant's own key go on
+        assert isinstance(run_admit(rt, body, application="agent")[1], Admission)
+        assert tenant.budgets.levels(0.0) == {"100/1h": expected}
+    # The tenant's budget counts every application: now it refuses the sibling too.
+    _, refused = run_admit(rt, body, application="agent")
+    assert isinstance(refused, GatewayError) and refused.status == 429
+    assert "budget 100/1h of tenant 't' exhausted" in refused.message
+    # Settlement gives the application and the tenant back the unused part (20 -> 12).
+    ex.prompt_tokens, ex.completion_tokens = 10, 2
+    asyncio.run(_finish(ex))
+    assert chat.budgets.levels(0.0) == {"30/1h": 18.0}
+    assert tenant.budgets.levels(0.0) == {"100/1h": 8.0}
+
+
+def test_a_tenant_refusal_gives_the_applications_reservation_back(runtime: Any) -> None:
+    rt = runtime(budgets=[{"tokens": 25, "per": "1h"}],
+                 applications=_apps(budgets=[{"tokens": 100, "per": "1h"}]))
+    tenant = rt.tenants.get("t")
+    body = {"model": "m", "prompt": ids(10), "max_tokens": 10}
+    assert isinstance(run_admit(rt, body, application="chat")[1], Admission)
+    ex, refused = run_admit(rt, body, application="chat")
+    assert isinstance(refused, GatewayError) and "of tenant 't'" in refused.message
+    assert "application" not in refused.message
+    assert tenant.applications["chat"].budgets.levels(0.0) == {"100/1h": 80.0}, "given back"
+    assert ex.holds == []
+
+
+def test_an_applications_request_limit_has_the_exact_headers_and_spares_its_sibling(
+        runtime: Any) -> None:
+    rt = runtime(max_requests=[{"requests": 5, "per": "1m"}],
+                 applications=_apps(max_requests=[{"requests": 2, "per": "1m"}]))
+    body = {"model": "m", "prompt": ids(1), "max_tokens": 1}
+    assert all(isinstance(run_admit(rt, body, application="chat")[1], Admission) for _ in range(2))
+    _, refused = run_admit(rt, body, application="chat")
+    assert isinstance(refused, GatewayError) and refused.reason == "requests"
+    assert "request rate limit 2 per 1m of application 'chat' of tenant 't'" in refused.message
+    assert (refused.headers["x-ratelimit-limit-requests"],
+            refused.headers["x-ratelimit-remaining-requests"],
+            refused.headers["x-ratelimit-reset-requests"]) == ("2", "0", "1m0s")
+    assert refused.headers["retry-after-ms"] == "30000"  # one request back after 60 s / 2
+    # The tenant's limit counted the chat requests that reached it (2 of 5), not the refused one.
+    assert all(isinstance(run_admit(rt, body, application="agent")[1], Admission)
+               for _ in range(3))
+    _, refused = run_admit(rt, body, application="agent")
+    assert isinstance(refused, GatewayError) and refused.headers["x-ratelimit-limit-requests"] == "5"
+
+
+def test_an_applications_limits_in_observe_mode_count_under_its_id(runtime: Any) -> None:
+    rt = runtime(applications=_apps(budgets=[{"tokens": 30, "per": "1h", "mode": "observe"}],
+                                    max_requests=[{"requests": 1, "per": "1m",
+                                                   "mode": "observe"}]))
+    before = (_would_reject("budget", application="chat"),
+              _would_reject("requests", application="chat"))
+    body = {"model": "m", "prompt": ids(10), "max_tokens": 10}
+    results = [run_admit(rt, body, application="chat") for _ in range(3)]
+    assert all(isinstance(a, Admission) for _, a in results), "observe mode refuses nothing"
+    assert (_would_reject("budget", application="chat"),
+            _would_reject("requests", application="chat")) == (before[0] + 2, before[1] + 2)
+    assert [_observed(ex) for ex, _ in results] == [20.0, 0.0, 0.0]
+    assert rt.tenants.get("t").applications["chat"].observed_budgets.levels(0.0) == \
+        {"observe:30/1h": 10.0}
