@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from ._aborted import ABORTED_PATH
     from ._control import RATES_PATH
     from ._xargs import (
+        APPLICATION_EXTRA_ARG,
+        APPLICATION_RATE_EXTRA_ARG,
         END_USER_EXTRA_ARG,
         END_USER_RATE_EXTRA_ARG,
         RATE_EXTRA_ARG,
@@ -43,6 +45,8 @@ _WHERE = {
     "register": "_hooks",
     "read_charges": "_events",
     "ANONYMOUS_USER": "_scheduler",
+    "APPLICATION_EXTRA_ARG": "_xargs",
+    "APPLICATION_RATE_EXTRA_ARG": "_xargs",
     "END_USER_EXTRA_ARG": "_xargs",
     "END_USER_RATE_EXTRA_ARG": "_xargs",
     "PacedAsyncScheduler": "_scheduler",

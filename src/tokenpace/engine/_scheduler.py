@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..pacing import (
-    EndUserRates,
+    InnerRates,
     MAY_SAMPLE,
     NO_SAMPLE,
     SAMPLES,
@@ -68,6 +68,8 @@ from ._vllm import (
     internals_problems,
 )
 from ._xargs import (
+    APPLICATION_EXTRA_ARG,
+    APPLICATION_RATE_EXTRA_ARG,
     END_USER_EXTRA_ARG,
     END_USER_RATE_EXTRA_ARG,
     RATE_EXTRA_ARG,
@@ -119,17 +121,27 @@ def request_user(request: Any) -> str:
 
 
 def request_end_user(request: Any) -> str | None:
-    """The end user a request names (``vllm_xargs.output_rate_end_user``), or None.
+    """The end user a request names (``vllm_xargs.output_rate_end_user``), or None."""
+    return _inner_name(request, END_USER_EXTRA_ARG)
+
+
+def request_application(request: Any) -> str | None:
+    """The application a request names (``vllm_xargs.output_rate_application``), or None."""
+    return _inner_name(request, APPLICATION_EXTRA_ARG)
+
+
+def _inner_name(request: Any, field: str) -> str | None:
+    """An inner level's name in the request's ``vllm_xargs`` (``field``), or None.
 
     A malformed one cannot crash the engine: the API layer refuses it with HTTP 400 when
-    tokenpace serves; anything that still gets here is paced under its user alone.
+    tokenpace serves; anything that still gets here is paced without that level.
     """
     extra = _extra_args(request)
-    end_user = None if extra is None else extra.get(END_USER_EXTRA_ARG)
-    if end_user is None:
+    name = None if extra is None else extra.get(field)
+    if name is None:
         return None
     try:
-        return validate_user_id(end_user, END_USER_EXTRA_ARG)
+        return validate_user_id(name, field)
     except LimitsError as exc:
         logger.warning("request %s: %s; paced under its user alone",
                        getattr(request, "request_id", "?"), exc)
@@ -182,7 +194,7 @@ class _PacingMixin:
         self._planner = StepPlanner(
             OutputRateLimiter(config.limits),
             PacingStats(config.metrics_users, first=config.limits.overrides),
-            EndUserRates(config.end_user_rate))
+            InnerRates(config.end_user_rate))
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
@@ -262,7 +274,8 @@ class _PacingMixin:
             assert self._planner is not None
             priority = request.priority if self.policy == SchedulingPolicy.PRIORITY else 0  # type: ignore[attr-defined]
             stream = self._planner.open_stream(request.request_id, request_user(request), priority,
-                                               request_end_user(request))
+                                               request_end_user(request),
+                                               request_application(request))
             setattr(request, STREAM_ATTRIBUTE, stream)
         return stream
 
@@ -293,6 +306,11 @@ class _PacingMixin:
                 self._adopt_end_user_rate(request, extra[END_USER_RATE_EXTRA_ARG])
             else:
                 _report_untrusted_rate(request)
+        if extra is not None and APPLICATION_RATE_EXTRA_ARG in extra:
+            if self._planner is not None and self.pacing_config.trusted_gateway:
+                self._adopt_application_rate(request, extra[APPLICATION_RATE_EXTRA_ARG])
+            else:
+                _report_untrusted_rate(request)
         super().add_request(request)  # type: ignore[misc]
 
     def _adopt_end_user_rate(self, request: Request, value: Any) -> None:
@@ -307,12 +325,36 @@ class _PacingMixin:
         user = self._user_of(request)
         if user == ANONYMOUS_USER:
             return  # a malformed identity's rate must not retune the anonymous users' one
-        limiter = self._planner.end_users
-        rates: EndUserRates = limiter.limits  # type: ignore[assignment]
+        limiter = self._planner.inner
+        rates: InnerRates = limiter.limits  # type: ignore[assignment]
         if rates.of_user(user) != rate:
             # Cost: a copy of the per-user table, per change (a gateway sends the same
             # rate with every request of a tenant; it changes on a reload).
             limiter.set_limits(rates.with_user(user, rate))  # type: ignore[arg-type]
+
+    def _adopt_application_rate(self, request: Request, value: Any) -> None:
+        """Make the rate a trusted gateway sent the rate of the request's application
+        (inside its user), from now on. A bad value, or a request that names no
+        application, is logged and ignored."""
+        assert self._planner is not None
+        try:
+            rate = validate_rate(value, f"vllm_xargs.{APPLICATION_RATE_EXTRA_ARG}")
+        except LimitsError as exc:
+            logger.warning("tokenpace: request %s: %s; ignored", request.request_id, exc)
+            return
+        user, application = self._user_of(request), request_application(request)
+        if user == ANONYMOUS_USER or application is None:
+            if application is None:
+                logger.warning("tokenpace: request %s: vllm_xargs.%s without %s; ignored",
+                               request.request_id, APPLICATION_RATE_EXTRA_ARG,
+                               APPLICATION_EXTRA_ARG)
+            return
+        limiter = self._planner.inner
+        rates: InnerRates = limiter.limits  # type: ignore[assignment]
+        if rates.of_application(user, application) != rate:
+            # Cost: a copy of the application table, per change (sent with every request
+            # of the application; it changes on a gateway reload).
+            limiter.set_limits(rates.with_application(user, application, rate))  # type: ignore[arg-type]
 
     def _adopt_rate(self, request: Request, extra: dict[str, Any]) -> None:
         """Make the request's user's rate the one its trusted gateway sent.
@@ -569,7 +611,7 @@ class _PacingMixin:
     def _cleanup(self) -> None:
         assert self._planner is not None
         self._planner.limiter.cleanup_idle_users()
-        self._planner.end_users.cleanup_idle_users()
+        self._planner.inner.cleanup_idle_users()
         self._planner.forget(self.requests.__contains__)
 
 

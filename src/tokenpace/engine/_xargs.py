@@ -27,3 +27,11 @@ in the engine's configuration, or sent by a trusted gateway)."""
 
 END_USER_RATE_EXTRA_ARG = "output_rate_end_user_tokens_per_second"
 """The end-user rate of the request's user; honoured only with ``trusted_gateway``."""
+
+APPLICATION_EXTRA_ARG = "output_rate_application"
+"""The application a request comes from, inside its user (a gateway's tenant): paced at
+the application's rate inside the user's when a trusted gateway sent one."""
+
+APPLICATION_RATE_EXTRA_ARG = "output_rate_application_tokens_per_second"
+"""The rate of the request's application (every request of that application of that
+user, from now on); honoured only with ``trusted_gateway``."""

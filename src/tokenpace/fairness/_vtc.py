@@ -200,8 +200,12 @@ class FairQueue(Generic[T]):
             state.weight = weight
             if state.lane != lane and not state.waiting:
                 state.lane = lane
-        for application, app_weight in (applications or {}).items():
-            state.application(application).weight = app_weight
+        if applications is not None:
+            for name, app in state.applications.items():
+                if name is not None and name not in applications:
+                    app.weight = 1.0  # no longer declared (its requests may still wait)
+            for application, app_weight in applications.items():
+                state.application(application).weight = app_weight
 
     def declared(self, tenant: str) -> bool:
         return tenant in self._tenants
@@ -236,8 +240,6 @@ class FairQueue(Generic[T]):
                     state.counter = floor
             self._backlogs[state.lane].tenants[tenant] = state
             self._place(tenant, state)
-        elif len(state.backlog) > 1 and app.queue[0] is entry:
-            self._place(tenant, state)  # a new application waits: the tenant's head may move
         state.queued_cost += estimate
         self._where[item] = (tenant, entry)
 
@@ -357,7 +359,8 @@ class FairQueue(Generic[T]):
 
     def application_counter(self, tenant: str, application: str | None) -> float:
         """An application's counter inside its tenant (service / its weight)."""
-        return self._tenants[tenant].application(application).counter
+        app = self._tenants[tenant].applications.get(application)
+        return 0.0 if app is None else app.counter
 
     def queued(self, tenant: str) -> tuple[int, float]:
         """(requests, estimated cost) waiting for ``tenant``."""

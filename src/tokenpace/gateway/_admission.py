@@ -387,7 +387,7 @@ def _cheap_refusals(rt: Runtime, ex: Exchange, req: ParsedRequest) -> None:
             reason="max_input_tokens", code="max_input_tokens_exceeded",
             param=req.prompt_param)
     output = req.max_tokens if req.max_tokens is not None else cfg.max_output_tokens
-    for level in _levels(ex):
+    for level in reversed(_levels(ex)):  # the application's first, as in ``_reserve``
         if level.config.budgets:
             least = ex.cost.of(least_tokens, (output or 0) * req.sequences)
             refusal = level.budgets.would_refuse(least, rt.clock())

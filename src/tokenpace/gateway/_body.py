@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..engine import (
+    APPLICATION_EXTRA_ARG,
+    APPLICATION_RATE_EXTRA_ARG,
     END_USER_EXTRA_ARG,
     END_USER_RATE_EXTRA_ARG,
     RATE_EXTRA_ARG,
@@ -376,7 +378,8 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
                 max_tokens: int, cache_salt: str | None = None,
                 model: str | None = None, rate_version: int | None = None,
                 request_id: str | None = None, end_user: str | None = None,
-                end_user_rate: float | None = None) -> bytes:
+                end_user_rate: float | None = None, application: str | None = None,
+                application_rate: float | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
@@ -387,7 +390,8 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     ``rate_version``: the version of a rate split over engines (``_rate_split``).
     ``request_id``: the gateway's, given to the engine where the body names it (Responses).
     ``end_user`` with ``end_user_rate``: the end user the engine paces at that rate inside
-    the tenant's; a client's own end-user fields are dropped.
+    the tenant's; ``application`` with ``application_rate``: the application likewise;
+    a client's own end-user and application fields are dropped.
     """
     body = dict(req.body)
     if model is not None:
@@ -414,6 +418,12 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     else:
         xargs.pop(END_USER_EXTRA_ARG, None)
         xargs.pop(END_USER_RATE_EXTRA_ARG, None)
+    if application is not None and application_rate is not None:
+        xargs[APPLICATION_EXTRA_ARG] = application
+        xargs[APPLICATION_RATE_EXTRA_ARG] = application_rate
+    else:
+        xargs.pop(APPLICATION_EXTRA_ARG, None)
+        xargs.pop(APPLICATION_RATE_EXTRA_ARG, None)
     body["vllm_xargs"] = xargs
     if req.kind == "messages":
         # vLLM's Messages request has no priority field (one sent would be ignored): the

@@ -99,9 +99,10 @@ class ApplicationConfig:
     id: str
     key_hashes: tuple[bytes, ...]
     weight: float = 1.0
+    # Paced in the engine inside the tenant's output_tokens_per_second (trusted engines).
+    output_tokens_per_second: float | None = None
     max_concurrency: int | None = None
     observed_concurrency: int | None = None
-    max_queued: int | None = None
     budgets: tuple[BudgetSpec, ...] = ()
     observed_budgets: tuple[BudgetSpec, ...] = ()
     max_requests: tuple[RequestLimit, ...] = ()
@@ -688,20 +689,20 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
         models=_allowed_models(m, where, aliases or {}, served),
         applications=applications,
+        max_queued=_int(m, "max_queued", where, None, minimum=0),
         **_limits(m, where),
     )
 
 
 def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The limits a tenant and an application both have, as their configs' fields:
-    concurrency, queue, token budgets and request rates, each enforced or observed."""
+    concurrency, token budgets and request rates, each enforced or observed."""
     budgets = _budgets(m, where)
     max_requests = _request_limits(m, where)
     max_concurrency, observed_concurrency = _concurrency(m, where)
     return {
         "max_concurrency": max_concurrency,
         "observed_concurrency": observed_concurrency,
-        "max_queued": _int(m, "max_queued", where, None, minimum=0),
         "budgets": tuple(b for b in budgets if not b.observe),
         "observed_budgets": tuple(b for b in budgets if b.observe),
         "max_requests": tuple(r for r in max_requests if not r.observe),
@@ -710,14 +711,14 @@ def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, ...]:
-    """``applications: [{id, api_keys, weight, max_concurrency, max_queued, budgets,
-    max_requests}]``: ids unique inside the tenant."""
+    """``applications: [{id, api_keys, weight, output_tokens_per_second, max_concurrency,
+    budgets, max_requests}]``: ids unique inside the tenant."""
     out: list[ApplicationConfig] = []
     for i, item in enumerate(_list(m, "applications", where)):
         aw = f"{where}.applications[{i}]"
         am = _mapping(item, aw)
-        _known(am, aw, ("id", "api_keys", "weight", "max_concurrency", "max_queued",
-                        "budgets", "max_requests"))
+        _known(am, aw, ("id", "api_keys", "weight", "output_tokens_per_second",
+                        "max_concurrency", "budgets", "max_requests"))
         app_id = am.get("id")
         if not isinstance(app_id, str) or not app_id:
             raise ConfigError(f"{aw}.id: required, a non-empty string")
@@ -731,9 +732,10 @@ def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, 
         if not keys:
             raise ConfigError(f"{aw}.api_keys: at least one key is needed (a key names the "
                               "tenant and the application)")
-        out.append(ApplicationConfig(id=app_id, key_hashes=keys,
-                                     weight=_number(am, "weight", aw) or 1.0,
-                                     **_limits(am, aw)))
+        out.append(ApplicationConfig(
+            id=app_id, key_hashes=keys, weight=_number(am, "weight", aw) or 1.0,
+            output_tokens_per_second=_number(am, "output_tokens_per_second", aw),
+            **_limits(am, aw)))
     return tuple(out)
 
 

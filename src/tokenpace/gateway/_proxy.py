@@ -95,7 +95,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
             model=model, rate_version=version, request_id=request_id,
-            end_user=end_user, end_user_rate=end_user_rate)
+            end_user=end_user, end_user_rate=end_user_rate,
+            application=None if application is None else application.id,
+            application_rate=None if application is None
+            else application.config.output_tokens_per_second)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)

@@ -4,7 +4,7 @@ Nothing here imports vLLM or a web stack; the clock is injected so that tests an
 simulations can drive time exactly.
 """
 
-from ._end_users import EndUserRates
+from ._inner import InnerRates, inner_levels
 from ._limiter import BURST_NS, OutputRateLimiter
 from ._planner import (
     MAY_SAMPLE,
@@ -36,7 +36,8 @@ from ._limits import (
 __all__ = [
     "BURST_NS",
     "DEFAULT_MAX_USERS",
-    "EndUserRates",
+    "InnerRates",
+    "inner_levels",
     "OTHER_USER",
     "PacingStats",
     "StatsSnapshot",

@@ -34,7 +34,7 @@ from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ._end_users import EndUserKey, EndUserRates, end_user_limiter
+from ._inner import InnerKey, InnerRates, inner_levels, inner_limiter
 from ._limiter import OutputRateLimiter, _Bucket
 from ._stats import PacingStats, UserStats
 
@@ -76,15 +76,16 @@ class Stream:
     """A request as the planner sees it; opened once, reused every step (no allocation)."""
 
     __slots__ = ("key", "user", "account", "stats", "priority", "samples", "last_served",
-                 "end_user")
+                 "levels")
 
     def __init__(self, key: Hashable, account: _Account, priority: int,
-                 end_user: EndUserKey | None = None) -> None:
+                 levels: tuple[InnerKey, ...] = ()) -> None:
         self.key = key
         self.user = account.user
-        self.end_user = end_user
-        """(user, end user) when the request names an end user: paced at its end-user
-        rate inside the user's (``_end_users``); None: the user's rate alone."""
+        self.levels = levels
+        """The inner levels the request names, outermost first: its application's key
+        and its end user's (``_inner``), each paced at its rate inside the user's; empty:
+        the user's rate alone."""
         self.account = account
         self.stats = account.stats
         self.priority = priority
@@ -114,19 +115,18 @@ class StepPlanner:
     """Pacing state that lives across steps: service counters and stream rotation."""
 
     def __init__(self, limiter: OutputRateLimiter, stats: PacingStats | None = None,
-                 end_user_rates: EndUserRates | None = None) -> None:
+                 inner_rates: InnerRates | None = None) -> None:
         self.limiter = limiter
-        # End users: a second GCRA level inside their user's (``_end_users``), on the same
-        # clock. Used only by streams that name an end user.
-        self.end_users = end_user_limiter(end_user_rates or EndUserRates(),
-                                          lambda: self.limiter.clock_ns())
-        self._end_user_streams = 0  # open streams that name an end user
-        self._end_user_charged: list[Stream] = []  # running streams charged this step
-        self._end_user_admitted: dict[Hashable, EndUserKey] = {}  # waiting ones
-        self._end_user_refused: dict[EndUserKey, int] = {}  # -> when it has quota again
-        # End user -> a waiting request of it refused admission: it gets the end user's next
-        # token before the end user's running streams (as ``_starved`` for users).
-        self._end_user_starved: dict[EndUserKey, Hashable] = {}
+        # Applications and end users: GCRA levels inside their user's (``_inner``), on the
+        # same clock. Used only by streams that name one.
+        self.inner = inner_limiter(inner_rates or InnerRates(), lambda: self.limiter.clock_ns())
+        self._inner_streams = 0  # open streams that name an inner level
+        self._inner_charged: list[Stream] = []  # running streams charged this step
+        self._inner_admitted: dict[Hashable, tuple[InnerKey, ...]] = {}  # waiting ones
+        self._inner_refused: dict[InnerKey, int] = {}  # -> when it has quota again
+        # Inner key -> a waiting request of it refused admission: it gets the level's next
+        # token before the level's running streams (as ``_starved`` for users).
+        self._inner_starved: dict[InnerKey, Hashable] = {}
         self.stats = stats if stats is not None else PacingStats(
             first=limiter.limits.overrides)
         self._step = 0
@@ -144,21 +144,22 @@ class StepPlanner:
     # -- streams --------------------------------------------------------------------
 
     def open_stream(self, key: Hashable, user: str, priority: int = 0,
-                    end_user: str | None = None) -> Stream:
+                    end_user: str | None = None, application: str | None = None) -> Stream:
         """The planner's record of one request, kept until ``forget`` sees it gone.
-        ``end_user``: the end user it names inside ``user``, if any."""
+        ``application`` and ``end_user``: the application and the end user it names
+        inside ``user``, if any."""
         stream = self._streams.get(key)
-        eu_key = None if end_user is None else (user, end_user)
-        if stream is not None and stream.user == user and stream.end_user == eu_key:
+        levels = inner_levels(user, application, end_user)
+        if stream is not None and stream.user == user and stream.levels == levels:
             return stream
-        if stream is not None and stream.end_user is not None:
-            self._end_user_streams -= 1
+        if stream is not None and stream.levels:
+            self._inner_streams -= 1
         account = self._accounts.get(user)
         if account is None:
             account = self._accounts[user] = _Account(user, self.stats.of(user))
-        stream = self._streams[key] = Stream(key, account, priority, eu_key)
-        if eu_key is not None:
-            self._end_user_streams += 1
+        stream = self._streams[key] = Stream(key, account, priority, levels)
+        if levels:
+            self._inner_streams += 1
         return stream
 
     # -- one step -------------------------------------------------------------------
@@ -177,8 +178,8 @@ class StepPlanner:
         self._charged_streams = []
         self._charged.clear()
         self._refused.clear()
-        if self._end_user_refused:
-            self._end_user_refused.clear()
+        if self._inner_refused:
+            self._inner_refused.clear()
 
     def is_paced(self, user: str) -> bool:
         return self.limiter.limits.rate(user) is not None
@@ -201,55 +202,94 @@ class StepPlanner:
         user without quota is refused and gets the user's next token (see ``_starved``).
         """
         if key in self._charged or not self.is_paced(user):
-            return self._end_user_ready(key)
+            return self._inner_ready(key)
         if user not in self._refused:
             ready = self.limiter.ready_at_ns(user)
             if ready <= self.limiter.now_ns():
-                return self._end_user_ready(key)
+                return self._inner_ready(key)
             self._refused[user] = ready
         self._starved.setdefault(user, key)
         return False
 
-    def _end_user_ready(self, key: Hashable) -> bool:
-        """Whether the end user a waiting request names (if any) has quota now."""
-        if not self._end_user_streams or key in self._end_user_admitted:
+    def _inner_ready(self, key: Hashable) -> bool:
+        """Whether every inner level a waiting request names (if any) has quota now."""
+        if not self._inner_streams or key in self._inner_admitted:
             return True
         stream = self._streams.get(key)
-        eu_key = None if stream is None else stream.end_user
-        if eu_key is None:
+        if stream is None:
             return True
-        if eu_key not in self._end_user_refused:
-            ready = self.end_users.ready_at_ns(eu_key)  # type: ignore[arg-type]
-            if ready <= self.limiter.now_ns():
-                return True
-            self._end_user_refused[eu_key] = ready
-        self._end_user_starved.setdefault(eu_key, key)
-        return False
+        refused = self._inner_refused
+        for level in stream.levels:
+            if level not in refused:
+                ready = self.inner.ready_at_ns(level)  # type: ignore[arg-type]
+                if ready <= self.limiter.now_ns():
+                    continue
+                refused[level] = ready
+            self._inner_starved.setdefault(level, key)
+            return False
+        return True
+
+    def _take_inner(self, levels: tuple[InnerKey, ...]) -> bool:
+        """One token of every inner level, all or none (a refused level gives back those
+        taken before it: exact, as any refund). One GCRA update per level."""
+        inner, refused = self.inner, self._inner_refused
+        for i, level in enumerate(levels):
+            if level in refused or not inner.try_take(level):  # type: ignore[arg-type]
+                if level not in refused:
+                    refused[level] = inner.ready_at_ns(level)  # type: ignore[arg-type]
+                for taken in levels[:i]:
+                    inner.refund(taken)  # type: ignore[arg-type]
+                return False
+        return True
+
+    def _refund_inner(self, levels: tuple[InnerKey, ...]) -> None:
+        for level in levels:
+            self.inner.refund(level)  # type: ignore[arg-type]
 
     def charge_admission(self, key: Hashable, user: str) -> bool:
         """Charge a waiting request whose admission step samples; False if no quota (its
-        user's, or its end user's: then a charge of its user is returned at ``settle``)."""
+        user's, or an inner level's: then a charge of its user is returned at ``settle``)."""
         if not (key in self._charged or not self.is_paced(user) or self._charge(key, user)):
             return False
-        if not self._end_user_streams or key in self._end_user_admitted:
-            return True  # (a starved request's end-user token was taken before the step)
+        if not self._inner_streams or key in self._inner_admitted:
+            return True  # (a starved request's inner tokens were taken before the step)
         stream = self._streams.get(key)
-        eu_key = None if stream is None else stream.end_user
-        if eu_key is None:
+        if stream is None or not stream.levels:
             return True
-        if eu_key in self._end_user_refused or not self.end_users.try_take(eu_key):  # type: ignore[arg-type]
-            self._end_user_refused.setdefault(
-                eu_key, self.end_users.ready_at_ns(eu_key))  # type: ignore[arg-type]
+        if not self._take_inner(stream.levels):
             return False
-        self._end_user_admitted[key] = eu_key
+        self._inner_admitted[key] = stream.levels
         return True
 
     def _charge_starved(self, waiting: Callable[[Hashable], bool], can_admit: bool) -> None:
         for user, key in list(self._starved.items()):
             if not waiting(key) or not self.is_paced(user):
                 del self._starved[user]
-            elif can_admit:
-                self._charge(key, user)
+            elif can_admit and key not in self._charged:
+                self._charge_waiting(key)
+
+    def _charge_waiting(self, key: Hashable) -> None:
+        """Every token a starved waiting request's admission needs (its user's and its
+        inner levels'), taken before the running streams ask, all or none: a waiting
+        request holding one level's token while running streams take another level's
+        would hold it every step and never start, and its level's own running streams
+        would lose that token every step too."""
+        stream = self._streams.get(key)
+        if stream is None:
+            return
+        user = stream.user
+        took_user = False
+        if self.is_paced(user):
+            if not self._charge(key, user):
+                return
+            took_user = True
+        if not stream.levels or key in self._inner_admitted:
+            return
+        if self._take_inner(stream.levels):
+            self._inner_admitted[key] = stream.levels
+        elif took_user:
+            del self._charged[key]
+            self.limiter.refund(user)
 
     def plan_running(
         self,
@@ -268,16 +308,16 @@ class StepPlanner:
         if self._starved:
             self._charge_starved(waiting, can_admit)
         gated: list[Hashable] = []
-        if self._end_user_streams:
-            if self._end_user_starved:
-                self._charge_end_user_starved(waiting, can_admit)
-            streams, gated = self._charge_end_users(streams)
+        if self._inner_streams:
+            if self._inner_starved:
+                self._charge_inner_starved(waiting, can_admit)
+            streams, gated = self._charge_inner(streams)
         if len(streams) <= slots:
             plan = self._plan_uncontended(streams)
         else:
             plan = self._plan_contended(streams, slots)
-        if self._end_user_charged and (plan.throttled or plan.deferred):
-            self._return_end_user_charges(plan)
+        if self._inner_charged and (plan.throttled or plan.deferred):
+            self._return_inner_charges(plan)
         if gated:
             plan.throttled.extend(gated)
         if plan.throttled:  # counted here, the one place every path's throttling passes
@@ -288,53 +328,47 @@ class StepPlanner:
                     stream.stats.throttled_steps += 1
         return plan
 
-    def _charge_end_users(self, streams: Sequence[Stream]) -> tuple[Sequence[Stream], list[Hashable]]:
-        """Charge each sampling stream that names an end user one token of its end user,
-        least recently served first; the streams whose end user is out of quota are left
-        out of the step (returned as throttled) before the user level decides anything,
-        so they take no token of their user and no active slot. Cost: only when some open
-        stream names an end user; a sort and one GCRA update per such stream."""
-        limiter = self.end_users
-        refused = self._end_user_refused
-        charged = self._end_user_charged
-        candidates = sorted((s for s in streams if s.end_user is not None and s.samples),
-                            key=_turn)
+    def _charge_inner(self, streams: Sequence[Stream]) -> tuple[Sequence[Stream], list[Hashable]]:
+        """Charge each sampling stream that names inner levels one token of each (its
+        application's, its end user's), least recently served first; the streams one of
+        whose levels is out of quota are left out of the step (returned as throttled)
+        before the user level decides anything, so they take no token of their user and no
+        active slot. Cost: only when some open stream names an inner level; a sort and one
+        GCRA update per level of each such stream."""
+        charged = self._inner_charged
+        candidates = sorted((s for s in streams if s.levels and s.samples), key=_turn)
         gated: list[Hashable] = []
         for s in candidates:
-            key = s.end_user
-            if key in refused or not limiter.try_take(key):  # type: ignore[arg-type]
-                if key not in refused:
-                    refused[key] = limiter.ready_at_ns(key)  # type: ignore[arg-type,index]
-                gated.append(s.key)
-            else:
+            if self._take_inner(s.levels):
                 charged.append(s)
+            else:
+                gated.append(s.key)
         if not gated:
             return streams, gated
         out = set(gated)
         return [s for s in streams if s.key not in out], gated
 
-    def _charge_end_user_starved(self, waiting: Callable[[Hashable], bool],
-                                 can_admit: bool) -> None:
-        """Give each starved waiting request its end user's next token (taken before the
-        end user's running streams ask), for its admission this step."""
-        for eu_key, key in list(self._end_user_starved.items()):
-            if not waiting(key):
-                del self._end_user_starved[eu_key]
-            elif can_admit and key not in self._end_user_admitted \
-                    and self.end_users.try_take(eu_key):  # type: ignore[arg-type]
-                self._end_user_admitted[key] = eu_key
+    def _charge_inner_starved(self, waiting: Callable[[Hashable], bool],
+                              can_admit: bool) -> None:
+        """Give each starved waiting request the next token of its inner levels (taken
+        before those levels' running streams ask), for its admission this step."""
+        for level, key in list(self._inner_starved.items()):
+            if key not in self._streams or not waiting(key):
+                del self._inner_starved[level]
+            elif can_admit and key not in self._inner_admitted and key not in self._charged:
+                self._charge_waiting(key)
 
-    def _return_end_user_charges(self, plan: RunningPlan) -> None:
-        """The end-user tokens of streams that the user level throttled or deferred."""
+    def _return_inner_charges(self, plan: RunningPlan) -> None:
+        """The inner tokens of streams that the user level throttled or deferred."""
         out = set(plan.throttled)
         out.update(plan.deferred)
         kept = []
-        for s in self._end_user_charged:
+        for s in self._inner_charged:
             if s.key in out:
-                self.end_users.refund(s.end_user)  # type: ignore[arg-type]
+                self._refund_inner(s.levels)
             else:
                 kept.append(s)
-        self._end_user_charged = kept
+        self._inner_charged = kept
 
     def _tally(self, streams: Sequence[Stream]) -> list[_Account]:
         """Count each present user's sampling streams; lift newcomers.
@@ -589,8 +623,8 @@ class StepPlanner:
         if report:
             result = [Settlement(s.key, s.user, s.key not in refunded) for s in self._charged_streams]
         self._charged_streams = []
-        if self._end_user_charged or self._end_user_admitted:
-            self._settle_end_users(scheduled, still_prefilling, all_dispatched)
+        if self._inner_charged or self._inner_admitted:
+            self._settle_inner(scheduled, still_prefilling, all_dispatched)
         for key, user in self._charged.items():
             if self._starved.get(user) == key:
                 del self._starved[user]  # had its turn; if not admitted, it asks again
@@ -609,27 +643,28 @@ class StepPlanner:
         self._charged.clear()
         return result
 
-    def _settle_end_users(self, scheduled: Container[Hashable],
-                          still_prefilling: Callable[[Hashable], bool],
-                          all_dispatched: bool) -> None:
-        """``settle`` for end-user charges: the token of each one not dispatched goes back."""
-        refund = self.end_users.refund
+    def _settle_inner(self, scheduled: Container[Hashable],
+                      still_prefilling: Callable[[Hashable], bool],
+                      all_dispatched: bool) -> None:
+        """``settle`` for inner charges: the tokens of each one not dispatched go back."""
         if not all_dispatched:
-            for s in self._end_user_charged:
+            for s in self._inner_charged:
                 if not (s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key))):
-                    refund(s.end_user)  # type: ignore[arg-type]
-        self._end_user_charged = []
-        for key, eu_key in self._end_user_admitted.items():
-            if self._end_user_starved.get(eu_key) == key:
-                del self._end_user_starved[eu_key]  # had its turn; if not admitted, asks again
+                    self._refund_inner(s.levels)
+        self._inner_charged = []
+        starved = self._inner_starved
+        for key, levels in self._inner_admitted.items():
+            for level in levels:
+                if starved.get(level) == key:
+                    del starved[level]  # had its turn; if not admitted, asks again
             if not (key in scheduled and not still_prefilling(key)):
-                refund(eu_key)  # type: ignore[arg-type]
-        self._end_user_admitted.clear()
+                self._refund_inner(levels)
+        self._inner_admitted.clear()
 
     @property
     def refused_any(self) -> bool:
-        """Whether some user or end user was refused a token in the last step."""
-        return bool(self._refused) or bool(self._end_user_refused)
+        """Whether some user or inner level was refused a token in the last step."""
+        return bool(self._refused) or bool(self._inner_refused)
 
     def idle_wait_seconds(self, quota_needs: Iterable[Stream | str | None]) -> float:
         """How long nothing can run: 0 if some request can, else up to ``MAX_IDLE_WAIT_S``.
@@ -644,14 +679,14 @@ class StepPlanner:
         for need in quota_needs:
             if need is None:
                 return 0.0
-            if isinstance(need, Stream):  # a request's user and, if it names one, end user
-                who: object = need.end_user or need.user
+            if isinstance(need, Stream):  # a request's user and the inner levels it names
+                who: object = need.levels or need.user
                 if who in seen:
                     continue
                 seen.add(who)
                 ready = limiter.ready_at_ns(need.user)
-                if need.end_user is not None:
-                    ready = max(ready, self.end_users.ready_at_ns(need.end_user))  # type: ignore[arg-type]
+                for level in need.levels:
+                    ready = max(ready, self.inner.ready_at_ns(level))  # type: ignore[arg-type]
             else:
                 if need in seen:
                     continue
@@ -672,10 +707,10 @@ class StepPlanner:
         self._streams = {k: s for k, s in self._streams.items() if alive(k)}
         users = {s.user for s in self._streams.values()}
         self._accounts = {u: a for u, a in self._accounts.items() if u in users}
-        self._end_user_streams = sum(1 for s in self._streams.values() if s.end_user is not None)
-        if self._end_user_starved:
-            self._end_user_starved = {e: k for e, k in self._end_user_starved.items()
-                                      if k in self._streams}
+        self._inner_streams = sum(1 for s in self._streams.values() if s.levels)
+        if self._inner_starved:
+            self._inner_starved = {e: k for e, k in self._inner_starved.items()
+                                   if k in self._streams}
 
 
 def _stream_counts(streams: Sequence[Stream]) -> dict[str, int]:
