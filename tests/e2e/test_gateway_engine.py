@@ -36,6 +36,8 @@ pytestmark = pytest.mark.vllm
 
 KEY_SLOW, KEY_FAST, KEY_BUDGET = "sk-slow", "sk-fast", "sk-budget"
 KEY_READERS = "sk-readers"
+KEY_APPS_BOT = "sk-apps-bot"
+KEY_APPS_CHAT = "sk-apps-chat"
 BUDGET = 10000  # per day: refills 0.12 per second
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 
@@ -85,6 +87,10 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             # End users (the OpenAI "user" field) paced at 6 tok/s each inside 20.
             {"id": "readers", "api_keys": [KEY_READERS], "output_tokens_per_second": 20,
              "end_user_output_tokens_per_second": 6},
+            # Applications: bot paced at 5 tok/s inside the tenant's 20, chat unpaced.
+            {"id": "apps", "output_tokens_per_second": 20, "applications": [
+                {"id": "bot", "api_keys": [KEY_APPS_BOT], "output_tokens_per_second": 5},
+                {"id": "chat", "api_keys": [KEY_APPS_CHAT]}]},
         ],
     }
     gw = GatewayProcess(home, config).start()
@@ -431,3 +437,51 @@ def test_end_users_are_paced_in_the_engine_inside_their_tenant(gateway: GatewayP
         for bound, upper in ((0.9 * 6, False), (1.1 * 6, True)):
             expect("gateway_engine", f"end user {name} at 6 tok/s", rate.paced_rate, bound,
                    upper=upper, logs=logs, **rate.as_series())
+
+
+def test_an_application_is_paced_in_the_engine_inside_its_tenant(gateway: GatewayProcess,
+                                                                 engine: Server) -> None:
+    """Issue 29, part 1: application bot at 5 tok/s (its output_tokens_per_second) inside
+    its tenant's 20, two streams of 15 tokens sharing it; its sibling chat, with no rate
+    of its own, one stream of 40 beside them. Measured at the engine (event log, net of
+    the engine's absences, 10% margin as above): bot at 5, the tenant as a whole never
+    over 20 (GCRA's bound, whatever the load), and chat not held to bot's rate (at least
+    half of the 15 bot leaves it). Without application pacing bot's two streams would
+    take two thirds of the 20."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+
+    def stream(job: tuple[str, int]) -> int:
+        key, tokens = job
+        usage = None
+        for chunk in api(gateway, key).completions.create(
+                model="tiny", prompt="Hello", max_tokens=tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    jobs = [(KEY_APPS_BOT, 15), (KEY_APPS_BOT, 15), (KEY_APPS_CHAT, 40)]
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(stream, jobs)) == [15, 15, 40]
+    found = wait_for_engine_requests(events, {"apps"}, since, 70)
+    assert sorted(len(r.times) for r in found) == [15, 15, 40], events
+    everyone = all_dispatches(events, since)
+    bot = sorted(t for r in found if len(r.times) == 15 for t in r.times)
+    chat = next(sorted(r.times) for r in found if len(r.times) == 40)
+    logs = [engine.log_path, events]
+    rate = paced_rate(bot, 5, everyone)
+    for bound, upper in ((0.9 * 5, False), (1.1 * 5, True)):
+        expect("gateway_engine", "application bot at 5 tok/s", rate.paced_rate, bound,
+               upper=upper, logs=logs, **rate.as_series())
+    tenant = sorted(bot + chat)
+    for window in (1.0, 2.0):
+        most = max(sum(1 for u in tenant if t <= u < t + window) for t in tenant)
+        expect("gateway_engine", f"tenant apps in {window:g} s", most, (window + 0.1) * 20 + 1,
+               upper=True, logs=logs)
+    chat_rate = (len(chat) - 1) / (chat[-1] - chat[0])
+    expect("gateway_engine", "application chat beside bot", chat_rate, 0.5 * 15, upper=False,
+           logs=logs)
