@@ -221,3 +221,22 @@ def test_the_end_user_is_the_openai_user_field_or_the_messages_metadata() -> Non
         with pytest.raises(GatewayError) as info:
             end_user_of(req)
         assert (info.value.status, info.value.param) == (400, "user")
+
+
+def test_an_applications_rate_goes_to_the_engine_and_a_clients_own_is_dropped() -> None:
+    from tokenpace.gateway._body import engine_body, parse_request
+
+    req = parse_request("completion", {
+        "model": "m", "prompt": "x", "max_tokens": 2,
+        "vllm_xargs": {"output_rate_application": "other",
+                       "output_rate_application_tokens_per_second": 1e9}})
+    sent = json.loads(engine_body(req, user="t", rate=20.0, priority=0, max_tokens=2,
+                                  application="bot", application_rate=5.0))["vllm_xargs"]
+    assert (sent["output_rate_user"], sent["output_rate_application"],
+            sent["output_rate_application_tokens_per_second"]) == ("t", "bot", 5.0)
+    # An application without a rate (or a tenant's own key): nothing of the client's goes.
+    for application in ("bot", None):
+        plain = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
+                                       application=application))["vllm_xargs"]
+        assert "output_rate_application" not in plain
+        assert "output_rate_application_tokens_per_second" not in plain
