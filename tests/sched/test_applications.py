@@ -178,3 +178,20 @@ def test_an_application_is_paced_where_its_user_is_not(tiny_model: Path,
         add(sim, f"r{i}", "t", "bot", 6, max_tokens=1000)
     sim.run(5)
     assert_within(times_of(sim, {"r0", "r1"}), 6, 5, at_least=True)
+
+
+def test_an_application_with_its_own_end_user_rate_has_its_own_end_users(
+        tiny_model: Path, is_async: bool) -> None:
+    """User t's end users at 6 (its end-user rate); application kiosk's own end users at 2:
+    alice through kiosk is paced at 2, alice through t's other application at 6, and the
+    two are separate quotas (kiosk's alice is kiosk's own)."""
+    sim = make_sim(tiny_model, is_async=is_async,
+                   pacing=trusted(100, end_user_output_tokens_per_second=6))
+    sim.add("kiosk0", "t", max_tokens=1000, xargs={
+        "output_rate_application": "kiosk", "output_rate_end_user": "alice",
+        "output_rate_application_end_user_tokens_per_second": 2})
+    sim.add("chat0", "t", max_tokens=1000, xargs={
+        "output_rate_application": "chat", "output_rate_end_user": "alice"})
+    sim.run(8)
+    assert_within(times_of(sim, {"kiosk0"}), 2, 8, at_least=True)
+    assert_within(times_of(sim, {"chat0"}), 6, 8, at_least=True)

@@ -240,3 +240,30 @@ def test_an_applications_rate_goes_to_the_engine_and_a_clients_own_is_dropped() 
                                        application=application))["vllm_xargs"]
         assert "output_rate_application" not in plain
         assert "output_rate_application_tokens_per_second" not in plain
+
+
+def test_an_applications_own_end_user_rate_goes_with_the_end_user() -> None:
+    """An application with its own end-user rate: the end user is named, the rate goes in
+    the application's field (its end users are its own), the tenant's end-user rate not."""
+    from tokenpace.gateway._body import engine_body, parse_request
+
+    req = parse_request("completion", {"model": "m", "prompt": "x", "max_tokens": 2,
+                                       "user": "alice"})
+    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
+                                  end_user="alice", end_user_rate=6.0, application="bot",
+                                  application_end_user_rate=3.0))["vllm_xargs"]
+    assert sent["output_rate_end_user"] == "alice"
+    assert sent["output_rate_application"] == "bot"
+    assert sent["output_rate_application_end_user_tokens_per_second"] == 3.0
+    assert "output_rate_end_user_tokens_per_second" not in sent
+    assert "output_rate_application_tokens_per_second" not in sent  # bot has no rate itself
+    # The tenant's end-user rate for a request of its own key: as before.
+    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
+                                  end_user="alice", end_user_rate=6.0))["vllm_xargs"]
+    assert (sent["output_rate_end_user"], sent["output_rate_end_user_tokens_per_second"]) \
+        == ("alice", 6.0)
+    assert "output_rate_application_end_user_tokens_per_second" not in sent
+    # No end user in the request: nothing about end users goes.
+    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
+                                  application="bot", application_end_user_rate=3.0))["vllm_xargs"]
+    assert not any("end_user" in key for key in sent)

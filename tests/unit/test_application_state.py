@@ -70,3 +70,15 @@ def test_a_key_names_its_tenant_and_application() -> None:
     assert config.tenant_for_key("k-chat") is config.tenants[0]
     # The prefix-cache salt is keyed with every key of the tenant, its applications' too.
     assert config.tenants[0].cache_salt != _config().tenants[0].cache_salt
+
+
+def test_an_applications_rates_are_read_and_checked() -> None:
+    import pytest
+
+    from tokenpace.gateway import ConfigError
+
+    app = _config({**CHAT, "output_tokens_per_second": 30,
+                   "end_user_output_tokens_per_second": 4}).tenants[0].applications[0]
+    assert (app.output_tokens_per_second, app.end_user_output_tokens_per_second) == (30.0, 4.0)
+    with pytest.raises(ConfigError, match=r"applications\[0\]\.end_user_output_tokens_per_second"):
+        _config({**CHAT, "end_user_output_tokens_per_second": -1})

@@ -52,6 +52,8 @@ def _rate(value: Any) -> dict:
          "vllm_xargs.output_rate_application_tokens_per_second"),
         ({"vllm_xargs": {"output_rate_application_tokens_per_second": float("nan")}},
          "vllm_xargs.output_rate_application_tokens_per_second"),
+        ({"vllm_xargs": {"output_rate_application_end_user_tokens_per_second": True}},
+         "vllm_xargs.output_rate_application_end_user_tokens_per_second"),
     ],
 )
 def test_refused_bodies_name_the_field(body: dict, param: str) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ._aborted import ABORTED_PATH
     from ._control import RATES_PATH
     from ._xargs import (
+        APPLICATION_END_USER_RATE_EXTRA_ARG,
         APPLICATION_EXTRA_ARG,
         APPLICATION_RATE_EXTRA_ARG,
         END_USER_EXTRA_ARG,
@@ -45,6 +46,7 @@ _WHERE = {
     "register": "_hooks",
     "read_charges": "_events",
     "ANONYMOUS_USER": "_scheduler",
+    "APPLICATION_END_USER_RATE_EXTRA_ARG": "_xargs",
     "APPLICATION_EXTRA_ARG": "_xargs",
     "APPLICATION_RATE_EXTRA_ARG": "_xargs",
     "END_USER_EXTRA_ARG": "_xargs",

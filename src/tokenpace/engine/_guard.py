@@ -38,6 +38,7 @@ from ._aborted import ABORTED_PATH, handle_aborted
 from ._control import RATES_PATH, handle_rates
 from ._metrics import METRICS_PATHS, handle_metrics
 from ._xargs import (
+    APPLICATION_END_USER_RATE_EXTRA_ARG,
     APPLICATION_EXTRA_ARG,
     APPLICATION_RATE_EXTRA_ARG,
     END_USER_EXTRA_ARG,
@@ -60,6 +61,7 @@ _XARG_CHECKS: tuple[tuple[str, Callable[[Any, str], object]], ...] = (
     (END_USER_RATE_EXTRA_ARG, validate_rate),
     (APPLICATION_EXTRA_ARG, validate_user_id),
     (APPLICATION_RATE_EXTRA_ARG, validate_rate),
+    (APPLICATION_END_USER_RATE_EXTRA_ARG, validate_rate),
 )
 
 

@@ -68,6 +68,7 @@ from ._vllm import (
     internals_problems,
 )
 from ._xargs import (
+    APPLICATION_END_USER_RATE_EXTRA_ARG,
     APPLICATION_EXTRA_ARG,
     APPLICATION_RATE_EXTRA_ARG,
     END_USER_EXTRA_ARG,
@@ -273,9 +274,11 @@ class _PacingMixin:
         if stream is None:
             assert self._planner is not None
             priority = request.priority if self.policy == SchedulingPolicy.PRIORITY else 0  # type: ignore[attr-defined]
-            stream = self._planner.open_stream(request.request_id, request_user(request), priority,
-                                               request_end_user(request),
-                                               request_application(request))
+            extra = _extra_args(request)
+            stream = self._planner.open_stream(
+                request.request_id, request_user(request), priority, request_end_user(request),
+                request_application(request),
+                own_end_users=extra is not None and APPLICATION_END_USER_RATE_EXTRA_ARG in extra)
             setattr(request, STREAM_ATTRIBUTE, stream)
         return stream
 
@@ -306,11 +309,13 @@ class _PacingMixin:
                 self._adopt_end_user_rate(request, extra[END_USER_RATE_EXTRA_ARG])
             else:
                 _report_untrusted_rate(request)
-        if extra is not None and APPLICATION_RATE_EXTRA_ARG in extra:
-            if self._planner is not None and self.pacing_config.trusted_gateway:
-                self._adopt_application_rate(request, extra[APPLICATION_RATE_EXTRA_ARG])
-            else:
-                _report_untrusted_rate(request)
+        for field, own_end_users in ((APPLICATION_RATE_EXTRA_ARG, False),
+                                     (APPLICATION_END_USER_RATE_EXTRA_ARG, True)):
+            if extra is not None and field in extra:
+                if self._planner is not None and self.pacing_config.trusted_gateway:
+                    self._adopt_application_rate(request, extra[field], own_end_users)
+                else:
+                    _report_untrusted_rate(request)
         super().add_request(request)  # type: ignore[misc]
 
     def _adopt_end_user_rate(self, request: Request, value: Any) -> None:
@@ -332,13 +337,16 @@ class _PacingMixin:
             # rate with every request of a tenant; it changes on a reload).
             limiter.set_limits(rates.with_user(user, rate))  # type: ignore[arg-type]
 
-    def _adopt_application_rate(self, request: Request, value: Any) -> None:
+    def _adopt_application_rate(self, request: Request, value: Any,
+                                own_end_users: bool = False) -> None:
         """Make the rate a trusted gateway sent the rate of the request's application
-        (inside its user), from now on. A bad value, or a request that names no
-        application, is logged and ignored."""
+        (inside its user), or with ``own_end_users`` the rate of that application's own
+        end users, from now on. A bad value, or a request that names no application, is
+        logged and ignored."""
         assert self._planner is not None
+        field = APPLICATION_END_USER_RATE_EXTRA_ARG if own_end_users else APPLICATION_RATE_EXTRA_ARG
         try:
-            rate = validate_rate(value, f"vllm_xargs.{APPLICATION_RATE_EXTRA_ARG}")
+            rate = validate_rate(value, f"vllm_xargs.{field}")
         except LimitsError as exc:
             logger.warning("tokenpace: request %s: %s; ignored", request.request_id, exc)
             return
@@ -346,14 +354,17 @@ class _PacingMixin:
         if user == ANONYMOUS_USER or application is None:
             if application is None:
                 logger.warning("tokenpace: request %s: vllm_xargs.%s without %s; ignored",
-                               request.request_id, APPLICATION_RATE_EXTRA_ARG,
-                               APPLICATION_EXTRA_ARG)
+                               request.request_id, field, APPLICATION_EXTRA_ARG)
             return
         limiter = self._planner.inner
         rates: InnerRates = limiter.limits  # type: ignore[assignment]
-        if rates.of_application(user, application) != rate:
-            # Cost: a copy of the application table, per change (sent with every request
-            # of the application; it changes on a gateway reload).
+        # Cost: a copy of a table, per change (sent with every request of the
+        # application; it changes on a gateway reload).
+        if own_end_users:
+            if rates.of_application_end_users(user, application) != rate:
+                limiter.set_limits(  # type: ignore[arg-type]
+                    rates.with_application_end_users(user, application, rate))
+        elif rates.of_application(user, application) != rate:
             limiter.set_limits(rates.with_application(user, application, rate))  # type: ignore[arg-type]
 
     def _adopt_rate(self, request: Request, extra: dict[str, Any]) -> None:

@@ -35,3 +35,8 @@ the application's rate inside the user's when a trusted gateway sent one."""
 APPLICATION_RATE_EXTRA_ARG = "output_rate_application_tokens_per_second"
 """The rate of the request's application (every request of that application of that
 user, from now on); honoured only with ``trusted_gateway``."""
+
+APPLICATION_END_USER_RATE_EXTRA_ARG = "output_rate_application_end_user_tokens_per_second"
+"""The rate of the end users of the request's application, when it has one of its own: its
+end users are then its own (not shared with the user's other applications) and paced at
+this rate; honoured only with ``trusted_gateway``."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..engine import (
+    APPLICATION_END_USER_RATE_EXTRA_ARG,
     APPLICATION_EXTRA_ARG,
     APPLICATION_RATE_EXTRA_ARG,
     END_USER_EXTRA_ARG,
@@ -379,7 +380,8 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
                 model: str | None = None, rate_version: int | None = None,
                 request_id: str | None = None, end_user: str | None = None,
                 end_user_rate: float | None = None, application: str | None = None,
-                application_rate: float | None = None) -> bytes:
+                application_rate: float | None = None,
+                application_end_user_rate: float | None = None) -> bytes:
     """The body sent upstream: the client's, with identity, priority and limits overwritten.
 
     Whatever a client put in ``vllm_xargs.output_rate_user``, ``priority`` or the rate
@@ -391,7 +393,9 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     ``request_id``: the gateway's, given to the engine where the body names it (Responses).
     ``end_user`` with ``end_user_rate``: the end user the engine paces at that rate inside
     the tenant's; ``application`` with ``application_rate``: the application likewise;
-    a client's own end-user and application fields are dropped.
+    ``application_end_user_rate``: the rate of the application's own end users (then its
+    end users are its own, at that rate). A client's own end-user and application fields
+    are dropped.
     """
     body = dict(req.body)
     if model is not None:
@@ -412,18 +416,28 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
         xargs[RATE_VERSION_EXTRA_ARG] = rate_version
     else:
         xargs.pop(RATE_VERSION_EXTRA_ARG, None)
-    if end_user is not None and end_user_rate is not None:
+    own_end_users = application is not None and application_end_user_rate is not None
+    if end_user is not None and (end_user_rate is not None or own_end_users):
         xargs[END_USER_EXTRA_ARG] = end_user
-        xargs[END_USER_RATE_EXTRA_ARG] = end_user_rate
     else:
         xargs.pop(END_USER_EXTRA_ARG, None)
+        end_user = None
+    if end_user is not None and end_user_rate is not None and not own_end_users:
+        xargs[END_USER_RATE_EXTRA_ARG] = end_user_rate
+    else:
         xargs.pop(END_USER_RATE_EXTRA_ARG, None)
-    if application is not None and application_rate is not None:
+    if application is not None and (application_rate is not None or own_end_users):
         xargs[APPLICATION_EXTRA_ARG] = application
-        xargs[APPLICATION_RATE_EXTRA_ARG] = application_rate
     else:
         xargs.pop(APPLICATION_EXTRA_ARG, None)
+    if application is not None and application_rate is not None:
+        xargs[APPLICATION_RATE_EXTRA_ARG] = application_rate
+    else:
         xargs.pop(APPLICATION_RATE_EXTRA_ARG, None)
+    if own_end_users and end_user is not None:
+        xargs[APPLICATION_END_USER_RATE_EXTRA_ARG] = application_end_user_rate
+    else:
+        xargs.pop(APPLICATION_END_USER_RATE_EXTRA_ARG, None)
     body["vllm_xargs"] = xargs
     if req.kind == "messages":
         # vLLM's Messages request has no priority field (one sent would be ignored): the

@@ -101,6 +101,8 @@ class ApplicationConfig:
     weight: float = 1.0
     # Paced in the engine inside the tenant's output_tokens_per_second (trusted engines).
     output_tokens_per_second: float | None = None
+    # Its own end users' rate: they are then its own, not the tenant's (see _inner).
+    end_user_output_tokens_per_second: float | None = None
     max_concurrency: int | None = None
     observed_concurrency: int | None = None
     budgets: tuple[BudgetSpec, ...] = ()
@@ -711,14 +713,16 @@ def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, ...]:
-    """``applications: [{id, api_keys, weight, output_tokens_per_second, max_concurrency,
-    budgets, max_requests}]``: ids unique inside the tenant."""
+    """``applications: [{id, api_keys, weight, output_tokens_per_second,
+    end_user_output_tokens_per_second, max_concurrency, budgets, max_requests}]``: ids
+    unique inside the tenant."""
     out: list[ApplicationConfig] = []
     for i, item in enumerate(_list(m, "applications", where)):
         aw = f"{where}.applications[{i}]"
         am = _mapping(item, aw)
         _known(am, aw, ("id", "api_keys", "weight", "output_tokens_per_second",
-                        "max_concurrency", "budgets", "max_requests"))
+                        "end_user_output_tokens_per_second", "max_concurrency", "budgets",
+                        "max_requests"))
         app_id = am.get("id")
         if not isinstance(app_id, str) or not app_id:
             raise ConfigError(f"{aw}.id: required, a non-empty string")
@@ -735,6 +739,8 @@ def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, 
         out.append(ApplicationConfig(
             id=app_id, key_hashes=keys, weight=_number(am, "weight", aw) or 1.0,
             output_tokens_per_second=_number(am, "output_tokens_per_second", aw),
+            end_user_output_tokens_per_second=_number(
+                am, "end_user_output_tokens_per_second", aw),
             **_limits(am, aw)))
     return tuple(out)
 

@@ -75,7 +75,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         ex.routed = True
         ex.cost = rt.config.cost_of(model)
         end_user_rate = tenant.config.end_user_output_tokens_per_second
-        end_user = end_user_of(req) if end_user_rate is not None else None
+        app = application.config if application is not None else None
+        own_end_user_rate = None if app is None else app.end_user_output_tokens_per_second
+        end_user = (end_user_of(req) if end_user_rate is not None or own_end_user_rate is not None
+                    else None)
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
         admitted = rt.clock()
         ex.lease = await _wait_for_slot(ex, pool, admission, watch)
@@ -96,9 +99,9 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             max_tokens=admission.max_tokens, cache_salt=tenant.config.cache_salt,
             model=model, rate_version=version, request_id=request_id,
             end_user=end_user, end_user_rate=end_user_rate,
-            application=None if application is None else application.id,
-            application_rate=None if application is None
-            else application.config.output_tokens_per_second)
+            application=None if app is None else app.id,
+            application_rate=None if app is None else app.output_tokens_per_second,
+            application_end_user_rate=own_end_user_rate)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         if req.stream:
             return await open_stream(ex, upstream, req, body, watch, deadline)

@@ -144,12 +144,14 @@ class StepPlanner:
     # -- streams --------------------------------------------------------------------
 
     def open_stream(self, key: Hashable, user: str, priority: int = 0,
-                    end_user: str | None = None, application: str | None = None) -> Stream:
+                    end_user: str | None = None, application: str | None = None,
+                    own_end_users: bool = False) -> Stream:
         """The planner's record of one request, kept until ``forget`` sees it gone.
         ``application`` and ``end_user``: the application and the end user it names
-        inside ``user``, if any."""
+        inside ``user``, if any; ``own_end_users``: the application paces its end users
+        at a rate of its own (``_inner``)."""
         stream = self._streams.get(key)
-        levels = inner_levels(user, application, end_user)
+        levels = inner_levels(user, application, end_user, own_end_users)
         if stream is not None and stream.user == user and stream.levels == levels:
             return stream
         if stream is not None and stream.levels:
