@@ -408,36 +408,26 @@ def engine_body(req: ParsedRequest, *, user: str, rate: float | None, priority: 
     xargs = body.get("vllm_xargs")
     xargs = dict(xargs) if isinstance(xargs, dict) else {}
     xargs[USER_EXTRA_ARG] = user
-    if rate is not None:
-        xargs[RATE_EXTRA_ARG] = rate
-    else:
-        xargs.pop(RATE_EXTRA_ARG, None)
-    if rate is not None and rate_version is not None:
-        xargs[RATE_VERSION_EXTRA_ARG] = rate_version
-    else:
-        xargs.pop(RATE_VERSION_EXTRA_ARG, None)
     own_end_users = application is not None and application_end_user_rate is not None
-    if end_user is not None and (end_user_rate is not None or own_end_users):
-        xargs[END_USER_EXTRA_ARG] = end_user
-    else:
-        xargs.pop(END_USER_EXTRA_ARG, None)
-        end_user = None
-    if end_user is not None and end_user_rate is not None and not own_end_users:
-        xargs[END_USER_RATE_EXTRA_ARG] = end_user_rate
-    else:
-        xargs.pop(END_USER_RATE_EXTRA_ARG, None)
-    if application is not None and (application_rate is not None or own_end_users):
-        xargs[APPLICATION_EXTRA_ARG] = application
-    else:
-        xargs.pop(APPLICATION_EXTRA_ARG, None)
-    if application is not None and application_rate is not None:
-        xargs[APPLICATION_RATE_EXTRA_ARG] = application_rate
-    else:
-        xargs.pop(APPLICATION_RATE_EXTRA_ARG, None)
-    if own_end_users and end_user is not None:
-        xargs[APPLICATION_END_USER_RATE_EXTRA_ARG] = application_end_user_rate
-    else:
-        xargs.pop(APPLICATION_END_USER_RATE_EXTRA_ARG, None)
+    if end_user is not None and end_user_rate is None and not own_end_users:
+        end_user = None  # no rate would pace it: the engine is not told
+    app_named = application is not None and (application_rate is not None or own_end_users)
+    # Every pacing field is the gateway's: set from the tenant's configuration, or dropped
+    # (a client's own value never reaches the engine).
+    for field, value in (
+            (RATE_EXTRA_ARG, rate),
+            (RATE_VERSION_EXTRA_ARG, rate_version if rate is not None else None),
+            (END_USER_EXTRA_ARG, end_user),
+            (END_USER_RATE_EXTRA_ARG,
+             end_user_rate if end_user is not None and not own_end_users else None),
+            (APPLICATION_EXTRA_ARG, application if app_named else None),
+            (APPLICATION_RATE_EXTRA_ARG, application_rate if application is not None else None),
+            (APPLICATION_END_USER_RATE_EXTRA_ARG,
+             application_end_user_rate if own_end_users and end_user is not None else None)):
+        if value is None:
+            xargs.pop(field, None)
+        else:
+            xargs[field] = value
     body["vllm_xargs"] = xargs
     if req.kind == "messages":
         # vLLM's Messages request has no priority field (one sent would be ignored): the
