@@ -283,7 +283,10 @@ class Gateway:
                     continue
             soon = LOAD_SOON_S
             try:
-                await asyncio.wait_for(engine.held.wait(), LOAD_INTERVAL_S)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancel
+                # that lands as the wait ends, and this loop would outlive its gateway.
+                async with asyncio.timeout(LOAD_INTERVAL_S):
+                    await engine.held.wait()
             except TimeoutError:
                 pass
             else:

@@ -45,6 +45,32 @@ logger = logging.getLogger("tokenpace.gateway.state")
 T = TypeVar("T")
 
 
+async def _keeping_cancel(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, re-raising a cancel that arrived while it ran and was lost on the way.
+
+    redis-py bounds a send with ``asyncio.wait_for``, which on Python 3.11 returns the
+    result and drops the ``CancelledError`` when the cancel lands just as the send
+    completes (CPython gh-86296, fixed in 3.12). The task's cancel count still says it
+    was asked: without this, a background loop stopped by ``cancel()`` (lease renewal,
+    the split's keep-alive) went on for ever and its ``close()`` never returned. Inside
+    ``_run``'s deadline, so a lost cancel from the deadline itself still reads as a
+    timeout. Cost: two reads of the task's cancel count per store call.
+    """
+    task = asyncio.current_task()
+    asked = task.cancelling() if task is not None else 0
+    try:
+        result = await call()
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError from None
+        raise
+    if task is not None and task.cancelling() > asked:
+        raise asyncio.CancelledError
+    return result
+
+
 class RedisStore(StateStore):
     """Budgets, leases and counters in Redis (redis-py's asyncio client)."""
 
@@ -97,7 +123,7 @@ class RedisStore(StateStore):
             self._probing = probe = True
         try:
             async with asyncio.timeout(self.timeout_s):
-                result = await call()
+                result = await _keeping_cancel(call)
         except (RedisError, OSError, TimeoutError) as exc:  # all mean "no answer"
             # redis-py strips a known error code from the message (NoScriptError says "No
             # matching script"), so NOSCRIPT is matched by type; BUSY keeps its word.
