@@ -223,6 +223,30 @@ def test_the_end_user_is_the_openai_user_field_or_the_messages_metadata() -> Non
         assert (info.value.status, info.value.param) == (400, "user")
 
 
+def test_safety_identifier_names_the_end_user_before_user() -> None:
+    """OpenAI is replacing ``user`` with ``safety_identifier``: a client sending the new
+    field (alone or beside the old one) is paced as that end user."""
+    import pytest
+
+    from tokenpace.gateway._body import end_user_of, parse_request
+    from tokenpace.gateway._errors import GatewayError
+
+    def chat(**fields: object) -> object:
+        return parse_request("chat", {"model": "m", "max_tokens": 2, **fields,
+                                      "messages": [{"role": "user", "content": "hi"}]})
+
+    assert end_user_of(chat(safety_identifier="alice")) == "alice"
+    assert end_user_of(chat(safety_identifier="alice", user="legacy")) == "alice"
+    assert end_user_of(chat(safety_identifier=None, user="legacy")) == "legacy"
+    responses = parse_request("responses", {"model": "m", "input": "hi",
+                                            "safety_identifier": "carol"})
+    assert end_user_of(responses) == "carol"
+    with pytest.raises(GatewayError) as info:
+        end_user_of(chat(safety_identifier=""))
+    assert (info.value.status, info.value.param, info.value.code) \
+        == (400, "safety_identifier", "invalid_end_user")
+
+
 def test_an_applications_rate_goes_to_the_engine_and_a_clients_own_is_dropped() -> None:
     from tokenpace.gateway._body import engine_body, parse_request
 

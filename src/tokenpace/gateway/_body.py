@@ -356,13 +356,16 @@ def _chat_content(content: Any) -> Any:
 
 
 def end_user_of(req: ParsedRequest) -> str | None:
-    """The end user a request names, or None: the OpenAI ``user`` field (chat,
-    completions, Responses), the Messages API's ``metadata.user_id``. 400 when it is not
+    """The end user a request names, or None: OpenAI's ``safety_identifier`` (chat,
+    Responses), which OpenAI has replacing ``user``, else the ``user`` field (chat,
+    completions, Responses); the Messages API's ``metadata.user_id``. 400 when it is not
     a usable identity (a non-empty string of at most 256 characters)."""
     if req.kind == "messages":
         metadata = req.body.get("metadata")
         value, param = (metadata.get("user_id") if isinstance(metadata, dict) else None,
                         "metadata.user_id")
+    elif req.body.get("safety_identifier") is not None:
+        value, param = req.body["safety_identifier"], "safety_identifier"
     else:
         value, param = req.body.get("user"), "user"
     if value is None:
