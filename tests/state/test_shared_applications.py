@@ -142,3 +142,34 @@ def test_an_applications_concurrency_is_global_and_spares_its_sibling(
                 await store.close()
 
     asyncio.run(body())
+
+
+def test_the_application_budget_gauge_reads_the_shared_level(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """What replica b spent from chat's budget shows in replica a's reading for the gauge
+    (``application_budget_remaining_tokens``); agent, without budgets, has no series; a
+    store that does not answer leaves no series rather than a stale level."""
+    from tokenpace.gateway._shared_budgets import SharedBudgetLevels
+
+    async def body() -> None:
+        a, b = (_runtime(tmp_path, name, redis_server.url) for name in ("a", "b"))
+        try:
+            assert isinstance(await _admit(b, "chat"), Admission)  # 2 of chat's 5
+            assert isinstance(await _admit(b, "agent"), Admission)
+            a.tenants.touch(a.tenants.get("t"))  # active on replica a: its series are shown
+            levels = SharedBudgetLevels(a.tenants.series, a.store)  # type: ignore[arg-type]
+            await levels.refresh()
+            (labels, level), = levels.application_samples()
+            assert labels == ("t", "chat", "5/1h") and 3.0 <= level <= 3.01
+            (labels, level), = levels.samples()
+            assert labels == ("t", "1000/1h") and 996.0 <= level <= 996.6
+            redis_server.kill()
+            await levels.refresh()
+            assert list(levels.application_samples()) == [] and list(levels.samples()) == []
+        finally:
+            a.tenants.series.clear()
+            for rt in (a, b):
+                await rt.store.close()  # type: ignore[union-attr]
+                rt.ledger.close()
+
+    asyncio.run(body())

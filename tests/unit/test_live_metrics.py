@@ -43,3 +43,43 @@ def test_budget_level_is_read_when_scraped_and_removed_tenants_vanish() -> None:
     finally:
         metrics.BUDGET_REMAINING.source = None
         metrics.forget_tenant("a")
+
+
+def application_levels() -> dict[tuple[str, str, str], float]:
+    out = {}
+    for family in metrics._Page([g.family() for g in metrics.LIVE]).collect():
+        for sample in family.samples:
+            if sample.name == "tokenpace_gateway_application_budget_remaining_tokens":
+                labels = sample.labels
+                out[(labels["tenant"], labels["application"], labels["budget"])] = sample.value
+    return out
+
+
+def test_an_applications_own_budget_has_its_gauge_beside_its_tenants() -> None:
+    """An application's budget level is read at scrape time like its tenant's, under the
+    tenant's and the application's names; an application without budgets of its own has
+    no series, and one a reload removed drops out."""
+    now = [0.0]
+    apps = [{"id": "bot", "api_keys": ["kbot"], "budgets": [{"tokens": 100, "per": "10s"}]},
+            {"id": "chat", "api_keys": ["kchat"]}]
+    a = {"id": "a", "api_keys": ["ka"], "budgets": [{"tokens": 300, "per": "1m"}],
+         "applications": apps}
+    tenants = Tenants(cfg(a), lambda: now[0])
+    metrics.BUDGET_REMAINING.source = tenants.budget_samples
+    metrics.APPLICATION_BUDGET_REMAINING.source = tenants.application_budget_samples
+    try:
+        assert application_levels() == {}  # no traffic yet: no series
+        state = tenants.get("a")
+        tenants.touch(state)
+        state.applications["bot"].try_reserve(80.0, now[0])
+        state.try_reserve(80.0, now[0])
+        assert application_levels() == {("a", "bot", "100/10s"): 20.0}
+        assert levels() == {("a", "300/1m"): 220.0}
+        now[0] = 4.0  # refilled at 10 a second, read when scraped
+        assert application_levels() == {("a", "bot", "100/10s"): 60.0}
+        tenants.apply(cfg({**a, "applications": apps[1:]}))
+        assert application_levels() == {}
+    finally:
+        metrics.BUDGET_REMAINING.source = None
+        metrics.APPLICATION_BUDGET_REMAINING.source = None
+        metrics.forget_tenant("a")

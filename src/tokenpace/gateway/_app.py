@@ -176,11 +176,13 @@ class Gateway:
                      asyncio.create_task(self._sweep_loop())]
             if store is None:
                 metrics.BUDGET_REMAINING.source = tenants.budget_samples
+                metrics.APPLICATION_BUDGET_REMAINING.source = tenants.application_budget_samples
             else:
                 # The process's own buckets are unused: publish the shared levels, read in
                 # the background (a scrape never waits on the store).
                 shared_levels = SharedBudgetLevels(tenants.series, store)
                 metrics.BUDGET_REMAINING.source = shared_levels.samples
+                metrics.APPLICATION_BUDGET_REMAINING.source = shared_levels.application_samples
                 tasks.append(asyncio.create_task(shared_levels.run()))
             tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",

@@ -154,7 +154,12 @@ BUDGET_REMAINING = LiveGauge(
     "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget "
     "(active tenants).", ["tenant", "budget"],
 )
-LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING,)
+APPLICATION_BUDGET_REMAINING = LiveGauge(
+    "tokenpace_gateway_application_budget_remaining_tokens", "Cost units left in an "
+    "application's own token budget (the applications of active tenants).",
+    ["tenant", "application", "budget"],
+)
+LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING, APPLICATION_BUDGET_REMAINING)
 
 
 class _Page:

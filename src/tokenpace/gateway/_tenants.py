@@ -307,6 +307,15 @@ class Tenants:
             for key, level in state.budgets.levels(now).items():
                 yield (state.id, key), level
 
+    def application_budget_samples(self) -> Iterator[tuple[tuple[str, str, str], float]]:
+        """``((tenant, application, budget), level)`` now of the active tenants'
+        applications with budgets of their own, for their gauge at scrape time."""
+        now = self._clock()
+        for state in self.series.active():
+            for app in state.applications.values():
+                for key, level in app.budgets.levels(now).items():
+                    yield (state.id, app.config.id, key), level
+
     def changed_levels(self) -> dict[str, dict[str, float]]:
         """The budget levels now of the tenants whose levels changed since the last call
         (the snapshot to the ledger). O(tenants) flag reads, once a second."""
