@@ -346,3 +346,44 @@ def test_an_applications_limits_in_observe_mode_count_under_its_id(runtime: Any)
     assert [_observed(ex) for ex, _ in results] == [20.0, 0.0, 0.0]
     assert rt.tenants.get("t").applications["chat"].observed_budgets.levels(0.0) == \
         {"observe:30/1h": 10.0}
+
+
+def test_an_admitted_request_knows_what_its_tightest_limits_have_left(runtime: Any) -> None:
+    """The response's x-ratelimit-* headers: per kind of limit, the one with the least
+    left once this request took its share, over every budget of the tenant and of its
+    application; nothing of a kind the tenant does not limit."""
+    from tokenpace.gateway._ratelimit import headroom_headers
+
+    rt = runtime(budgets=[{"tokens": 1000, "per": "1h"}, {"tokens": 100, "per": "1m"}],
+                 max_requests=[{"requests": 10, "per": "1m"}],
+                 applications=[{"id": "bot", "api_keys": ["kb"],
+                                "budgets": [{"tokens": 50, "per": "10s"}],
+                                "max_requests": [{"requests": 3, "per": "1s"}]}])
+    ex, admitted = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 20})
+    assert isinstance(admitted, Admission)
+    assert headroom_headers(ex.requests_headroom, ex.tokens_headroom) == {
+        "x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-reset-requests": "6s",  # one request back every 6 s
+        "x-ratelimit-limit-tokens": "100", "x-ratelimit-remaining-tokens": "70",
+        "x-ratelimit-reset-tokens": "18s"}  # 30 of 100 a minute: 18 s; 30 of 1000/1h: 108 s
+    runtime.now[0] = 1.5
+    ex, admitted = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 20},
+                             application="bot")
+    assert isinstance(admitted, Admission)
+    # The application's budget (50 - 30 = 20) is tighter than the tenant's (72.5 - 30),
+    # the tenant's request limit (10 - 2 + 0.25) than the application's (3 - 1).
+    assert headroom_headers(ex.requests_headroom, ex.tokens_headroom) == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2",
+        "x-ratelimit-reset-requests": "334ms",
+        "x-ratelimit-limit-tokens": "50", "x-ratelimit-remaining-tokens": "20",
+        "x-ratelimit-reset-tokens": "6s"}
+
+
+def test_no_ratelimit_headers_without_limits_and_none_for_observed_ones(runtime: Any) -> None:
+    from tokenpace.gateway._ratelimit import headroom_headers
+
+    rt = runtime(budgets=[{"tokens": 100, "per": "1m", "mode": "observe"}])
+    ex, admitted = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 20})
+    assert isinstance(admitted, Admission)
+    assert (ex.requests_headroom, ex.tokens_headroom) == (None, None)
+    assert headroom_headers(None, None) == {}

@@ -384,3 +384,34 @@ def test_a_reload_that_changes_an_application_keeps_its_spent_budget(
     resp = post(gw, AGENT, BIG)
     assert "token budget 40/1h of tenant 'acme' exhausted" in refused(resp)["message"]
     assert resp.headers["x-ratelimit-remaining-tokens"] == "1"
+
+
+def test_admitted_responses_carry_the_tightest_limits_headers(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    """Like OpenAI's, every admitted response (streamed or not) carries
+    ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` of the tightest limit of
+    each kind over the tenant and its application, after this request's share; a tenant
+    without limits gets none."""
+    gw = make_gateway(config(engine.url, tmp_path / "u.db",
+                             tenant={"budgets": [{"tokens": 100, "per": "1h"}],
+                                     "max_requests": [{"requests": 5, "per": "1m"}]},
+                             chat={"budgets": [{"tokens": 50, "per": "1h"}]}))
+    resp = post(gw, CHAT, BIG)  # 13: chat 50 -> 37, the tenant 100 -> 87
+    assert resp.status_code == 200, resp.text
+    h = resp.headers
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("50", "37")
+    assert 930 <= go_seconds(h["x-ratelimit-reset-tokens"]) <= 940  # 13 at 50 an hour
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("5", "4")
+    assert 11.5 <= go_seconds(h["x-ratelimit-reset-requests"]) <= 12  # one at 5 a minute
+    # The tenant's own key: the tenant's budget (87 -> 74), its request limit (4 -> 3).
+    with httpx.stream("POST", gw.url + "/v1/completions", timeout=60,
+                      content=json.dumps({**BIG, "stream": True}),
+                      headers={"authorization": f"Bearer {OWN}"}) as streamed:
+        assert streamed.status_code == 200
+        assert "data: [DONE]" in streamed.read().decode()
+        h = streamed.headers
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100", "74")
+    assert h["x-ratelimit-remaining-requests"] == "3"
+    resp = post(gw, "sk-other", BIG)
+    assert resp.status_code == 200
+    assert not [name for name in resp.headers if name.startswith("x-ratelimit")]

@@ -67,6 +67,13 @@ def test_budget_refusal_is_exact_and_matches_the_in_process_store(redis_server: 
         try:
             firsts = [await store.reserve("a", [short, spec], 60) for store in (shared, local)]
             assert all(isinstance(first, Reservation) for first in firsts)
+            for first in firsts:  # the levels after it, for the response's headers
+                assert isinstance(first, Reservation)
+                assert first.levels == pytest.approx((940, 40), abs=0.01)
+                headroom = first.headroom()
+                assert headroom is not None and headroom.budget == spec
+                assert headroom.remaining == pytest.approx(40, abs=0.01)
+                assert headroom.reset_s == pytest.approx(60 * 864, abs=1.0)
             refusals = [await store.reserve("a", [short, spec], 60) for store in (shared, local)]
             for refusal in refusals:
                 assert isinstance(refusal, BudgetRefusal) and refusal.budget == spec

@@ -173,3 +173,32 @@ def test_the_application_budget_gauge_reads_the_shared_level(
                 rt.ledger.close()
 
     asyncio.run(body())
+
+
+def test_an_admitted_requests_headroom_is_the_shared_one(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """The x-ratelimit-* figures of an admitted request come from the shared buckets (the
+    levels the store's reservation returns): what replica a spent shows in what replica
+    b's response says is left."""
+    from tokenpace.gateway._ratelimit import headroom_headers
+
+    async def body() -> None:
+        a, b = (_runtime(tmp_path, name, redis_server.url) for name in ("a", "b"))
+        try:
+            assert isinstance(await _admit(a, "chat"), Admission)  # chat: 5 -> 3, 3 -> 2 requests
+            tenant = b.tenants.get("t")
+            ex = Exchange(b, "tpg-test", "completion", tenant, b.clock(), time.time(),
+                          application=tenant.applications["chat"])
+            req = parse_request("completion", {"model": "m", "prompt": [1], "max_tokens": 1})
+            async with httpx.AsyncClient(base_url=CLOSED) as client:
+                assert isinstance(await admit(b, ex, req, client), Admission)
+            h = headroom_headers(ex.requests_headroom, ex.tokens_headroom)
+            assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("5", "1")
+            assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) \
+                == ("3", "1")
+        finally:
+            for rt in (a, b):
+                await rt.store.close()  # type: ignore[union-attr]
+                rt.ledger.close()
+
+    asyncio.run(body())

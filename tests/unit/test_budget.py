@@ -101,3 +101,25 @@ def test_budget_keys_and_cost_model() -> None:
         CostModel(-1.0, 1.0)
     with pytest.raises(ValueError):
         BudgetSpec(0, 1.0)
+
+
+def test_headroom_is_the_budget_with_the_least_left() -> None:
+    from tokenpace.fairness import Headroom, tightest
+
+    budgets = TenantBudgets([BudgetSpec(100, 10), BudgetSpec(1000, 3600)], now=0.0)
+    assert budgets.headroom(0.0) == Headroom(BudgetSpec(100, 10), 100, 0.0)  # both full
+    assert budgets.try_reserve(80, 0.0) is None
+    assert budgets.headroom(0.0) == Headroom(BudgetSpec(100, 10), 20, 8.0)
+    assert budgets.headroom(2.0) == Headroom(BudgetSpec(100, 10), 40.0, 6.0)
+    assert TenantBudgets([], 0.0).headroom(0.0) is None
+    # Equal levels: the one slower to refill is the one to respect.
+    slow, fast = Headroom.of(BudgetSpec(10, 100), 5), Headroom.of(BudgetSpec(10, 1), 5)
+    assert tightest([fast, None, slow]) == slow and tightest([None]) is None
+    assert Headroom.of(BudgetSpec(10, 10), -4).reset_s == 14.0  # a debt takes longer
+
+
+def test_go_duration_is_openais_reset_format() -> None:
+    from tokenpace.gateway._ratelimit import go_duration
+
+    assert [go_duration(s) for s in (0.0, 0.0004, 0.02, 1.5, 36.0, 360.0, 3723.25)] == \
+        ["0s", "1ms", "20ms", "1.5s", "36s", "6m0s", "1h2m3.25s"]

@@ -7,10 +7,12 @@ drive it exactly.
 from ._budget import (
     BudgetRefusal,
     BudgetSpec,
+    Headroom,
     RequestLimit,
     TenantBudgets,
     TokenBucket,
     parse_duration,
+    tightest,
 )
 from ._cost import CostModel
 from ._vtc import FairQueue, LaneSpec
@@ -20,9 +22,11 @@ __all__ = [
     "BudgetSpec",
     "CostModel",
     "FairQueue",
+    "Headroom",
     "LaneSpec",
     "RequestLimit",
     "TenantBudgets",
     "TokenBucket",
     "parse_duration",
+    "tightest",
 ]

@@ -19,6 +19,7 @@ Times are plain seconds from an injected clock; nothing here reads the time itse
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -118,6 +119,31 @@ class BudgetRefusal:
     reset_s: float
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """What is left of a limit once a request took its share, in the terms of OpenAI's
+    rate-limit headers on a successful response (``x-ratelimit-limit/remaining/reset``)."""
+
+    budget: BudgetSpec
+    remaining: float  # may be negative: a debt left by a request that used more
+    reset_s: float  # until the bucket is full again
+
+    @classmethod
+    def of(cls, budget: BudgetSpec, level: float) -> Headroom:
+        return cls(budget, level, max(0.0, budget.tokens - level) / budget.refill_per_s)
+
+
+def tightest(headrooms: Iterable[Headroom | None]) -> Headroom | None:
+    """The headroom with the least left, which is what a client pacing itself must
+    respect (ties: the one that takes longer to refill); None when there is none."""
+    best: Headroom | None = None
+    for h in headrooms:
+        if h is not None and (best is None or (h.remaining, -h.reset_s)
+                              < (best.remaining, -best.reset_s)):
+            best = h
+    return best
+
+
 class TenantBudgets:
     """All budgets of one tenant, reserved and settled together."""
 
@@ -162,6 +188,11 @@ class TenantBudgets:
         """Replace a reservation by the actual cost: give back (or take) the difference."""
         for bucket in self.buckets:
             bucket.adjust(reserved - actual, now)
+
+    def headroom(self, now: float) -> Headroom | None:
+        """The budget with the least left now (None without budgets): after a
+        reservation, what a successful response reports."""
+        return tightest(Headroom.of(b.spec, b.level(now)) for b in self.buckets)
 
     def levels(self, now: float) -> dict[str, float]:
         """Budget key -> level, for metrics and for persisting across restarts."""

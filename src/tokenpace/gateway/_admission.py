@@ -21,13 +21,14 @@ import httpx
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from ..fairness import BudgetRefusal, RequestLimit
+from ..fairness import BudgetRefusal, Headroom, RequestLimit, tightest
 from . import _metrics as metrics
 from . import _observe as observe
 from ._body import ParsedRequest, count_calls, prompt_token_ids
 from ._dispatch import EngineSlots, Pool
 from ._errors import GatewayError
 from ._prompt_bound import bound as prompt_bound
+from ._ratelimit import refusal_headers
 from ._runtime import Runtime
 from ._settle import Exchange, settle_in_store
 from ._state import Reservation, StateStore, StateUnavailable
@@ -165,7 +166,7 @@ async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.Asy
     _cheap_refusals(rt, ex, req)
     for level in (tenant,) if app is None else (app, tenant):
         if level.config.max_requests:
-            await _take_request(rt, level)
+            ex.requests_headroom = tightest((ex.requests_headroom, await _take_request(rt, level)))
     for level in (tenant,) if app is None else (tenant, app):
         if level.config.observed_requests:
             await observe.requests(rt, level)
@@ -285,8 +286,25 @@ async def _reserve(rt: Runtime, ex: Exchange,
         else:
             _undo(rt, held)
     if refusal is None:
+        ex.tokens_headroom = tightest((_headroom(rt, held), _tenant_headroom(rt, ex)))
         return None
     return refusal, None if app is None else ex.tenant
+
+
+def _tenant_headroom(rt: Runtime, ex: Exchange) -> Headroom | None:
+    """What the tenant's enforced budgets have left after this request's reservation."""
+    if ex.reservation is not None:
+        return ex.reservation.headroom()
+    return ex.tenant.budgets.headroom(rt.clock()) if ex.tenant.config.budgets else None
+
+
+def _headroom(rt: Runtime, hold: Hold | None) -> Headroom | None:
+    """What an application's budgets have left after the reservation ``hold`` took."""
+    if hold is None:
+        return None
+    if hold.reservation is not None:
+        return hold.reservation.headroom()
+    return hold.buckets.headroom(rt.clock())
 
 
 async def _reserve_tenant(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | None:
@@ -323,9 +341,9 @@ def _undo(rt: Runtime, hold: Hold) -> None:
         hold.settle_local(0.0, rt.clock())
 
 
-async def _take_request(rt: Runtime, level: LimitState) -> None:
+async def _take_request(rt: Runtime, level: LimitState) -> Headroom | None:
     """Count the request against the ``max_requests`` of its tenant or its application
-    (``level``), or refuse it (429).
+    (``level``), or refuse it (429); what the tightest of them has left.
 
     Checked after the refusals that need nothing (a full queue, a prompt too large by its
     bytes) and before the prompt count and the budgets: a request that gets this far
@@ -338,11 +356,14 @@ async def _take_request(rt: Runtime, level: LimitState) -> None:
             result = await rt.store.reserve(level.owner, level.config.max_requests, 1.0)
         except StateUnavailable:
             raise state_unavailable() from None
-        refusal = result if isinstance(result, BudgetRefusal) else None
-    else:
-        refusal = level.take_request(rt.clock())
+        if isinstance(result, BudgetRefusal):
+            raise request_limit_error(result, level)
+        return result.headroom()
+    now = rt.clock()
+    refusal = level.take_request(now)
     if refusal is not None:
         raise request_limit_error(refusal, level)
+    return level.request_limits.headroom(now)
 
 
 def _needs_count(ex: Exchange, req: ParsedRequest) -> bool:
@@ -555,7 +576,7 @@ def budget_error(refusal: BudgetRefusal, level: LimitState | None = None) -> Gat
         f"{refusal.cost:g}, {math.floor(refusal.remaining)} remain; retry in "
         f"{refusal.retry_after_s:.3f} s",
         reason="budget", code="rate_limit_exceeded",
-        headers=_ratelimit_headers(refusal, "tokens", int(budget.tokens)))
+        headers=refusal_headers(refusal, "tokens", int(budget.tokens)))
 
 
 def request_limit_error(refusal: BudgetRefusal, level: LimitState | None = None) -> GatewayError:
@@ -568,27 +589,4 @@ def request_limit_error(refusal: BudgetRefusal, level: LimitState | None = None)
         429, f"request rate limit {limit.requests} per {limit.figures.rsplit('/', 1)[1]}"
         f"{whose} reached; retry in {refusal.retry_after_s:.3f} s",
         reason="requests", code="rate_limit_exceeded",
-        headers=_ratelimit_headers(refusal, "requests", limit.requests))
-
-
-def _ratelimit_headers(refusal: BudgetRefusal, unit: str, limit: int) -> dict[str, str]:
-    """``retry-after`` and OpenAI's ``x-ratelimit-*-<unit>`` headers of a refusal."""
-    return {
-        "retry-after": str(max(1, math.ceil(refusal.retry_after_s))),
-        "retry-after-ms": str(max(1, math.ceil(refusal.retry_after_s * 1000))),
-        f"x-ratelimit-limit-{unit}": str(limit),
-        f"x-ratelimit-remaining-{unit}": str(math.floor(refusal.remaining)),
-        f"x-ratelimit-reset-{unit}": _go_duration(refusal.reset_s),
-    }
-
-
-def _go_duration(seconds: float) -> str:
-    """OpenAI's reset format: ``1.5s``, ``6m0s``, ``20ms``."""
-    if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    minutes, secs = divmod(seconds, 60)
-    hours, minutes = divmod(int(minutes), 60)
-    text = f"{secs:.3f}".rstrip("0").rstrip(".") + "s"
-    if hours:
-        return f"{hours}h{minutes}m{text}"
-    return f"{minutes}m{text}" if minutes else text
+        headers=refusal_headers(refusal, "requests", limit.requests))

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from ..engine import ABORTED_PATH
 from ._body import ROUTES, ParsedRequest
 from ._errors import GatewayError, anthropic_error_body, error_body, stream_error_event
+from ._ratelimit import headroom_headers
 from ._settle import Exchange, Outcome
 from ._stream import ChunkRewriter, EventSplitter
 from ._usage import EventScanner, answer_usage
@@ -77,6 +78,13 @@ async def engine_output_count(ex: Exchange) -> int | None:
         await asyncio.sleep(ASK_EVERY_S)
 
 
+def _ratelimit_headers(ex: Exchange) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers of an admitted request (``_ratelimit``)."""
+    if ex.requests_headroom is None and ex.tokens_headroom is None:
+        return {}
+    return headroom_headers(ex.requests_headroom, ex.tokens_headroom)
+
+
 def _upstream_headers(ex: Exchange) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": ex.id}
 
@@ -119,7 +127,7 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
         except (ValueError, AttributeError, TypeError):
             outcome = Outcome.UPSTREAM_ERROR
         return Response(content, status_code=200, media_type="application/json",
-                        headers={"x-request-id": ex.id})
+                        headers={"x-request-id": ex.id, **_ratelimit_headers(ex)})
     finally:
         if resp is not None:
             if outcome in (Outcome.CANCELLED, Outcome.TIMEOUT):
@@ -213,6 +221,7 @@ class StreamResponse:
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"),
                 (b"x-request-id", ex.id.encode()),
+                *((k.encode(), v.encode()) for k, v in _ratelimit_headers(ex).items()),
             ]})
             async with self.watch.guard(self.deadline) as cancel:
                 failure = await self._relay(send)

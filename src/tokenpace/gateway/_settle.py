@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ..fairness import CostModel
+from ..fairness import CostModel, Headroom
 from . import _metrics as metrics
 from ._body import ROUTES, Kind
 from ._dispatch import Lease
@@ -73,6 +73,10 @@ class Exchange:
     # What else it reserved: its application's budgets, limits in observe mode.
     holds: list[Hold] = field(default_factory=list)
     application: ApplicationState | None = None  # the application its key names
+    # The tightest request limit and token budget once admission took this request's
+    # share (the response's x-ratelimit-* headers); None: no enforced limit of that kind.
+    requests_headroom: Headroom | None = None
+    tokens_headroom: Headroom | None = None
     max_completion_tokens: int = 0
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True

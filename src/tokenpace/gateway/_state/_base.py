@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ...fairness import BudgetRefusal, BudgetSpec
+from ...fairness import BudgetRefusal, BudgetSpec, Headroom, tightest
 
 
 class StateUnavailable(Exception):
@@ -29,6 +29,13 @@ class Reservation:
     budgets: tuple[BudgetSpec, ...]
     cost: float
     store: StateStore = field(compare=False, repr=False)
+    # Each budget's level once the cost was taken (as ``budgets``): what is left, for the
+    # rate-limit headers of the response. Empty from a store that did not say.
+    levels: tuple[float, ...] = field(default=(), compare=False)
+
+    def headroom(self) -> Headroom | None:
+        """The budget with the least left after this reservation (None: not known)."""
+        return tightest(Headroom.of(b, level) for b, level in zip(self.budgets, self.levels))
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ class StateStore(ABC):
     async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
                       cost: float) -> Reservation | BudgetRefusal:
         """Take ``cost`` from every budget at once, or nothing and say which one refused
-        (the one with the longest wait, with exact remaining and reset figures)."""
+        (the one with the longest wait, with exact remaining and reset figures). A
+        reservation carries the budgets' levels after it (``Reservation.levels``)."""
 
     @abstractmethod
     async def settle(self, reservation: Reservation, actual: float) -> None:

@@ -64,8 +64,12 @@ class LocalStore(StateStore):
 
     async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
                       cost: float) -> Reservation | BudgetRefusal:
-        refusal = self._tenant_budgets(tenant, budgets).try_reserve(cost, self._clock())
-        return refusal if refusal is not None else Reservation(tenant, tuple(budgets), cost, self)
+        group, now = self._tenant_budgets(tenant, budgets), self._clock()
+        refusal = group.try_reserve(cost, now)
+        if refusal is not None:
+            return refusal
+        return Reservation(tenant, tuple(budgets), cost, self,
+                           tuple(b.level(now) for b in group.buckets))
 
     async def settle(self, reservation: Reservation, actual: float) -> None:
         self._tenant_budgets(reservation.tenant, reservation.budgets).settle(

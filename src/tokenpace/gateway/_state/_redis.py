@@ -171,7 +171,7 @@ class RedisStore(StateStore):
         keys, args = self._budget_args(tenant, budgets)
         out = await self._script("RESERVE", keys, [repr(float(cost)), *args])
         if out[0] == "ok":
-            return Reservation(tenant, tuple(budgets), cost, self)
+            return Reservation(tenant, tuple(budgets), cost, self, tuple(map(float, out[1:])))
         return _refusal(out, budgets, cost)
 
     async def settle(self, reservation: Reservation, actual: float) -> None:

@@ -217,16 +217,21 @@ return 0
 """
 
 # KEYS: one bucket per budget. ARGV: cost, then tokens and refill/s per budget.
-# Returns {'ok'} when reserved, else {'budget', index, wait_s, remaining, reset_s} of the
-# budget with the longest wait (wait "inf": the cost exceeds the whole budget).
+# Returns {'ok', level after, ...} (one per budget) when reserved, else {'budget', index,
+# wait_s, remaining, reset_s} of the budget with the longest wait (wait "inf": the cost
+# exceeds the whole budget).
 RESERVE = _NOW + _LEVEL + _BUDGET + """
 local cost = tonumber(ARGV[1])
 local spec = {}
 for i = 2, #ARGV do spec[i - 1] = tonumber(ARGV[i]) end
 local worst, levels, worst_wait = check(KEYS, cost, spec)
 if worst > 0 then return refusal(worst, levels, worst_wait, spec) end
-for i = 1, #KEYS do store(KEYS[i], levels[i] - cost, spec[2 * i - 1], spec[2 * i]) end
-return {'ok'}
+local out = {'ok'}
+for i = 1, #KEYS do
+  store(KEYS[i], levels[i] - cost, spec[2 * i - 1], spec[2 * i])
+  out[i + 1] = num(levels[i] - cost)
+end
+return out
 """
 
 # KEYS: buckets. ARGV: delta (reserved - actual), then tokens and refill/s per budget.
