@@ -57,10 +57,22 @@ def _runtime(tmp_path: Path, name: str, redis_url: str) -> Runtime:
                    {}, open_ledger(config.ledger), clock=time.monotonic, store=store)
 
 
-async def _admit(rt: Runtime, application: str) -> Any:
+def _exchange(rt: Runtime, application: str) -> Exchange:
     tenant = rt.tenants.get("t")
-    ex = Exchange(rt, "tpg-test", "completion", tenant, rt.clock(), time.time(),
-                  application=tenant.applications[application])
+    return Exchange(rt, "tpg-test", "completion", tenant, rt.clock(), time.time(),
+                    application=tenant.applications[application])
+
+
+async def _close(*runtimes: Runtime) -> None:
+    for rt in runtimes:
+        await rt.store.close()  # type: ignore[union-attr]
+        rt.ledger.close()
+
+
+async def _admit(rt: Runtime, application: str, ex: Exchange | None = None) -> Any:
+    """Admit a one-token request of ``application`` (in ``ex``, when given): the
+    admission, or the refusal."""
+    ex = ex if ex is not None else _exchange(rt, application)
     req = parse_request("completion", {"model": "m", "prompt": [1], "max_tokens": 1})
     async with httpx.AsyncClient(base_url=CLOSED) as client:
         try:
@@ -93,9 +105,7 @@ def test_replicas_share_an_applications_budget_and_request_limit(
             chat = await a.store.budget_levels(CHAT, a.config.tenants[0].applications[0].budgets)  # type: ignore[union-attr]
             assert 1.0 <= chat["5/1h"] <= 1.01
         finally:
-            for rt in (a, b):
-                await rt.store.close()  # type: ignore[union-attr]
-                rt.ledger.close()
+            await _close(a, b)
 
     asyncio.run(body())
 
@@ -168,9 +178,7 @@ def test_the_application_budget_gauge_reads_the_shared_level(
             assert list(levels.application_samples()) == [] and list(levels.samples()) == []
         finally:
             a.tenants.series.clear()
-            for rt in (a, b):
-                await rt.store.close()  # type: ignore[union-attr]
-                rt.ledger.close()
+            await _close(a, b)
 
     asyncio.run(body())
 
@@ -186,19 +194,13 @@ def test_an_admitted_requests_headroom_is_the_shared_one(
         a, b = (_runtime(tmp_path, name, redis_server.url) for name in ("a", "b"))
         try:
             assert isinstance(await _admit(a, "chat"), Admission)  # chat: 5 -> 3, 3 -> 2 requests
-            tenant = b.tenants.get("t")
-            ex = Exchange(b, "tpg-test", "completion", tenant, b.clock(), time.time(),
-                          application=tenant.applications["chat"])
-            req = parse_request("completion", {"model": "m", "prompt": [1], "max_tokens": 1})
-            async with httpx.AsyncClient(base_url=CLOSED) as client:
-                assert isinstance(await admit(b, ex, req, client), Admission)
+            ex = _exchange(b, "chat")
+            assert isinstance(await _admit(b, "chat", ex), Admission)
             h = headroom_headers(ex.requests_headroom, ex.tokens_headroom)
             assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("5", "1")
             assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) \
                 == ("3", "1")
         finally:
-            for rt in (a, b):
-                await rt.store.close()  # type: ignore[union-attr]
-                rt.ledger.close()
+            await _close(a, b)
 
     asyncio.run(body())

@@ -21,7 +21,7 @@ import httpx
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from ..fairness import BudgetRefusal, Headroom, RequestLimit, tightest
+from ..fairness import BudgetRefusal, Headroom, RequestLimit, TenantBudgets, tightest
 from . import _metrics as metrics
 from . import _observe as observe
 from ._body import ParsedRequest, count_calls, prompt_token_ids
@@ -286,25 +286,19 @@ async def _reserve(rt: Runtime, ex: Exchange,
         else:
             _undo(rt, held)
     if refusal is None:
-        ex.tokens_headroom = tightest((_headroom(rt, held), _tenant_headroom(rt, ex)))
+        ex.tokens_headroom = tightest((
+            None if held is None else _left(rt, held.reservation, held.buckets),
+            _left(rt, ex.reservation, ex.tenant.budgets)))
         return None
     return refusal, None if app is None else ex.tenant
 
 
-def _tenant_headroom(rt: Runtime, ex: Exchange) -> Headroom | None:
-    """What the tenant's enforced budgets have left after this request's reservation."""
-    if ex.reservation is not None:
-        return ex.reservation.headroom()
-    return ex.tenant.budgets.headroom(rt.clock()) if ex.tenant.config.budgets else None
-
-
-def _headroom(rt: Runtime, hold: Hold | None) -> Headroom | None:
-    """What an application's budgets have left after the reservation ``hold`` took."""
-    if hold is None:
-        return None
-    if hold.reservation is not None:
-        return hold.reservation.headroom()
-    return hold.buckets.headroom(rt.clock())
+def _left(rt: Runtime, reservation: Reservation | None, buckets: TenantBudgets) -> Headroom | None:
+    """What a level's enforced budgets have left after this request's reservation: as
+    the shared store answered it, else the buckets in process (None without budgets)."""
+    if reservation is not None:
+        return reservation.headroom()
+    return buckets.headroom(rt.clock())
 
 
 async def _reserve_tenant(rt: Runtime, ex: Exchange, cost: float) -> BudgetRefusal | None:
