@@ -76,12 +76,13 @@ def test_start_up_refuses_the_paced_class_of_the_other_mode(tiny_model: Path,
     assert config.scheduler_config.scheduler_cls == right
 
 
-def test_start_up_refuses_speculative_decoding(tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match=r"does not support speculative decoding"):
-        _config(tiny_model, additional_config=PACING, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2,
-            "prompt_lookup_max": 2, "prompt_lookup_min": 1,
-        })
+def test_start_up_takes_speculative_decoding(tiny_model: Path) -> None:
+    """Drafts are paced (``pacing._drafts``): the paced class is selected as usual."""
+    config = _config(tiny_model, additional_config=PACING, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2,
+        "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+    })
+    assert config.scheduler_config.scheduler_cls == _hooks.PACED_SCHEDULER
 
 
 def test_start_up_names_a_bad_key(tiny_model: Path) -> None:

@@ -31,10 +31,11 @@ def test_plain_decoder_is_supported():
         assert unsupported_modes(config(parallel_config=dp)) == []
     ours = config(scheduler_config=NS(scheduler_cls="tokenpace.engine.PacedScheduler"))
     assert unsupported_modes(ours) == []
+    # Speculative decoding: drafts are granted from the quota (pacing._drafts).
+    assert unsupported_modes(config(speculative_config=object())) == []
 
 
 @pytest.mark.parametrize(("changes", "named"), [
-    ({"speculative_config": object()}, "speculative decoding"),
     ({"parallel_config": NS(data_parallel_size=2, pipeline_parallel_size=1,
                             data_parallel_hybrid_lb=True)}, "hybrid load balancing"),
     ({"parallel_config": NS(data_parallel_size=1, pipeline_parallel_size=2)}, "pipeline parallel"),

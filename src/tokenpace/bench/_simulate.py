@@ -10,6 +10,7 @@ Used by the scheduler tests and by `tokenpace bench scheduler`.
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
 from collections import defaultdict
@@ -18,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -65,7 +66,15 @@ class Sim:
     step_index: int = 0
     scheduler_cpu_ns: int = 0
     """Process CPU time spent inside schedule() and update_from_output()."""
-    _inflight: tuple[Any, set[str]] | None = None
+    accept: float = 0.0
+    """Speculative decoding: each draft in turn is accepted with this probability, until
+    the first rejection (as a target model verifies drafts)."""
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    delivered: list[tuple[int, str, str, int]] = field(default_factory=list)
+    """(dispatch t_ns, user, request id, tokens) of every step's delivered tokens."""
+    drafts_scheduled: int = 0
+    drafts_accepted: int = 0
+    _inflight: tuple[Any, set[str], int] | None = None
 
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
             priority: int = 0, arrival: float | None = None,
@@ -103,9 +112,11 @@ class Sim:
         if self.is_async:
             if self._inflight is not None:
                 self._update(*self._inflight)
-            self._inflight = (out, sampled)
+            self._inflight = (out, sampled, self.clock.now_ns)
         else:
-            self._update(out, sampled)
+            self._update(out, sampled, self.clock.now_ns)
+            if self.scheduler.num_spec_tokens:
+                self._propose(sampled)
         self.clock.now_ns += self.step_ns
         return out
 
@@ -114,12 +125,30 @@ class Sim:
             self._update(*self._inflight)
             self._inflight = None
 
-    def _update(self, out: Any, sampled: set[str]) -> None:
+    def _propose(self, sampled: set[str]) -> None:
+        """Sync speculative decoding: the drafter proposes ``k`` drafts for each request
+        that sampled (vLLM's engine does this after ``update_from_output``)."""
+        ids = [rid for rid in sampled if rid in self.scheduler.requests]
+        k = self.scheduler.num_spec_tokens
+        self.scheduler.update_draft_token_ids(
+            DraftTokenIds(req_ids=ids, draft_token_ids=[[SAMPLED_TOKEN] * k for _ in ids]))
+
+    def _sample(self, out: Any, rid: str) -> list[int]:
+        """One sure token, plus the accepted prefix of the request's scheduled drafts."""
+        drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+        accepted = 0
+        while accepted < drafts and self.rng.random() < self.accept:
+            accepted += 1
+        self.drafts_scheduled += drafts
+        self.drafts_accepted += accepted
+        return [SAMPLED_TOKEN] * (1 + accepted)
+
+    def _update(self, out: Any, sampled: set[str], t_ns: int) -> None:
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=[[SAMPLED_TOKEN] if rid in sampled else [] for rid in ids],
+            sampled_token_ids=[self._sample(out, rid) if rid in sampled else [] for rid in ids],
         )
         t0 = time.process_time_ns()
         outputs = self.scheduler.update_from_output(out, mro)
@@ -127,12 +156,19 @@ class Sim:
         for eco in outputs.values():
             for o in eco.outputs:
                 self.tokens[o.request_id] += len(o.new_token_ids)
+                if o.new_token_ids:
+                    self.delivered.append(
+                        (t_ns, self.users[o.request_id], o.request_id, len(o.new_token_ids)))
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = str(o.finish_reason)
 
     def run(self, seconds: float) -> None:
         for _ in range(round(seconds * NS / self.step_ns)):
             self.step()
+
+    def delivered_times(self, user: str) -> list[int]:
+        """The dispatch instant of each token delivered to ``user``, in order."""
+        return [t for t, u, _, n in self.delivered if u == user for _ in range(n)]
 
     def user_times(self, user: str) -> list[int]:
         return [t for _, t, u, _ in self.dispatched if u == user]
@@ -159,6 +195,8 @@ def make_sim(
     step_ns: int = 10_000_000,
     max_model_len: int = 2048,
     prefill_schedule_interval: int = 1,
+    spec_tokens: int = 0,
+    accept: float = 0.7,
 ) -> Sim:
     model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -175,10 +213,17 @@ def make_sim(
     cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto")
     cache_config.num_gpu_blocks = num_blocks
     additional = {"tokenpace": pacing} if pacing is not None else {}
+    # n-gram drafting: a proposer that lives in the worker, so the scheduler sees only
+    # the drafts this simulation hands it (``Sim._propose``); vLLM takes async scheduling
+    # with its GPU flavour only (the scheduler then uses placeholder drafts).
+    speculative = SpeculativeConfig(
+        method="ngram_gpu" if is_async else "ngram", num_speculative_tokens=spec_tokens,
+        prompt_lookup_max=3, prompt_lookup_min=1) if spec_tokens else None
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        speculative_config=speculative,
         additional_config=additional,
     )
     kv_cache_config = KVCacheConfig(
@@ -204,7 +249,8 @@ def make_sim(
     planner = getattr(scheduler, "planner", None)
     if planner is not None:
         planner.limiter.clock_ns = clock
-    return Sim(scheduler=scheduler, clock=clock, step_ns=step_ns, is_async=is_async)
+    return Sim(scheduler=scheduler, clock=clock, step_ns=step_ns, is_async=is_async,
+               accept=accept)
 
 
 def max_in_window(times: list[int], window_ns: int) -> int:

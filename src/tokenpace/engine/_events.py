@@ -79,8 +79,10 @@ def read_charges(path: Path, users: Collection[str] | None = None) -> dict[tuple
     refunded, in the order the log holds them (None for ``users``: everyone).
 
     A refund cancels the latest charge of its request: the scheduler refunds only the
-    token it charged in the step that was cancelled (its one refund point). A missing file
-    reads as empty (the writer has not flushed yet).
+    token it charged in the step that was cancelled (its one refund point). A ``reject``
+    (a speculative draft the model rejected, logged when the step's results arrive, with
+    its step's dispatch instant as ``t_ns``) cancels a charge of that instant. A missing
+    file reads as empty (the writer has not flushed yet).
     """
     charges: dict[tuple[str, str], list[int]] = {}
     text = path.read_text() if path.exists() else ""
@@ -93,6 +95,10 @@ def read_charges(path: Path, users: Collection[str] | None = None) -> dict[tuple
         key = (event["user"], event["request_id"])
         if event["event"] == "charge":
             charges.setdefault(key, []).append(event["t_ns"])
+        elif event["event"] == "reject":
+            stamps = charges.get(key)
+            if stamps and event["t_ns"] in stamps:
+                del stamps[len(stamps) - 1 - stamps[::-1].index(event["t_ns"])]
         elif charges.get(key):
             charges[key].pop()
     return charges

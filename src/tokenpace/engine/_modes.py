@@ -20,8 +20,6 @@ def unsupported_modes(vllm_config: Any, scheduler: Any = None) -> list[str]:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    if vllm_config.speculative_config is not None:
-        found.append("speculative decoding (a step can emit several tokens per request)")
     if getattr(parallel, "data_parallel_size", 1) > 1 and getattr(
         parallel, "data_parallel_hybrid_lb", False
     ):

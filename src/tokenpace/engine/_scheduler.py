@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..pacing import (
+    DraftBook,
     InnerRates,
     MAY_SAMPLE,
     NO_SAMPLE,
@@ -149,6 +150,11 @@ def _inner_name(request: Any, field: str) -> str | None:
         return None
 
 
+_DraftsOut = tuple[str, Stream, int, int]
+"""A request's scheduled drafts awaiting the step's results: (request id, its stream,
+drafts scheduled, the step's dispatch instant in ns)."""
+
+
 class _PacingMixin:
     """Pacing around vLLM's ``schedule()``; mixed into ``Scheduler`` and ``AsyncScheduler``."""
 
@@ -175,6 +181,11 @@ class _PacingMixin:
         # per user that a versioned rate was sent for, kept like the overrides it guards.
         self._rate_versions: dict[str, int] = {}
         self._steps = 0
+        # Speculative decoding: drafts are granted, cut and given back by the book
+        # (``pacing._drafts``); results still to come: id(output) -> (output, step,
+        # [(request id, stream, drafts scheduled, dispatch instant)]).
+        self._drafts: DraftBook | None = None
+        self._draft_results: dict[int, tuple[SchedulerOutput, int, list[_DraftsOut]]] = {}
         # What aborted requests had generated, for the gateway (``_aborted``).
         self.aborted_outputs = AbortedOutputs()
         engine_core = sys.modules.get("vllm.v1.engine.core")
@@ -196,6 +207,8 @@ class _PacingMixin:
             OutputRateLimiter(config.limits),
             PacingStats(config.metrics_users, first=config.limits.overrides),
             InnerRates(config.end_user_rate))
+        if self.vllm_config.speculative_config is not None:
+            self._drafts = DraftBook(self._planner.limiter, self._planner.inner)
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
@@ -461,9 +474,10 @@ class _PacingMixin:
         priority_policy = self.policy == SchedulingPolicy.PRIORITY  # type: ignore[attr-defined]
         # Per running request and step: four attribute reads, the remaining-token sum, one
         # attribute write and one append (about 0.05 us hot); no allocation. The token
-        # count is read as ``len(_all_token_ids)``: vLLM's ``num_tokens_with_spec``
-        # property adds its draft tokens, always none here (speculative decoding is
-        # refused, ``_modes``), and a property call cost 0.045 us per request.
+        # count is read as ``len(_all_token_ids)``, without the speculative drafts that
+        # vLLM's ``num_tokens_with_spec`` property adds (a property call cost 0.045 us per
+        # request): a decode step with drafts still has one sure token to sample, and its
+        # drafts are accounted for after the plan (``_grant_drafts``).
         cap = self.max_num_scheduled_tokens
         streams: list[Stream] = []
         append = streams.append
@@ -507,6 +521,7 @@ class _PacingMixin:
                 bumped = throttled
         self.max_num_active_reqs = min(active_slots + len(throttled), self.max_num_running_reqs)
         admits = bool(self.waiting) or bool(self.kv_holding_waiting)  # type: ignore[attr-defined]
+        grants = self._grant_drafts() if self._drafts is not None else None
         if admits:
             self.__dict__["_reserve_prefill_lookahead"] = self._charge_admission_chunk
         try:
@@ -521,7 +536,102 @@ class _PacingMixin:
                 self._restore_arrival_times(bumped)
 
         self._settle(output, len(streams), may_end_prompt)
+        if grants is not None:
+            self._settle_drafts(output, grants, admits)
         return output
+
+    def _grant_drafts(self) -> list[tuple[Request, Stream, int]]:
+        """Cut the drafts of every charged stream to what its quota allows now.
+
+        vLLM verifies ``request.spec_token_ids``; a stream that gets fewer drafts than it
+        proposed keeps the first ones (a new list: under async scheduling the list is a
+        placeholder that vLLM shares between requests). Cost, with speculative decoding
+        only: per charged stream one ``len``, and for one with drafts a GCRA update per
+        level (``DraftBook.grant``).
+        """
+        assert self._drafts is not None and self._planner is not None
+        requests = self.requests
+        grant = self._drafts.grant
+        grants: list[tuple[Request, Stream, int]] = []
+        for s in self._planner.sampling_streams():
+            req = requests.get(s.key)  # type: ignore[arg-type]
+            want = len(req.spec_token_ids) if req is not None else 0
+            if not want:
+                continue
+            granted = grant(s, want)
+            if granted is None:
+                continue
+            if granted < want:
+                req.spec_token_ids = req.spec_token_ids[:granted]  # type: ignore[union-attr]
+            grants.append((req, s, granted))  # type: ignore[arg-type]
+        return grants
+
+    def _settle_drafts(self, output: SchedulerOutput,
+                       grants: list[tuple[Request, Stream, int]], admitted: bool) -> None:
+        """The refund point for drafts: those granted but not scheduled go back; those
+        scheduled wait for the step's results (``update_from_output``). Drafts vLLM
+        scheduled without a grant (it pads a resumed decode request's first step, only in
+        a step that admitted) are owed. Cost: one dict lookup per granted stream, and in
+        a step that admitted, one per request with scheduled drafts."""
+        assert self._drafts is not None
+        book = self._drafts
+        spec = output.scheduled_spec_decode_tokens
+        log = self._event_log
+        now = self._planner.limiter.now_ns() if self._planner is not None else 0
+        out: list[_DraftsOut] = []
+        for req, s, granted in grants:
+            n = len(spec.get(req.request_id, ())) if req.request_id in output.num_scheduled_tokens else 0
+            if n < granted:
+                book.give_back(s, granted - n)
+            if n:
+                out.append((req.request_id, s, n, now))
+        if admitted and spec:
+            seen = {req.request_id for req, _, _ in grants}
+            for rid, drafts in spec.items():
+                if rid in seen or not drafts:
+                    continue
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                s = self._stream_of(req)
+                book.owe(s, len(drafts))
+                out.append((rid, s, len(drafts), now))
+        if log is not None:
+            for rid, s, n, _ in out:
+                for _ in range(n):
+                    log.record(now, s.user, rid, "charge")
+        if out:
+            self._draft_results[id(output)] = (output, self._steps, out)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> Any:
+        """vLLM's, after the drafts of ``scheduler_output`` that the model rejected went
+        back to their users (``pacing._drafts``, step 3). Cost: nothing unless the step
+        scheduled drafts of paced users; then one lookup per such request."""
+        if self._draft_results:
+            entry = self._draft_results.pop(id(scheduler_output), None)
+            if entry is not None and entry[0] is scheduler_output:
+                self._return_rejected(entry[2], model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+
+    def _return_rejected(self, out: list[_DraftsOut], model_runner_output: Any) -> None:
+        """Give back each request's drafts beyond those accepted: a request with no
+        sampled tokens (gone, or its KV load failed) delivered none of them. Accepted
+        drafts past a stop token are kept charged (at most ``k`` per request)."""
+        assert self._drafts is not None
+        index = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        sure = self.num_sampled_tokens_per_step  # type: ignore[attr-defined]
+        log = self._event_log
+        for rid, s, n, t_ns in out:
+            i = index.get(rid)
+            generated = len(sampled[i]) if sampled and i is not None else 0
+            rejected = n - min(max(generated - sure, 0), n)
+            if rejected:
+                self._drafts.give_back(s, rejected)
+                if log is not None:
+                    for _ in range(rejected):
+                        log.record(t_ns, s.user, rid, "reject")
 
     def _reload_limits(self, watcher: LimitsFileWatcher) -> None:
         """Apply an edited limits file between steps (never in the middle of one)."""
@@ -621,6 +731,10 @@ class _PacingMixin:
 
     def _cleanup(self) -> None:
         assert self._planner is not None
+        if self._draft_results:
+            # Results that never came (the engine dropped the step): nothing to return.
+            stale = self._steps - CLEANUP_EVERY_STEPS
+            self._draft_results = {k: v for k, v in self._draft_results.items() if v[1] > stale}
         self._planner.limiter.cleanup_idle_users()
         self._planner.inner.cleanup_idle_users()
         self._planner.forget(self.requests.__contains__)

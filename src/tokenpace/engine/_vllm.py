@@ -29,7 +29,9 @@ SUPPORTED_VLLM_SERIES = ("0.32.", "0.33.")
 # - max_num_active_reqs: waiting admission stops when len(running) reaches it (raised for
 #   one call by the number of throttled requests, capped by max_num_running_reqs);
 # - max_num_scheduled_tokens: upper bound of one request's tokens in one step;
-# - kv_holding_waiting: the second queue that waiting admission takes from (with waiting).
+# - kv_holding_waiting: the second queue that waiting admission takes from (with waiting);
+# - num_sampled_tokens_per_step: the sure tokens of a decode step (1), beyond which the
+#   tokens a step returns are accepted speculative drafts (_scheduler._return_rejected).
 SCHEDULER_ATTRIBUTES = (
     "running",
     "requests",
@@ -40,6 +42,7 @@ SCHEDULER_ATTRIBUTES = (
     "max_num_active_reqs",
     "max_num_running_reqs",
     "max_num_scheduled_tokens",
+    "num_sampled_tokens_per_step",
     "vllm_config",
 )
 # Methods overridden (hooks) or called.
@@ -51,7 +54,13 @@ SCHEDULER_METHODS = (
     # (bound on the instance for a step that starts with requests waiting, see _scheduler)
     "shutdown",
     "finish_requests",  # (request_ids, status) -> the requests it finished: aborts (_aborted)
+    "update_from_output",  # (SchedulerOutput, ModelRunnerOutput): rejected drafts go back
 )
+# Speculative decoding (_scheduler._grant_drafts): the drafts a decode step will verify are
+# ``request.spec_token_ids`` when schedule() starts (cut there to the user's quota); the
+# ones it scheduled are SchedulerOutput.scheduled_spec_decode_tokens (request id -> list),
+# and ModelRunnerOutput.sampled_token_ids[req_id_to_index[request id]] holds the sure
+# tokens followed by the accepted drafts.
 # Request fields used to decide whether a step samples and to skip it.
 REQUEST_ATTRIBUTES = (
     "request_id",
@@ -62,6 +71,7 @@ REQUEST_ATTRIBUTES = (
     "num_computed_tokens",
     "num_tokens",
     "num_tokens_with_spec",
+    "spec_token_ids",
     "_all_token_ids",  # its length is num_tokens_with_spec without drafts (read per step)
     "num_output_placeholders",
     "next_decode_eligible_step",

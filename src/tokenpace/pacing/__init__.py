@@ -4,6 +4,7 @@ Nothing here imports vLLM or a web stack; the clock is injected so that tests an
 simulations can drive time exactly.
 """
 
+from ._drafts import DraftBook
 from ._inner import InnerRates, inner_levels
 from ._limiter import BURST_NS, OutputRateLimiter
 from ._planner import (
@@ -36,6 +37,7 @@ from ._limits import (
 __all__ = [
     "BURST_NS",
     "DEFAULT_MAX_USERS",
+    "DraftBook",
     "InnerRates",
     "inner_levels",
     "OTHER_USER",

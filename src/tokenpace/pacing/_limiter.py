@@ -218,6 +218,28 @@ class OutputRateLimiter:
             claim.granted = granted
         return short
 
+    def take_owed(self, user: str, n: int, now_ns: int) -> bool:
+        """Count ``n`` tokens that were handed out without asking (the TAT may move past
+        the burst tolerance: the user is then refused until it has paid them back).
+
+        For tokens the scheduler cannot withhold: vLLM pads a resumed decode request's
+        first step with speculative slots (``pacing._drafts``). False for a user without
+        a rate (nothing counted).
+        """
+        if n <= 0:
+            return False
+        bucket = self.bucket(user, now_ns)
+        if bucket is None:
+            return False
+        now_scaled = now_ns * bucket.scale
+        if bucket.tat <= now_scaled:  # restart from now (see refundable)
+            bucket.tat = now_scaled + n * bucket.interval
+            bucket.refundable = n
+        else:
+            bucket.tat += n * bucket.interval
+            bucket.refundable += n
+        return True
+
     def bucket(self, user: str, now_ns: int) -> _Bucket | None:
         """The user's GCRA state (created at ``now_ns`` if absent), or None if not paced.
 

@@ -663,6 +663,17 @@ class StepPlanner:
                 self._refund_inner(levels)
         self._inner_admitted.clear()
 
+    def sampling_streams(self) -> list[Stream]:
+        """The running streams charged a token this step (at their user's level, an inner
+        level or both), between ``plan_running`` and ``settle``: the ones whose
+        speculative drafts may ask for more (``_drafts``). Cost: a list of them, plus a
+        set when some stream names an inner level."""
+        charged = self._charged_streams
+        if not self._inner_charged:
+            return list(charged)
+        keys = {s.key for s in charged}
+        return list(charged) + [s for s in self._inner_charged if s.key not in keys]
+
     @property
     def refused_any(self) -> bool:
         """Whether some user or inner level was refused a token in the last step."""

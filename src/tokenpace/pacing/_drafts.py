@@ -1,0 +1,109 @@
+"""Speculative tokens: granted before a step, cut to the quota, given back when unused.
+
+With speculative decoding a decode step verifies ``d`` draft tokens besides the one it
+always samples, and delivers between 1 and ``d + 1`` tokens. The planner charges the one
+sure token as for any decode step; this module accounts for the drafts around it:
+
+1. **Before the step** (``grant``): a stream that was charged its sure token asks for
+   its ``d`` drafts; it gets what every level's quota allows right now (its user's, its
+   application's, its end user's: the smallest of them, all taken or given back
+   together), and the scheduler verifies only that many. A throttled user's drafts are
+   therefore never verified beyond its quota, and with quota to spare nothing changes.
+2. **At the refund point** (``dispatched``): drafts granted but not scheduled (the step
+   was not dispatched, or vLLM cut the drafts for its token budget) go back.
+3. **When the step's results arrive** (``rejected``): drafts the target model rejected
+   were never delivered; they go back, so a user's delivered tokens, not its verified
+   drafts, are what its rate bounds.
+
+Drafts vLLM schedules without asking (it pads a resumed or remotely prefilled request's
+first decode step with placeholder drafts) are counted as owed (``owe``): the user pays
+them back before its next grant.
+
+Bound. Counting each delivered token at the instant its step was dispatched, a user's
+tokens in any window of W seconds stay within ``(W + 0.1) x R + 1 + k x n``, where ``k``
+is the number of speculative tokens and ``n`` the user's requests whose drafts were in
+flight when the window began: rejected drafts of a step dispatched before the window
+are returned inside it. ``n`` is 1 for a user with one stream.
+
+Cost: only for streams that have drafts, one GCRA update per level per step (``take``
+grants ``d`` tokens at once) and one refund per returned token; nothing when
+speculative decoding is off. Nothing here knows vLLM.
+"""
+
+from __future__ import annotations
+
+from ._limiter import OutputRateLimiter
+from ._planner import Stream
+
+
+class DraftBook:
+    """The draft-token accounts of one scheduler (its user and inner limiters)."""
+
+    def __init__(self, limiter: OutputRateLimiter, inner: OutputRateLimiter) -> None:
+        self.limiter = limiter
+        self.inner = inner
+        self.granted = 0
+        """Draft tokens granted so far (before any return), for tests and metrics."""
+        self.returned = 0
+        """Draft tokens given back so far (not dispatched, or rejected)."""
+
+    def grant(self, stream: Stream, want: int) -> int | None:
+        """Grant up to ``want`` drafts to ``stream`` now: the most every level allows.
+
+        None when no level paces the stream (nothing counted: it keeps all its drafts).
+        Levels are taken in turn, each asked for what the ones before it granted; the
+        surplus of the earlier ones is given back at once (exact: the same instant).
+        """
+        now = self.limiter.now_ns()
+        granted = want
+        taken: list[tuple[OutputRateLimiter, object, int]] = []
+        for limiter, key in self._levels(stream):
+            if granted <= 0:
+                break
+            got = limiter.take(key, granted, now)  # type: ignore[arg-type]
+            if got is None:
+                continue
+            taken.append((limiter, key, got))
+            if got < granted:
+                granted = got
+        if not taken:
+            return None
+        for limiter, key, got in taken:
+            for _ in range(got - granted):
+                limiter.refund(key)  # type: ignore[arg-type]
+        self.granted += granted
+        stream.stats.tokens += granted
+        return granted
+
+    def owe(self, stream: Stream, n: int) -> None:
+        """Count ``n`` drafts that were scheduled without a grant, at every level."""
+        if n <= 0:
+            return
+        now = self.limiter.now_ns()
+        counted = False
+        for limiter, key in self._levels(stream):
+            counted |= limiter.take_owed(key, n, now)  # type: ignore[arg-type]
+        if counted:
+            self.granted += n
+            stream.stats.tokens += n
+
+    def give_back(self, stream: Stream, n: int) -> None:
+        """Return ``n`` drafts of ``stream`` at every level (not dispatched, or rejected).
+
+        A level's refund is ignored past what it granted since its TAT last restarted
+        (``OutputRateLimiter.refund``), so a late return can never create quota.
+        """
+        if n <= 0:
+            return
+        for limiter, key in self._levels(stream):
+            for _ in range(n):
+                limiter.refund(key)  # type: ignore[arg-type]
+        self.returned += n
+        stream.stats.tokens -= n
+        stream.stats.refunds += n
+
+    def _levels(self, stream: Stream) -> list[tuple[OutputRateLimiter, object]]:
+        """The user first, then the inner levels it names, outermost first."""
+        levels: list[tuple[OutputRateLimiter, object]] = [(self.limiter, stream.user)]
+        levels.extend((self.inner, level) for level in stream.levels)
+        return levels
