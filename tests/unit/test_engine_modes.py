@@ -35,20 +35,46 @@ def test_plain_decoder_is_supported():
     assert unsupported_modes(config(speculative_config=object())) == []
 
 
-@pytest.mark.parametrize(("changes", "named"), [
+@pytest.mark.parametrize("changes", [
+    {"speculative_config": object()},
+    {"parallel_config": NS(data_parallel_size=1, pipeline_parallel_size=2)},
+    {"kv_transfer_config": object()},
+    {"ec_transfer_config": object()},
+    {"cache_config": NS(kv_offloading_size=4.0)},
+    {"model_config": NS(is_multimodal_model=True)},
+    {"model_config": NS(is_encoder_decoder=True)},
+    {"model_config": NS(is_hybrid=True)},
+    {"model_config": NS(is_attention_free=True)},
+], ids=["spec", "pp", "kv-connector", "ec-connector", "kv-offload", "multimodal",
+        "encoder-decoder", "hybrid", "attention-free"])
+def test_production_modes_are_paced(changes):
+    """Each is paced with a stated bound (docs/engine.md, "Engine modes")."""
+    assert unsupported_modes(config(**changes)) == []
+
+
+@pytest.mark.parametrize(("changes", "named", "instead"), [
     ({"parallel_config": NS(data_parallel_size=2, pipeline_parallel_size=1,
-                            data_parallel_hybrid_lb=True)}, "hybrid load balancing"),
-    ({"parallel_config": NS(data_parallel_size=1, pipeline_parallel_size=2)}, "pipeline parallel"),
-    ({"kv_transfer_config": object()}, "KV connectors"),
-    ({"ec_transfer_config": object()}, "encoder-cache connectors"),
-    ({"cache_config": NS(kv_offloading_size=4.0)}, "KV offload"),
-    ({"scheduler_config": NS(scheduler_cls="my.Scheduler")}, "another custom scheduler"),
-    ({"model_config": NS(is_multimodal_model=True)}, "multimodal"),
-    ({"model_config": NS(is_encoder_decoder=True)}, "encoder-decoder"),
-    ({"model_config": NS(is_hybrid=True)}, "hybrid"),
-    ({"model_config": NS(is_attention_free=True)}, "attention-free"),
-    ({"model_config": NS(is_diffusion=True)}, "diffusion"),
+                            data_parallel_hybrid_lb=True)}, "hybrid load balancing",
+     "one API server for all ranks"),
+    ({"scheduler_config": NS(scheduler_cls="my.Scheduler")}, "another custom scheduler",
+     "class Mine(PacedScheduler, YourScheduler)"),
+    ({"model_config": NS(is_diffusion=True)}, "diffusion", "at the gateway"),
 ])
-def test_each_mode_is_named(changes, named):
+def test_each_refused_mode_says_why_and_what_to_do(changes, named, instead):
     found = unsupported_modes(config(**changes))
-    assert len(found) == 1 and named in found[0]
+    assert len(found) == 1 and named in found[0] and instead in found[0]
+
+
+class _Combined:
+    """A user's combination of the paced class with its own (only the MRO matters)."""
+
+
+def test_a_class_derived_from_the_paced_one_is_ours():
+    from tokenpace.engine._modes import _is_ours
+
+    fake_base = type("PacedScheduler", (), {"__module__": "tokenpace.engine._scheduler"})
+    combined = type("Mine", (fake_base,), {"__module__": "acme.sched"})
+    assert _is_ours(combined)
+    assert not _is_ours(_Combined)
+    assert _is_ours("tokenpace.engine.PacedScheduler")
+    assert not _is_ours("acme.missing.Scheduler")

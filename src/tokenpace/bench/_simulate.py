@@ -13,13 +13,20 @@ from __future__ import annotations
 import random
 import time
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -74,7 +81,10 @@ class Sim:
     """(dispatch t_ns, user, request id, tokens) of every step's delivered tokens."""
     drafts_scheduled: int = 0
     drafts_accepted: int = 0
-    _inflight: tuple[Any, set[str], int] | None = None
+    in_flight: int = 0
+    """Steps whose results come back later: 1 under async scheduling, ``pp - 1`` under
+    pipeline parallel (vLLM's batch queue), 0 otherwise."""
+    _inflight: deque[tuple[Any, set[str], int]] = field(default_factory=deque)
 
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
             priority: int = 0, arrival: float | None = None,
@@ -109,10 +119,10 @@ class Sim:
         self.preempted.extend(out.preempted_req_ids or ())
         for rid in sampled:
             self.dispatched.append((self.step_index, self.clock.now_ns, self.users[rid], rid))
-        if self.is_async:
-            if self._inflight is not None:
-                self._update(*self._inflight)
-            self._inflight = (out, sampled, self.clock.now_ns)
+        if self.in_flight:
+            self._inflight.append((out, sampled, self.clock.now_ns))
+            if len(self._inflight) > self.in_flight:
+                self._update(*self._inflight.popleft())
         else:
             self._update(out, sampled, self.clock.now_ns)
             if self.scheduler.num_spec_tokens:
@@ -121,9 +131,8 @@ class Sim:
         return out
 
     def drain(self) -> None:
-        if self._inflight is not None:
-            self._update(*self._inflight)
-            self._inflight = None
+        while self._inflight:
+            self._update(*self._inflight.popleft())
 
     def _propose(self, sampled: set[str]) -> None:
         """Sync speculative decoding: the drafter proposes ``k`` drafts for each request
@@ -197,6 +206,7 @@ def make_sim(
     prefill_schedule_interval: int = 1,
     spec_tokens: int = 0,
     accept: float = 0.7,
+    pipeline_parallel: int = 1,
 ) -> Sim:
     model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -224,6 +234,7 @@ def make_sim(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         speculative_config=speculative,
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel),
         additional_config=additional,
     )
     kv_cache_config = KVCacheConfig(
@@ -250,7 +261,7 @@ def make_sim(
     if planner is not None:
         planner.limiter.clock_ns = clock
     return Sim(scheduler=scheduler, clock=clock, step_ns=step_ns, is_async=is_async,
-               accept=accept)
+               accept=accept, in_flight=1 if is_async else pipeline_parallel - 1)
 
 
 def max_in_window(times: list[int], window_ns: int) -> int:
