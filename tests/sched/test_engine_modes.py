@@ -57,3 +57,29 @@ def test_pipeline_parallel_batches_in_flight_share_one_quota(tiny_model, pp, tmp
         event = json.loads(line)
         net[event["request_id"]] += 1 if event["event"] == "charge" else -1
     assert +net == +Counter(paced.tokens), "charges net of refunds = tokens delivered"
+
+
+def test_decode_side_of_disaggregated_prefill(tiny_model):
+    """Requests whose prompt KV was computed elsewhere (vLLM's DecodeBenchConnector plays
+    the prefill side: every prompt but its last token arrives computed) sample at their
+    admission step: that step is charged, a paced user's four streams keep the bound and
+    resume, and an unpaced user beside them is scheduled exactly as by stock vLLM."""
+    pacing = {"default_user_output_tokens_per_second": 1e6,
+              "user_output_tokens_per_second": {"slow": 25}}
+    connector = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+    runs = {}
+    for paced_class in (True, False):
+        sim = make_sim(tiny_model, pacing=pacing if paced_class else None,
+                       paced_class=paced_class, kv_transfer=connector)
+        for i in range(4):
+            sim.add(f"s{i}", "slow", prompt_len=200, max_tokens=3000)
+        sim.add("f", "fast", prompt_len=200, max_tokens=200)
+        sim.run(4)
+        sim.drain()
+        runs[paced_class] = sim
+    paced = runs[True]
+    first = paced.outputs[0]
+    assert set(first.num_scheduled_tokens.values()) == {1}, "prompts arrived computed"
+    assert_rate(paced, "slow", 25, 4)
+    assert min(paced.tokens[f"s{i}"] for i in range(4)) >= 25 * 4 / 4 - 3
+    assert paced.delivered_times("fast") == runs[False].delivered_times("fast")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from vllm.config import (
     CacheConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -207,6 +208,7 @@ def make_sim(
     spec_tokens: int = 0,
     accept: float = 0.7,
     pipeline_parallel: int = 1,
+    kv_transfer: dict[str, Any] | None = None,
 ) -> Sim:
     model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -235,6 +237,7 @@ def make_sim(
         cache_config=cache_config,
         speculative_config=speculative,
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel),
+        kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
         additional_config=additional,
     )
     kv_cache_config = KVCacheConfig(
