@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,7 +74,7 @@ def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
     if args.quick:
         args.running, args.throttled, args.steps, args.repeats = [64], [0.0, 1.0], 20, 1
     result = scheduler.run(_bench_model(args), args.running, args.throttled, args.steps,
-                           args.repeats)
+                           args.repeats, spec_tokens=args.spec_tokens)
     return _bench_outputs(args, scheduler, result)
 
 
@@ -82,7 +83,8 @@ def _cmd_bench_pacing(args: argparse.Namespace) -> int:
 
     tokens = 40 if args.quick else args.tokens
     modes = ["sync"] if args.quick else args.modes
-    result = pacing.run(_bench_model(args), modes, tokens, [1, 4])
+    result = pacing.run(_bench_model(args), modes, tokens, [1, 4],
+                        serve_flags=shlex.split(args.serve_flags))
     return _bench_outputs(args, pacing, result)
 
 
@@ -273,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--steps", type=_positive_int, default=200, help="timed steps per run")
     sched.add_argument("--repeats", type=_positive_int, default=3,
                        help="alternating runs per case")
+    sched.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+                       help="speculative decoding: K drafts per decode step, 70%% of them "
+                       "accepted in turn (default 0: off)")
     sched.set_defaults(func=_cmd_bench_scheduler)
 
     pac = bench_sub.add_parser(
@@ -285,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     pac.add_argument("--tokens", type=_positive_int, default=200, help="tokens per stream")
     pac.add_argument("--modes", type=_modes, default=["sync", "async"],
                      help="scheduling modes (default sync,async)")
+    pac.add_argument("--serve-flags", default="", metavar="FLAGS",
+                     help="more vllm serve flags for the engines, as one string (e.g. "
+                     "--serve-flags \"--speculative-config '{...}'\"): the experiment in "
+                     "another engine mode")
     pac.set_defaults(func=_cmd_bench_pacing)
 
     ovh = bench_sub.add_parser(

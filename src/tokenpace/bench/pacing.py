@@ -145,7 +145,7 @@ def wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict
 
 
 def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, serve_flags: list[str] | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-pacing-"))
     servers: dict[str, tuple[Server, Path]] = {}
     for mode in modes:
@@ -159,6 +159,7 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
             "--output-rate-event-log", str(events),
             "--end-user-output-tokens-per-second", str(END_USER_RATE),
             "--async-scheduling" if mode == "async" else "--no-async-scheduling",
+            *(serve_flags or ()),
         )
         servers[mode] = (Server(argv, port, home / f"vllm-{mode}.log"), events)
     start_all([s for s, _ in servers.values()])
@@ -188,7 +189,8 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
     finally:
         for server, _ in servers.values():
             server.stop()
-    return {"benchmark": "pacing", "tokens_per_stream": tokens, "scenarios": results,
+    return {"benchmark": "pacing", "tokens_per_stream": tokens, "serve_flags": serve_flags or [],
+            "scenarios": results,
             "end_users": end_users, **environment()}
 
 

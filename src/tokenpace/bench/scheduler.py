@@ -26,7 +26,8 @@ FREE_RATE = 1e9
 BLOCK = 10
 
 
-def _build(model: Path, running: int, throttled_fraction: float | None, steps: int) -> Sim:
+def _build(model: Path, running: int, throttled_fraction: float | None, steps: int,
+           spec_tokens: int = 0) -> Sim:
     paced = throttled_fraction is not None
     n_throttled = round(running * (throttled_fraction or 0.0))
     pacing = None
@@ -34,15 +35,16 @@ def _build(model: Path, running: int, throttled_fraction: float | None, steps: i
         overrides = {f"t{i}": THROTTLED_RATE for i in range(n_throttled)}
         pacing = {"default_user_output_tokens_per_second": FREE_RATE,
                   "user_output_tokens_per_second": overrides}
-    blocks_per_req = (16 + steps + 64) // 16 + 2
+    # With drafts a step can deliver up to 1 + k tokens per request.
+    blocks_per_req = (16 + (steps + 64) * (1 + spec_tokens)) // 16 + 2
     sim = make_sim(
         model, pacing=pacing, paced_class=paced, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * 16), num_blocks=running * blocks_per_req + 16,
-        max_model_len=4096,
+        max_model_len=4096, spec_tokens=spec_tokens,
     )
     for i in range(running):
         user = f"t{i}" if i < n_throttled else f"u{i}"
-        sim.add(f"r{i}", user, prompt_len=16, max_tokens=steps + 64)
+        sim.add(f"r{i}", user, prompt_len=16, max_tokens=(steps + 64) * (1 + spec_tokens))
     for _ in range(4):  # admit and prefill everything before timing
         sim.step()
     return sim
@@ -62,14 +64,14 @@ def _time_pair(stock: Sim, paced: Sim, steps: int) -> tuple[float, float]:
 
 
 def run(model: Path, running_counts: list[int], fractions: list[float], steps: int,
-        repeats: int) -> dict[str, Any]:
+        repeats: int, spec_tokens: int = 0) -> dict[str, Any]:
     cases = []
     for running in running_counts:
         for fraction in fractions:
             stock_us, paced_us, ratios = [], [], []
             for _ in range(repeats):
-                s, p = _time_pair(_build(model, running, None, steps),
-                                  _build(model, running, fraction, steps), steps)
+                s, p = _time_pair(_build(model, running, None, steps, spec_tokens),
+                                  _build(model, running, fraction, steps, spec_tokens), steps)
                 stock_us.append(s)
                 paced_us.append(p)
                 ratios.append(p / s)
@@ -90,6 +92,7 @@ def run(model: Path, running_counts: list[int], fractions: list[float], steps: i
                   f"stock={s:9.1f} us/step paced={p:9.1f} us/step "
                   f"ratio={r:.3f} [{low:.3f}, {high:.3f}]", flush=True)
     return {"benchmark": "scheduler", "steps": steps, "repeats": repeats, "block": BLOCK,
+            "spec_tokens": spec_tokens,
             "cases": cases, **environment()}
 
 

@@ -535,9 +535,9 @@ class _PacingMixin:
             if bumped:
                 self._restore_arrival_times(bumped)
 
-        self._settle(output, len(streams), may_end_prompt)
+        logged_at = self._settle(output, len(streams), may_end_prompt)
         if grants is not None:
-            self._settle_drafts(output, grants, admits)
+            self._settle_drafts(output, grants, admits, logged_at)
         return output
 
     def _grant_drafts(self) -> list[tuple[Request, Stream, int]]:
@@ -566,8 +566,8 @@ class _PacingMixin:
             grants.append((req, s, granted))  # type: ignore[arg-type]
         return grants
 
-    def _settle_drafts(self, output: SchedulerOutput,
-                       grants: list[tuple[Request, Stream, int]], admitted: bool) -> None:
+    def _settle_drafts(self, output: SchedulerOutput, grants: list[tuple[Request, Stream, int]],
+                       admitted: bool, logged_at: int | None) -> None:
         """The refund point for drafts: those granted but not scheduled go back; those
         scheduled wait for the step's results (``update_from_output``). Drafts vLLM
         scheduled without a grant (it pads a resumed decode request's first step, only in
@@ -577,7 +577,8 @@ class _PacingMixin:
         book = self._drafts
         spec = output.scheduled_spec_decode_tokens
         log = self._event_log
-        now = self._planner.limiter.now_ns() if self._planner is not None else 0
+        # The step's instant: the one its sure tokens were logged at, if they were.
+        now = logged_at if logged_at is not None else self._planner.limiter.now_ns()  # type: ignore[union-attr]
         out: list[_DraftsOut] = []
         for req, s, granted in grants:
             n = len(spec.get(req.request_id, ())) if req.request_id in output.num_scheduled_tokens else 0
@@ -605,32 +606,35 @@ class _PacingMixin:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
-        """vLLM's, after the drafts of ``scheduler_output`` that the model rejected went
-        back to their users (``pacing._drafts``, step 3). Cost: nothing unless the step
-        scheduled drafts of paced users; then one lookup per such request."""
-        if self._draft_results:
-            entry = self._draft_results.pop(id(scheduler_output), None)
-            if entry is not None and entry[0] is scheduler_output:
-                self._return_rejected(entry[2], model_runner_output)
-        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        """vLLM's, then the drafts of ``scheduler_output`` that were not delivered go back
+        to their users (``pacing._drafts``, step 3). Cost: nothing unless the step
+        scheduled drafts of paced users; then two attribute reads per such request."""
+        entry = self._draft_results.pop(id(scheduler_output), None) if self._draft_results else None
+        if entry is None or entry[0] is not scheduler_output:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        requests = self.requests
+        before = [(requests.get(rid), rid, s, n, t_ns) for rid, s, n, t_ns in entry[2]]
+        counts = [None if req is None else req.num_output_tokens for req, *_ in before]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self._return_undelivered(before, counts)
+        return outputs
 
-    def _return_rejected(self, out: list[_DraftsOut], model_runner_output: Any) -> None:
-        """Give back each request's drafts beyond those accepted: a request with no
-        sampled tokens (gone, or its KV load failed) delivered none of them. Accepted
-        drafts past a stop token are kept charged (at most ``k`` per request)."""
+    def _return_undelivered(self, scheduled: list[tuple[Request | None, str, Stream, int, int]],
+                            counts: list[int | None]) -> None:
+        """Give back each request's drafts beyond those it was delivered: the ones the
+        model rejected, and accepted ones that vLLM dropped (past a stop token or
+        ``max_tokens``, or the step's output was stale after a preemption). The sure
+        token stays charged, as any dispatched step's."""
         assert self._drafts is not None
-        index = model_runner_output.req_id_to_index
-        sampled = model_runner_output.sampled_token_ids
         sure = self.num_sampled_tokens_per_step  # type: ignore[attr-defined]
         log = self._event_log
-        for rid, s, n, t_ns in out:
-            i = index.get(rid)
-            generated = len(sampled[i]) if sampled and i is not None else 0
-            rejected = n - min(max(generated - sure, 0), n)
-            if rejected:
-                self._drafts.give_back(s, rejected)
+        for (req, rid, s, n, t_ns), count in zip(scheduled, counts):
+            delivered = 0 if req is None or count is None else req.num_output_tokens - count
+            undelivered = n - min(max(delivered - sure, 0), n)
+            if undelivered:
+                self._drafts.give_back(s, undelivered)
                 if log is not None:
-                    for _ in range(rejected):
+                    for _ in range(undelivered):
                         log.record(t_ns, s.user, rid, "reject")
 
     def _reload_limits(self, watcher: LimitsFileWatcher) -> None:
@@ -695,8 +699,9 @@ class _PacingMixin:
             return n - 1
         return n
 
-    def _settle(self, output: SchedulerOutput, planned: int, may_end_prompt: bool) -> None:
-        """The one refund point (see the module docstring).
+    def _settle(self, output: SchedulerOutput, planned: int, may_end_prompt: bool) -> int | None:
+        """The one refund point (see the module docstring). Returns the instant the
+        event log's lines of this step were stamped with (None: nothing logged).
 
         ``planned`` running requests went through the planner. When none was preempted,
         none may have ended its prompt, and ``running`` has exactly as many requests as
@@ -722,12 +727,14 @@ class _PacingMixin:
             output.num_scheduled_tokens, still_prefilling, report=log is not None,
             all_dispatched=all_dispatched,
         )
-        if log is not None and settlements:
-            now = self._planner.limiter.now_ns()
-            for s in settlements:
-                log.record(now, s.user, s.key, "charge")
-                if not s.dispatched:
-                    log.record(now, s.user, s.key, "refund")
+        if log is None or not settlements:
+            return None
+        now = self._planner.limiter.now_ns()
+        for s in settlements:
+            log.record(now, s.user, s.key, "charge")
+            if not s.dispatched:
+                log.record(now, s.user, s.key, "refund")
+        return now
 
     def _cleanup(self) -> None:
         assert self._planner is not None
