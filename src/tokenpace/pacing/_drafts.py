@@ -9,11 +9,12 @@ sure token as for any decode step; this module accounts for the drafts around it
    application's, its end user's: the smallest of them, all taken or given back
    together), and the scheduler verifies only that many. A throttled user's drafts are
    therefore never verified beyond its quota, and with quota to spare nothing changes.
-2. **At the refund point** (``dispatched``): drafts granted but not scheduled (the step
+2. **At the refund point** (``give_back``): drafts granted but not scheduled (the step
    was not dispatched, or vLLM cut the drafts for its token budget) go back.
-3. **When the step's results arrive** (``rejected``): drafts the target model rejected
-   were never delivered; they go back, so a user's delivered tokens, not its verified
-   drafts, are what its rate bounds.
+3. **When the step's results arrive** (``give_back`` again): drafts the target model
+   rejected, and accepted ones vLLM dropped (past a stop or ``max_tokens``), were never
+   delivered; they go back, so a user's delivered tokens, not its verified drafts, are
+   what its rate bounds.
 
 Drafts vLLM schedules without asking (it pads a resumed or remotely prefilled request's
 first decode step with placeholder drafts) are counted as owed (``owe``): the user pays
