@@ -150,8 +150,8 @@ def _inner_name(request: Any, field: str) -> str | None:
         return None
 
 
-_DraftsOut = tuple[str, Stream, int, int]
-"""A request's scheduled drafts awaiting the step's results: (request id, its stream,
+_DraftsOut = tuple[Request, Stream, int, int]
+"""A request's scheduled drafts awaiting the step's results: (the request, its stream,
 drafts scheduled, the step's dispatch instant in ns)."""
 
 
@@ -552,13 +552,14 @@ class _PacingMixin:
         assert self._drafts is not None and self._planner is not None
         requests = self.requests
         grant = self._drafts.grant
+        now = self._planner.limiter.now_ns()
         grants: list[tuple[Request, Stream, int]] = []
         for s in self._planner.sampling_streams():
             req = requests.get(s.key)  # type: ignore[arg-type]
             want = len(req.spec_token_ids) if req is not None else 0
             if not want:
                 continue
-            granted = grant(s, want)
+            granted = grant(s, want, now)
             if granted is None:
                 continue
             if granted < want:
@@ -581,11 +582,11 @@ class _PacingMixin:
         now = logged_at if logged_at is not None else self._planner.limiter.now_ns()  # type: ignore[union-attr]
         out: list[_DraftsOut] = []
         for req, s, granted in grants:
-            n = len(spec.get(req.request_id, ())) if req.request_id in output.num_scheduled_tokens else 0
+            n = len(spec.get(req.request_id, ()))  # (only scheduled requests have an entry)
             if n < granted:
                 book.give_back(s, granted - n)
             if n:
-                out.append((req.request_id, s, n, now))
+                out.append((req, s, n, now))
         if admitted and spec:
             seen = {req.request_id for req, _, _ in grants}
             for rid, drafts in spec.items():
@@ -596,11 +597,11 @@ class _PacingMixin:
                     continue
                 s = self._stream_of(req)
                 book.owe(s, len(drafts))
-                out.append((rid, s, len(drafts), now))
+                out.append((req, s, len(drafts), now))
         if log is not None:
-            for rid, s, n, _ in out:
+            for req, s, n, _ in out:
                 for _ in range(n):
-                    log.record(now, s.user, rid, "charge")
+                    log.record(now, s.user, req.request_id, "charge")
         if out:
             self._draft_results[id(output)] = (output, self._steps, out)
 
@@ -612,15 +613,13 @@ class _PacingMixin:
         entry = self._draft_results.pop(id(scheduler_output), None) if self._draft_results else None
         if entry is None or entry[0] is not scheduler_output:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        requests = self.requests
-        before = [(requests.get(rid), rid, s, n, t_ns) for rid, s, n, t_ns in entry[2]]
-        counts = [None if req is None else req.num_output_tokens for req, *_ in before]
+        scheduled = entry[2]
+        counts = [req.num_output_tokens for req, _, _, _ in scheduled]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        self._return_undelivered(before, counts)
+        self._return_undelivered(scheduled, counts)
         return outputs
 
-    def _return_undelivered(self, scheduled: list[tuple[Request | None, str, Stream, int, int]],
-                            counts: list[int | None]) -> None:
+    def _return_undelivered(self, scheduled: list[_DraftsOut], counts: list[int]) -> None:
         """Give back each request's drafts beyond those it was delivered: the ones the
         model rejected, and accepted ones that vLLM dropped (past a stop token or
         ``max_tokens``, or the step's output was stale after a preemption). The sure
@@ -628,14 +627,14 @@ class _PacingMixin:
         assert self._drafts is not None
         sure = self.num_sampled_tokens_per_step  # type: ignore[attr-defined]
         log = self._event_log
-        for (req, rid, s, n, t_ns), count in zip(scheduled, counts):
-            delivered = 0 if req is None or count is None else req.num_output_tokens - count
+        for (req, s, n, t_ns), count in zip(scheduled, counts):
+            delivered = req.num_output_tokens - count
             undelivered = n - min(max(delivered - sure, 0), n)
             if undelivered:
                 self._drafts.give_back(s, undelivered)
                 if log is not None:
                     for _ in range(undelivered):
-                        log.record(t_ns, s.user, rid, "reject")
+                        log.record(t_ns, s.user, req.request_id, "reject")
 
     def _reload_limits(self, watcher: LimitsFileWatcher) -> None:
         """Apply an edited limits file between steps (never in the middle of one)."""

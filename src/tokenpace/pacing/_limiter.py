@@ -79,6 +79,31 @@ class _Bucket:
         self.tat = -((-self.tat * self.scale) // old_scale)
 
 
+def _grant(bucket: _Bucket, n: int, now_ns: int) -> int:
+    """Grant up to ``n >= 1`` tokens on ``bucket`` at ``now_ns``; how many were granted.
+
+    GCRA admits the i-th of them while ``tat + i * interval - now <= burst``. A TAT not
+    ahead of the clock restarts from now (see ``_Bucket.refundable``).
+    """
+    now_scaled = now_ns * bucket.scale
+    tat = bucket.tat
+    restart = tat <= now_scaled  # under its rate: restart from now (see refundable)
+    if restart:
+        tat = now_scaled
+    room = bucket.burst - (tat - now_scaled)
+    if room < 0:
+        return 0
+    if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
+        granted = 1
+    else:
+        granted = room // bucket.interval + 1
+        if granted > n:
+            granted = n
+    bucket.tat = tat + granted * bucket.interval
+    bucket.refundable = granted if restart else bucket.refundable + granted
+    return granted
+
+
 class Claim(Protocol):
     """What ``take_claims`` reads (``user``, ``need``) and writes (``granted``)."""
 
@@ -88,13 +113,6 @@ class Claim(Protocol):
 
 
 C = TypeVar("C", bound=Claim)
-
-
-class _Claim:
-    __slots__ = ("user", "need", "granted")
-
-    def __init__(self, user: str, need: int) -> None:
-        self.user, self.need, self.granted = user, need, None
 
 
 class OutputRateLimiter:
@@ -168,9 +186,15 @@ class OutputRateLimiter:
         admits the i-th of them while ``tat + i * interval - now <= burst``). None for a
         user without a rate (not paced: nothing is counted, every token is free).
         """
-        claim = _Claim(user, n)
-        self.take_claims((claim,), now_ns)
-        return claim.granted
+        if n <= 0:
+            return None
+        bucket = self._buckets.get(user)
+        if bucket is None:
+            rate = self._limits.rate(user)
+            if rate is None:
+                return None
+            bucket = self._buckets[user] = _Bucket(rate, now_ns)
+        return _grant(bucket, n, now_ns)
 
     def take_claims(self, claims: Iterable[C], now_ns: int) -> list[C]:
         """``take`` for many users at one instant: sets each claim's ``granted`` and
@@ -195,27 +219,9 @@ class OutputRateLimiter:
                     claim.granted = None
                     continue
                 bucket = buckets[claim.user] = _Bucket(rate, now_ns)
-            now_scaled = now_ns * bucket.scale
-            tat = bucket.tat
-            restart = tat <= now_scaled  # under its rate: restart from now (see refundable)
-            if restart:
-                tat = now_scaled
-            room = bucket.burst - (tat - now_scaled)
-            if room < 0:
-                claim.granted = 0
+            granted = claim.granted = _grant(bucket, n, now_ns)
+            if granted < n:
                 short.append(claim)
-                continue
-            if n == 1:  # the usual claim (one stream): room >= 0 grants it, no division
-                granted = 1
-            else:
-                granted = room // bucket.interval + 1
-                if granted >= n:
-                    granted = n
-                else:
-                    short.append(claim)
-            bucket.tat = tat + granted * bucket.interval
-            bucket.refundable = granted if restart else bucket.refundable + granted
-            claim.granted = granted
         return short
 
     def take_owed(self, user: str, n: int, now_ns: int) -> bool:
@@ -259,18 +265,22 @@ class OutputRateLimiter:
             bucket = self._buckets[user] = _Bucket(rate, now_ns)
         return bucket
 
-    def refund(self, user: str) -> None:
-        """Return one token granted to ``user`` by an earlier ``try_take``.
+    def refund(self, user: str, n: int = 1) -> None:
+        """Return ``n`` tokens granted to ``user`` by earlier grants (at most those it
+        may still return, see ``_Bucket.refundable``).
 
-        The TAT moves back by one interval, but never behind the clock: a TAT in the past
-        and a TAT equal to now grant the same, so the refund is exact either way.
+        The TAT moves back by ``n`` intervals, but never behind the clock: a TAT in the
+        past and a TAT equal to now grant the same, so the refund is exact either way (and
+        equal to ``n`` refunds of one).
         """
         bucket = self._buckets.get(user)
         if bucket is None or bucket.refundable == 0:
             return
-        bucket.refundable -= 1
+        if n > bucket.refundable:
+            n = bucket.refundable
+        bucket.refundable -= n
         now_scaled = self.clock_ns() * bucket.scale
-        tat = bucket.tat - bucket.interval
+        tat = bucket.tat - n * bucket.interval
         bucket.tat = tat if tat > now_scaled else now_scaled
 
     def ready_at_ns(self, user: str) -> int:
