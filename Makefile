@@ -26,7 +26,7 @@ STAMP33  := $(VENV33)/.tokenpace-installed
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install install-vllm033 model serve test test-sched-vllm033 services monitor
+.PHONY: install install-vllm033 model serve test test-sched-vllm033 test-upstream services monitor
 
 install: $(STAMP)
 
@@ -63,8 +63,15 @@ test:
 	$(MAKE) test-sched-vllm033
 	$(PY) -m pytest
 
+# tests/upstream (vLLM's own tests/v1/core, stock vs paced; sdist cached in .upstream-cache/)
+# is part of the main run above for 0.32 and runs here for 0.33 (about 3 minutes each).
 test-sched-vllm033: $(STAMP33)
-	VLLM_TARGET_DEVICE=cpu $(PY33) -m pytest tests/sched -p no:cacheprovider
+	VLLM_TARGET_DEVICE=cpu $(PY33) -m pytest tests/sched tests/upstream -p no:cacheprovider
+
+# The stock-vs-paced table of vLLM's scheduler suite alone (VENV_PY=$(PY33) for 0.33).
+VENV_PY ?= $(PY)
+test-upstream: $(STAMP)
+	VLLM_TARGET_DEVICE=cpu $(VENV_PY) tests/upstream/run_upstream.py --json upstream-suite.json
 
 # The real servers the tests start on free ports (prometheus + promtool, redis-server, a
 # throwaway PostgreSQL): Debian's packages, installed in one apt call when missing and we are
