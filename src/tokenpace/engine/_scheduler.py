@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import MappingProxyType
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -166,6 +167,11 @@ class _PacingMixin:
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
 
+    # Read by update_from_output before anything else: an empty, read-only default so
+    # that a scheduler built without __init__ (vLLM's own tests do) behaves as stock.
+    _draft_results: dict[int, tuple[SchedulerOutput, int, list[_DraftsOut]]] = (
+        MappingProxyType({}))  # type: ignore[assignment]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         problems = internals_problems(self)
@@ -185,7 +191,7 @@ class _PacingMixin:
         # (``pacing._drafts``); results still to come: id(output) -> (output, step,
         # [(request id, stream, drafts scheduled, dispatch instant)]).
         self._drafts: DraftBook | None = None
-        self._draft_results: dict[int, tuple[SchedulerOutput, int, list[_DraftsOut]]] = {}
+        self._draft_results = {}
         # What aborted requests had generated, for the gateway (``_aborted``).
         self.aborted_outputs = AbortedOutputs()
         engine_core = sys.modules.get("vllm.v1.engine.core")
