@@ -64,7 +64,8 @@ test:
 	$(PY) -m pytest
 
 # tests/upstream (vLLM's own tests/v1/core, stock vs paced; sdist cached in .upstream-cache/)
-# is part of the main run above for 0.32 and runs here for 0.33 (about 3 minutes each).
+# is part of the main run above for 0.32 and runs here for 0.33 (1-2 minutes each: the
+# stock and paced runs go side by side).
 test-sched-vllm033: $(STAMP33)
 	VLLM_TARGET_DEVICE=cpu $(PY33) -m pytest tests/sched tests/upstream -p no:cacheprovider
 

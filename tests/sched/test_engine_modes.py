@@ -83,3 +83,49 @@ def test_decode_side_of_disaggregated_prefill(tiny_model):
     assert_rate(paced, "slow", 25, 4)
     assert min(paced.tokens[f"s{i}"] for i in range(4)) >= 25 * 4 / 4 - 3
     assert paced.delivered_times("fast") == runs[False].delivered_times("fast")
+
+
+def _multimodal_run(tiny_model, paced_class: bool, log=None) -> Sim:
+    pacing = {"default_user_output_tokens_per_second": 1e6,
+              "user_output_tokens_per_second": {"slow": 20}}
+    if log is not None:
+        pacing["event_log"] = str(log)
+    sim = make_sim(tiny_model, pacing=pacing if paced_class else None,
+                   paced_class=paced_class, max_num_batched_tokens=128)
+    # One image's worth of encoder work per step and two images' room in the cache: the
+    # scheduler cuts prefill chunks at image boundaries and holds requests whose image
+    # does not fit, as for a vision-language model.
+    sim.set_encoder_budget(compute_tokens=100, cache_tokens=200)
+    images = ((40, 100), (200, 100))
+    for i in range(3):
+        sim.add(f"s{i}", "slow", prompt_len=320, max_tokens=40, images=images)
+    sim.add("f", "fast", prompt_len=320, max_tokens=60, images=images)
+    sim.run(8)
+    sim.drain()
+    return sim
+
+
+def test_multimodal_prefill_cut_by_the_encoder_budget(tiny_model, tmp_path):
+    """Encoder inputs only shape prefill: chunks that the encoder budget or cache cuts
+    short of the sampling position are never charged (or refunded), a paced user's
+    multimodal requests keep the bound and all finish, and an unpaced user's request is
+    never later than under stock vLLM (earlier: the throttled requests give way)."""
+    log = tmp_path / "events.jsonl"
+    paced = _multimodal_run(tiny_model, True, log)
+    stock = _multimodal_run(tiny_model, False)
+    encoder_steps = [out for out in paced.outputs if out.scheduled_encoder_inputs]
+    assert len(encoder_steps) >= 8, "the images went through the encoder budget"
+    assert all(len(sum(out.scheduled_encoder_inputs.values(), [])) == 1
+               for out in encoder_steps), "one image per step (the budget)"
+    assert_rate(paced, "slow", 20, 6)
+    assert [paced.tokens[f"s{i}"] for i in range(3)] == [40] * 3
+    assert paced.finished.keys() >= {"s0", "s1", "s2", "f"}
+    fast, fast_stock = paced.delivered_times("fast"), stock.delivered_times("fast")
+    assert len(fast) == len(fast_stock) == 60
+    assert all(p <= s for p, s in zip(fast, fast_stock))
+    paced.scheduler.shutdown()
+    net: Counter[str] = Counter()
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        net[event["request_id"]] += 1 if event["event"] == "charge" else -1
+    assert +net == +Counter(paced.tokens), "charges net of refunds = tokens delivered"

@@ -28,6 +28,7 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -89,18 +90,36 @@ class Sim:
 
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
             priority: int = 0, arrival: float | None = None,
-            xargs: dict[str, Any] | None = None) -> None:
-        """Add a request; ``xargs`` are further ``vllm_xargs`` (e.g. a gateway's rate)."""
+            xargs: dict[str, Any] | None = None,
+            images: tuple[tuple[int, int], ...] = ()) -> None:
+        """Add a request; ``xargs`` are further ``vllm_xargs`` (e.g. a gateway's rate);
+        ``images``: (offset, length) of each encoder input's placeholder in the prompt
+        (the scheduler budgets and caches them; see ``Sim.set_encoder_budget``)."""
         extra = {"output_rate_user": user} if user is not None else {}
         extra.update(xargs or {})
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
         seed = zlib.crc32(rid.encode())
         prompt = [(seed + i) % 400 + 3 for i in range(prompt_len)]
+        features = [
+            MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy(),
+                                  mm_position=PlaceholderRange(offset=offset, length=length),
+                                  identifier=f"{rid}-image{j}", modality="image")
+            for j, (offset, length) in enumerate(images)
+        ]
         req = Request(rid, prompt, params, None,
                       arrival_time=arrival if arrival is not None else float(len(self.users)),
-                      priority=priority, block_hasher=_HASHER)
+                      priority=priority, block_hasher=_HASHER, mm_features=features or None)
         self.users[rid] = user or "__anonymous__"
         self.scheduler.add_request(req)
+
+    def set_encoder_budget(self, compute_tokens: int, cache_tokens: int) -> None:
+        """The encoder budget and cache a multimodal model's processor would give the
+        scheduler (the tiny model is text-only, so vLLM gives it none): at most
+        ``compute_tokens`` of encoder inputs per step, ``cache_tokens`` kept."""
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        self.scheduler.max_num_encoder_input_tokens = compute_tokens
+        self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=cache_tokens)
 
     def abort(self, rid: str) -> None:
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
