@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ._events import read_charges
     from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
-    from ._scheduler import ANONYMOUS_USER, PacedAsyncScheduler, PacedScheduler, request_user
+    from ._identity import ANONYMOUS_USER, request_user
+    from ._scheduler import PacedAsyncScheduler, PacedScheduler
     from ._aborted import ABORTED_PATH
     from ._control import RATES_PATH
     from ._xargs import (
@@ -45,7 +46,7 @@ _WHERE = {
     "configure_pacing": "_hooks",
     "register": "_hooks",
     "read_charges": "_events",
-    "ANONYMOUS_USER": "_scheduler",
+    "ANONYMOUS_USER": "_identity",
     "APPLICATION_END_USER_RATE_EXTRA_ARG": "_xargs",
     "APPLICATION_EXTRA_ARG": "_xargs",
     "APPLICATION_RATE_EXTRA_ARG": "_xargs",
@@ -57,7 +58,7 @@ _WHERE = {
     "RATE_VERSION_EXTRA_ARG": "_xargs",
     "RATES_PATH": "_control",
     "USER_EXTRA_ARG": "_xargs",
-    "request_user": "_scheduler",
+    "request_user": "_identity",
 }
 
 __all__ = sorted(_WHERE)

@@ -434,7 +434,7 @@ def _pins_users(client: Any) -> bool:
 
 def install_rank_pinning(client_cls: type) -> bool:
     from ..pacing import user_rank
-    from ._scheduler import request_user
+    from ._identity import request_user
 
     def make(original: Any) -> Any:
         def get_core_engine_for_request(self: Any, request: Any) -> Any:

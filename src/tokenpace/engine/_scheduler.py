@@ -51,7 +51,6 @@ from ..pacing import (
     user_rank,
     validate_rate,
     validate_rate_version,
-    validate_user_id,
 )
 from ._config import PacingConfig
 from ._events import EventLog
@@ -59,6 +58,13 @@ from ._aborted import AbortedOutputs, install_aborted_outputs
 from ._control import install_rate_control
 from ._metrics import install_pacing_stats
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
+from ._identity import (
+    ANONYMOUS_USER,
+    extra_args as _extra_args,
+    request_application,
+    request_end_user,
+    request_user,
+)
 from ._modes import unsupported_modes
 from ._vllm import (
     AsyncScheduler,
@@ -73,7 +79,6 @@ from ._xargs import (
     APPLICATION_END_USER_RATE_EXTRA_ARG,
     APPLICATION_EXTRA_ARG,
     APPLICATION_RATE_EXTRA_ARG,
-    END_USER_EXTRA_ARG,
     END_USER_RATE_EXTRA_ARG,
     RATE_EXTRA_ARG,
     RATE_VERSION_EXTRA_ARG,
@@ -83,7 +88,6 @@ from ._xargs import (
 # Under "vllm." so that vLLM's logging configuration (format, level) applies in the engine process.
 logger = logging.getLogger("vllm.tokenpace.engine")
 
-ANONYMOUS_USER = "__anonymous__"
 CLEANUP_EVERY_STEPS = 256
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priority level
@@ -94,61 +98,6 @@ step reads one attribute per request instead of resolving its user again."""
 # A rate sent to an engine that does not trust it is reported once per process: every
 # request of a misconfigured deployment carries one, and the log must stay readable.
 _untrusted_rate_reported = False
-
-
-def _extra_args(request: Any) -> dict[str, Any] | None:
-    """``vllm_xargs`` as it reaches the engine (``sampling_params.extra_args``), if any."""
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None)
-    return extra if extra and isinstance(extra, dict) else None
-
-
-def request_user(request: Any) -> str:
-    """The pacing identity of a request: ``vllm_xargs.output_rate_user`` or anonymous.
-
-    A malformed identity cannot crash the engine: the API layer refuses it with HTTP 400
-    when tokenpace serves; anything that still gets here is paced as anonymous.
-    """
-    extra = _extra_args(request)
-    if extra is None:
-        return ANONYMOUS_USER
-    user = extra.get(USER_EXTRA_ARG)
-    if user is None:
-        return ANONYMOUS_USER
-    try:
-        return validate_user_id(user, USER_EXTRA_ARG)
-    except LimitsError as exc:
-        logger.warning("request %s: %s; paced as %s", getattr(request, "request_id", "?"),
-                       exc, ANONYMOUS_USER)
-        return ANONYMOUS_USER
-
-
-def request_end_user(request: Any) -> str | None:
-    """The end user a request names (``vllm_xargs.output_rate_end_user``), or None."""
-    return _inner_name(request, END_USER_EXTRA_ARG)
-
-
-def request_application(request: Any) -> str | None:
-    """The application a request names (``vllm_xargs.output_rate_application``), or None."""
-    return _inner_name(request, APPLICATION_EXTRA_ARG)
-
-
-def _inner_name(request: Any, field: str) -> str | None:
-    """An inner level's name in the request's ``vllm_xargs`` (``field``), or None.
-
-    A malformed one cannot crash the engine: the API layer refuses it with HTTP 400 when
-    tokenpace serves; anything that still gets here is paced without that level.
-    """
-    extra = _extra_args(request)
-    name = None if extra is None else extra.get(field)
-    if name is None:
-        return None
-    try:
-        return validate_user_id(name, field)
-    except LimitsError as exc:
-        logger.warning("request %s: %s; paced under its user alone",
-                       getattr(request, "request_id", "?"), exc)
-        return None
 
 
 _DraftsOut = tuple[Request, Stream, int, int]
