@@ -58,3 +58,11 @@ def served_dtype(server: Server) -> str | None:
     """The dtype vLLM says it runs the model in (its start-up config line), e.g. 'float32'."""
     found = re.search(r"\bdtype=torch\.(\w+)", server.log_path.read_text(errors="replace"))
     return found.group(1) if found else None
+
+
+def vllm_counter(server: Server, name: str) -> float:
+    """One of vLLM's own counters on the server's ``/metrics`` (its only series)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert found, f"vLLM reports no {name}"
+    return float(found.group(1))

@@ -10,7 +10,6 @@ the source (the engine's event log).
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, paced_vllm_server_argv
+from tests._servers import Server, free_port, paced_vllm_server_argv, vllm_counter
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
 
@@ -63,10 +62,7 @@ def _complete(server: Server, user: str, prompt: str, max_tokens: int) -> int:
 
 
 def _external_hits(server: Server) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    found = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    assert found, "vLLM reports no external prefix cache counter"
-    return float(found.group(1))
+    return vllm_counter(server, "vllm:external_prefix_cache_hits_total")
 
 
 def test_prompts_loaded_from_storage_are_paced(server: Server) -> None:

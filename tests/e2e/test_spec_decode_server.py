@@ -9,7 +9,6 @@ at the source (the engine's event log, net of rejected drafts).
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, paced_vllm_server_argv
+from tests._servers import Server, free_port, paced_vllm_server_argv, vllm_counter
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
 from tokenpace.engine import read_charges
@@ -61,10 +60,7 @@ def _complete(server: Server, user: str, max_tokens: int) -> int:
 
 
 def _accepted_drafts(server: Server) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    found = re.search(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M)
-    assert found, "vLLM reports no speculative decoding counters"
-    return float(found.group(1))
+    return vllm_counter(server, "vllm:spec_decode_num_accepted_tokens_total")
 
 
 def test_drafts_are_used_and_the_rate_holds(server: Server) -> None:

@@ -27,6 +27,15 @@ def assert_rate(sim: Sim, user: str, rate: float, seconds: float) -> None:
         assert max_in_window(times, int(window_s * NS)) <= bound, (user, window_s)
 
 
+def assert_charges_net_to_tokens(sim: Sim, log) -> None:
+    """The event log's charges net of refunds, per request, are the tokens delivered."""
+    net: Counter[str] = Counter()
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        net[event["request_id"]] += 1 if event["event"] == "charge" else -1
+    assert +net == +Counter(sim.tokens), "charges net of refunds = tokens delivered"
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_parallel_batches_in_flight_share_one_quota(tiny_model, pp, tmp_path):
     """With ``pp`` batches in flight a request is scheduled again only once its step's
@@ -52,11 +61,7 @@ def test_pipeline_parallel_batches_in_flight_share_one_quota(tiny_model, pp, tmp
     assert paced.tokens["f"] == runs[False].tokens["f"] >= 500 // pp - 2
     assert paced.delivered_times("fast") == runs[False].delivered_times("fast")
     paced.scheduler.shutdown()
-    net: Counter[str] = Counter()
-    for line in log.read_text().splitlines():
-        event = json.loads(line)
-        net[event["request_id"]] += 1 if event["event"] == "charge" else -1
-    assert +net == +Counter(paced.tokens), "charges net of refunds = tokens delivered"
+    assert_charges_net_to_tokens(paced, log)
 
 
 def test_decode_side_of_disaggregated_prefill(tiny_model):
@@ -124,8 +129,4 @@ def test_multimodal_prefill_cut_by_the_encoder_budget(tiny_model, tmp_path):
     assert len(fast) == len(fast_stock) == 60
     assert all(p <= s for p, s in zip(fast, fast_stock))
     paced.scheduler.shutdown()
-    net: Counter[str] = Counter()
-    for line in log.read_text().splitlines():
-        event = json.loads(line)
-        net[event["request_id"]] += 1 if event["event"] == "charge" else -1
-    assert +net == +Counter(paced.tokens), "charges net of refunds = tokens delivered"
+    assert_charges_net_to_tokens(paced, log)

@@ -186,15 +186,8 @@ class OutputRateLimiter:
         admits the i-th of them while ``tat + i * interval - now <= burst``). None for a
         user without a rate (not paced: nothing is counted, every token is free).
         """
-        if n <= 0:
-            return None
-        bucket = self._buckets.get(user)
-        if bucket is None:
-            rate = self._limits.rate(user)
-            if rate is None:
-                return None
-            bucket = self._buckets[user] = _Bucket(rate, now_ns)
-        return _grant(bucket, n, now_ns)
+        bucket = self.bucket(user, now_ns) if n > 0 else None
+        return None if bucket is None else _grant(bucket, n, now_ns)
 
     def take_claims(self, claims: Iterable[C], now_ns: int) -> list[C]:
         """``take`` for many users at one instant: sets each claim's ``granted`` and
