@@ -358,3 +358,24 @@ def test_refund_count_restarting_with_the_tat_decides_like_counting_every_grant(
         for _ in range(granted or 0):
             limiter.refund("u")
             reference.refund(clock.now_ns)
+
+
+def test_owed_tokens_push_the_user_past_its_burst_and_come_back_exactly() -> None:
+    """``take_owed`` counts tokens that were handed out without asking: the user is
+    refused until it has paid them back, and a refund returns them exactly."""
+    from tokenpace.pacing import DraftBook, StepPlanner
+
+    clock = [10**12]
+    limiter = OutputRateLimiter(UserRateLimits(10.0), lambda: clock[0])
+    assert limiter.take_owed("u", 5, clock[0])  # 0.5 s of tokens at 10 tok/s
+    assert not limiter.try_take("u")
+    clock[0] += 400_000_000  # 0.4 s: 0.1 s still owed, within the burst tolerance
+    assert limiter.try_take("u")
+    limiter.refund("u", 2)
+    assert limiter.take("u", 3, clock[0]) == 2  # the refunds came back, no more
+    # A user without a rate: nothing is counted, so nothing is to be given back later.
+    planner = StepPlanner(OutputRateLimiter(UserRateLimits(None, {"p": 10.0}), lambda: clock[0]))
+    book = DraftBook(planner.limiter, planner.inner)
+    unpaced = planner.open_stream("r1", "free")
+    assert book.owe(unpaced, 3) is False and book.granted == 0
+    assert unpaced.stats.tokens == 0

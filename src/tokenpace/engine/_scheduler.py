@@ -551,8 +551,8 @@ class _PacingMixin:
                 if req is None:
                     continue
                 s = self._stream_of(req)
-                book.owe(s, len(drafts))
-                out.append((req, s, len(drafts), now))
+                if book.owe(s, len(drafts)):
+                    out.append((req, s, len(drafts), now))
         if log is not None:
             for req, s, n, _ in out:
                 for _ in range(n):

@@ -83,10 +83,11 @@ class DraftBook:
         stream.stats.tokens += granted
         return granted
 
-    def owe(self, stream: Stream, n: int) -> None:
-        """Count ``n`` drafts that were scheduled without a grant, at every level."""
+    def owe(self, stream: Stream, n: int) -> bool:
+        """Count ``n`` drafts that were scheduled without a grant, at every level; False
+        when no level paces the stream (nothing counted, nothing to give back later)."""
         if n <= 0:
-            return
+            return False
         now = self.limiter.now_ns()
         counted = False
         for limiter, key in self._levels(stream):
@@ -94,6 +95,7 @@ class DraftBook:
         if counted:
             self.granted += n
             stream.stats.tokens += n
+        return counted
 
     def give_back(self, stream: Stream, n: int) -> None:
         """Return ``n`` drafts of ``stream`` at every level (not dispatched, or rejected).
