@@ -55,7 +55,10 @@ def _gateway_child(argv: list[str]) -> int:
     config, port, out = argv
     from uvicorn.protocols.http import httptools_impl
 
-    from tokenpace.gateway import _app, _main, _settle, _upstream
+    from tokenpace.gateway.server import _app
+    from tokenpace.gateway.server import _main
+    from tokenpace.gateway.exchange import _exchange as _settle
+    from tokenpace.gateway.engines import _upstream
 
     sink = open(out, "a", buffering=1)
     import gc
@@ -123,7 +126,7 @@ def _gateway_child(argv: list[str]) -> int:
 def _trace_gate(sink: Any) -> None:
     """Rows ``{"gate": "reading" | "held", ...}``: each reading of the engine's gauges and
     each time the saturation gate starts holding requests."""
-    from tokenpace.gateway import _dispatch
+    from tokenpace.gateway.dispatch import _dispatcher as _dispatch
 
     record_reading, pump = _dispatch.EngineSlots.record_reading, _dispatch.Dispatcher._pump
 

@@ -10,7 +10,7 @@ import asyncio
 import statistics
 import time
 
-from tokenpace.gateway._rate_split import RateSplitter
+from tokenpace.gateway.engines import RateSplitter
 
 REQUESTS = 20_000
 REPEATS = 7

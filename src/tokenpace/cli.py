@@ -57,7 +57,7 @@ def _bench_model(args: argparse.Namespace) -> Path:
 
 
 def _bench_outputs(args: argparse.Namespace, module: object, result: dict) -> int:
-    from .bench._environment import write_json
+    from .bench import write_json
 
     if args.json:
         write_json(result, Path(args.json))
@@ -113,7 +113,7 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     if args.redis is not None:
         args.state = "redis"
     if args.state == "redis":
-        from .bench._redis_server import RedisServer, redis_server_binary
+        from .bench import RedisServer, redis_server_binary
 
         # Before the engine starts (a minute on the CPU), not after.
         if args.redis is None:
@@ -441,17 +441,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(serve.main(args_list[1:]))
     if args_list[:1] == ["gateway"]:
-        from .gateway import _main
+        from .gateway.server import main as gateway_main
 
-        return _main.main(args_list[1:])
+        return gateway_main(args_list[1:])
     if args_list[:1] == ["up"]:
         from . import up
 
         return up.main(args_list[1:])
     if args_list[:1] == ["usage"]:
-        from .gateway import _usage_cli
+        from .gateway.ledger import usage_main
 
-        return _usage_cli.main(args_list[1:])
+        return usage_main(args_list[1:])
     parser = build_parser()
     args = parser.parse_args(args_list)
     return int(args.func(args))

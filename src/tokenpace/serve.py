@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import _amx
-from .engine._config import PacingConfig, PacingConfigError
+from .engine import PacingConfig, PacingConfigError
 from .pacing import LimitsError, limits_file_of, parse_overrides_arg, validate_rate
 
 FLAG_DEFAULT = "--default-user-output-tokens-per-second"

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .gateway._config import GatewayConfig
+from .gateway.config import GatewayConfig
 
 ENGINE_WATCH_INTERVAL_S = 1.0
 
@@ -192,7 +192,7 @@ def main(argv: list[str]) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .gateway._main import load_or_exit
+    from .gateway.server import load_or_exit
 
     config = load_or_exit(parser, args.config, "info")
     from ._process import Server, start_all
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
         names = [n for e in plan for n in e.served_names or [e.model]]
         model = names[0] if names else (args.served_model_name or args.model or "MODEL")
         print(usage_text(config, args.host, args.port, model), flush=True)
-        from .gateway._main import serve
+        from .gateway.server import serve
 
         return asyncio.run(serve(config, args.host, args.port, "info"))
     except KeyboardInterrupt:

@@ -19,8 +19,9 @@ import httpx
 import openai
 import pytest
 
-from tokenpace.gateway._body import parse_request
-from tokenpace.gateway._prompt_bound import PromptBounds, bound
+from tokenpace.gateway.engines import PromptBounds
+from tokenpace.gateway.engines._prompt_bound import bound
+from tokenpace.gateway.wire import parse_request
 
 from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
 from tests.e2e._engine_log import (

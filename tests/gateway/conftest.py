@@ -15,8 +15,8 @@ import yaml
 from tests._servers import Server, free_port
 from tests.gateway._engine import EngineServer
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher
-from tokenpace.gateway._ledger import UsageRecord, open_ledger
+from tokenpace.gateway.dispatch import Dispatcher
+from tokenpace.gateway.ledger import UsageRecord, open_ledger
 
 KEY_A = "sk-team-a"
 KEY_B = "sk-team-b"

@@ -15,14 +15,12 @@ import httpx
 import pytest
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._admission import Admission, admit
-from tokenpace.gateway._body import parse_request
-from tokenpace.gateway._dispatch import Dispatcher
-from tokenpace.gateway._errors import GatewayError
-from tokenpace.gateway._ledger import open_ledger
-from tokenpace.gateway._runtime import Runtime
-from tokenpace.gateway._settle import Exchange
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.admission import Admission, admit
+from tokenpace.gateway.dispatch import Dispatcher
+from tokenpace.gateway.exchange import Exchange, Runtime
+from tokenpace.gateway.ledger import open_ledger
+from tokenpace.gateway.tenants import Tenants
+from tokenpace.gateway.wire import GatewayError, parse_request
 
 CLOSED = "http://127.0.0.1:1"
 
@@ -210,7 +208,7 @@ def test_a_request_limit_and_a_budget_of_the_same_figures_keep_separate_buckets(
 
 
 def _would_reject(reason: str, tenant: str = "t", application: str = "") -> float:
-    from tokenpace.gateway import _metrics as metrics
+    from tokenpace.gateway import metrics
 
     value = metrics.REGISTRY.get_sample_value("tokenpace_gateway_would_reject_total",
                                               {"tenant": tenant, "application": application,
@@ -243,7 +241,7 @@ def _observed(ex: Exchange) -> float:
 
 
 async def _finish(ex: Any) -> None:
-    from tokenpace.gateway._settle import Outcome
+    from tokenpace.gateway.exchange import Outcome
 
     ex.finish(Outcome.FINISHED, "stop")
 
@@ -352,7 +350,7 @@ def test_an_admitted_request_knows_what_its_tightest_limits_have_left(runtime: A
     """The response's x-ratelimit-* headers: per kind of limit, the one with the least
     left once this request took its share, over every budget of the tenant and of its
     application; nothing of a kind the tenant does not limit."""
-    from tokenpace.gateway._ratelimit import headroom_headers
+    from tokenpace.gateway.wire import headroom_headers
 
     rt = runtime(budgets=[{"tokens": 1000, "per": "1h"}, {"tokens": 100, "per": "1m"}],
                  max_requests=[{"requests": 10, "per": "1m"}],
@@ -380,7 +378,7 @@ def test_an_admitted_request_knows_what_its_tightest_limits_have_left(runtime: A
 
 
 def test_no_ratelimit_headers_without_limits_and_none_for_observed_ones(runtime: Any) -> None:
-    from tokenpace.gateway._ratelimit import headroom_headers
+    from tokenpace.gateway.wire import headroom_headers
 
     rt = runtime(budgets=[{"tokens": 100, "per": "1m", "mode": "observe"}])
     ex, admitted = run_admit(rt, {"model": "m", "prompt": ids(10), "max_tokens": 20})

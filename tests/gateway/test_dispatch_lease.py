@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher, Lease
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.dispatch import Dispatcher, Lease
+from tokenpace.gateway.tenants import Tenants
 
 
 def setup() -> tuple[Dispatcher, Any]:

@@ -89,7 +89,7 @@ def test_usage_and_metrics_agree_on_served_prompt_tokens(engine: EngineServer, m
                                                         tmp_path: Path, capsys: Any) -> None:
     import json
 
-    from tokenpace.gateway._usage_cli import main as usage_main
+    from tokenpace.gateway.ledger._cli import main as usage_main
 
     gateway = make_gateway(base_config(engine.url, tmp_path / "usage.db", max_input_tokens=20))
 

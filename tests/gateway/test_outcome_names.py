@@ -3,7 +3,7 @@ users' ledgers and the dashboard in deploy/ read: the Outcome enum must keep mak
 
 from __future__ import annotations
 
-from tokenpace.gateway._settle import Outcome
+from tokenpace.gateway.exchange import Outcome
 
 
 def test_every_outcome_keeps_its_ledger_string() -> None:

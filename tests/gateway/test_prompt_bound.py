@@ -20,21 +20,19 @@ import httpx
 import pytest
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._admission import Admission, admit
-from tokenpace.gateway._body import parse_request
-from tokenpace.gateway._dispatch import Dispatcher
-from tokenpace.gateway._errors import GatewayError
-from tokenpace.gateway._ledger import open_ledger
-from tokenpace.gateway._prompt_bound import (
+from tokenpace.gateway.admission import Admission, admit
+from tokenpace.gateway.dispatch import Dispatcher
+from tokenpace.gateway.engines import Overhead
+from tokenpace.gateway.engines._prompt_bound import (
     SLACK_PER_MESSAGE,
     SLACK_PROMPT,
-    Overhead,
     bound,
     text_bytes,
 )
-from tokenpace.gateway._runtime import Runtime
-from tokenpace.gateway._settle import Exchange
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.exchange import Exchange, Runtime
+from tokenpace.gateway.ledger import open_ledger
+from tokenpace.gateway.tenants import Tenants
+from tokenpace.gateway.wire import GatewayError, parse_request
 
 CLOSED = "http://127.0.0.1:1"
 CHAT = Overhead(fixed=7, per_message=5, max_model_len=100)
@@ -162,7 +160,7 @@ def test_the_exact_count_corrects_the_reservation_and_settlement_is_exact(runtim
 
 
 async def _finish(ex: Exchange) -> None:
-    from tokenpace.gateway._settle import Outcome
+    from tokenpace.gateway.exchange import Outcome
     ex.finish(Outcome.FINISHED, "stop")
 
 
@@ -177,7 +175,8 @@ def test_a_prompt_over_its_bound_turns_the_bound_off_for_that_engine_and_model(
 
 
 def test_the_learned_cache_stays_bounded_against_invented_model_names() -> None:
-    from tokenpace.gateway._prompt_bound import MAX_LEARNED, PromptBounds
+    from tokenpace.gateway.engines._prompt_bound import MAX_LEARNED
+    from tokenpace.gateway.engines import PromptBounds
 
     bounds = PromptBounds()
     bounds.remember(CLOSED, "served", "chat", CHAT)

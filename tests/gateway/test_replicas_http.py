@@ -200,7 +200,7 @@ def test_a_sigkilled_replica_leaves_the_survivor_serving_with_every_ledger_row(
 async def _level(url: str, tokens: int, per: str = "1h") -> float:
     """team-a's budget level, read from Redis."""
     from tokenpace.fairness import BudgetSpec, parse_duration
-    from tokenpace.gateway._state._redis import RedisStore
+    from tokenpace.gateway.state import RedisStore
 
     store = RedisStore(url, timeout_s=2.0)
     try:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from tests.monitoring._deploy import all_metric_names, dashboard, dashboard_queries, expand
-from tokenpace.gateway import _metrics
+from tokenpace.gateway import metrics as _metrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 PREFIX = "tokenpace_gateway_"
@@ -16,10 +16,10 @@ PREFIX = "tokenpace_gateway_"
 def _state_families() -> list:
     """The state store's families as a gateway with ``state: redis://...`` and
     ``on_state_failure: open`` exports them (its collector is registered at start-up)."""
-    from tokenpace.gateway._state import LocalStore
-    from tokenpace.gateway._state._failover import FailoverStore
-    from tokenpace.gateway._state._metrics import StateCollector
-    from tokenpace.gateway._state._redis import RedisStore
+    from tokenpace.gateway.state import LocalStore
+    from tokenpace.gateway.state import FailoverStore
+    from tokenpace.gateway.state import StateCollector
+    from tokenpace.gateway.state import RedisStore
 
     store = FailoverStore(RedisStore("redis://127.0.0.1:1/0"), "open", LocalStore())
     return list(StateCollector(store).collect())

@@ -7,10 +7,10 @@ import sqlite3
 import time
 from pathlib import Path
 
-from tokenpace.gateway import _metrics
-from tokenpace.gateway._config import parse_config
-from tokenpace.gateway._ledger import UsageRecord, open_ledger
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway import metrics as _metrics
+from tokenpace.gateway.config import parse_config
+from tokenpace.gateway.ledger import UsageRecord, open_ledger
+from tokenpace.gateway.tenants import Tenants
 
 RATE = "tokenpace_gateway_tenant_output_rate_tokens_per_second"
 

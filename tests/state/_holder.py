@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from tokenpace.gateway._state import Lease, SlotClaim
-from tokenpace.gateway._state._redis import RedisStore
+from tokenpace.gateway.state import Lease, RedisStore, SlotClaim
 
 
 async def main(url: str, lease_s: float, key: str, limit: int, count: int) -> None:

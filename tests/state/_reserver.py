@@ -10,7 +10,7 @@ import asyncio
 import sys
 
 from tokenpace.fairness import BudgetRefusal, BudgetSpec
-from tokenpace.gateway._state._redis import RedisStore
+from tokenpace.gateway.state import RedisStore
 
 BUDGET = BudgetSpec(1000, 3600)
 

@@ -14,7 +14,7 @@ from tests._redis import RedisServer, require_redis_client
 
 require_redis_client()
 
-from tokenpace.gateway._state._redis import RedisStore, _keeping_cancel  # noqa: E402
+from tokenpace.gateway.state._redis import RedisStore, _keeping_cancel  # noqa: E402
 
 
 async def _cancel_as_the_wait_ends(call_factory) -> asyncio.Task[int]:  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from tests._redis import RedisServer, require_redis_client
 require_redis_client()
 
 from tokenpace.fairness import BudgetRefusal, BudgetSpec  # noqa: E402
-from tokenpace.gateway._state import (  # noqa: E402
+from tokenpace.gateway.state import (
     Admission,
     Lease,
     LocalStore,
@@ -36,8 +36,8 @@ from tokenpace.gateway._state import (  # noqa: E402
     queued_slot,
     running_slot,
 )
-from tokenpace.gateway._state._failover import FailoverStore  # noqa: E402
-from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
+from tokenpace.gateway.state import FailoverStore  # noqa: E402
+from tokenpace.gateway.state import RedisStore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -307,7 +307,7 @@ def _scrape(store: StateStore) -> dict[tuple[str, tuple[str, ...]], float]:
     """The state collector's samples, as Prometheus would read them at scrape time."""
     from prometheus_client import CollectorRegistry
 
-    from tokenpace.gateway._state._metrics import StateCollector
+    from tokenpace.gateway.state import StateCollector
 
     registry = CollectorRegistry()
     registry.register(StateCollector(store))

@@ -18,16 +18,16 @@ from tests._redis import RedisServer, require_redis_client
 require_redis_client()
 
 from tokenpace.gateway import parse_config  # noqa: E402
-from tokenpace.gateway._admission import Admission, admit  # noqa: E402
-from tokenpace.gateway._body import parse_request  # noqa: E402
-from tokenpace.gateway._dispatch import Dispatcher  # noqa: E402
-from tokenpace.gateway._dispatch_shared import SharedDispatcher  # noqa: E402
-from tokenpace.gateway._errors import GatewayError  # noqa: E402
-from tokenpace.gateway._ledger import open_ledger  # noqa: E402
-from tokenpace.gateway._runtime import Runtime  # noqa: E402
-from tokenpace.gateway._settle import Exchange  # noqa: E402
-from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
-from tokenpace.gateway._tenants import Tenants  # noqa: E402
+from tokenpace.gateway.admission import Admission, admit  # noqa: E402
+from tokenpace.gateway.wire import parse_request  # noqa: E402
+from tokenpace.gateway.dispatch import Dispatcher  # noqa: E402
+from tokenpace.gateway.dispatch import SharedDispatcher  # noqa: E402
+from tokenpace.gateway.wire import GatewayError  # noqa: E402
+from tokenpace.gateway.ledger import open_ledger  # noqa: E402
+from tokenpace.gateway.exchange import Runtime  # noqa: E402
+from tokenpace.gateway.exchange import Exchange  # noqa: E402
+from tokenpace.gateway.state import RedisStore  # noqa: E402
+from tokenpace.gateway.tenants import Tenants  # noqa: E402
 
 CLOSED = "http://127.0.0.1:1"  # no request here needs the engine
 CHAT = "t\x1fchat"  # ApplicationConfig.owner("t")
@@ -159,7 +159,7 @@ def test_the_application_budget_gauge_reads_the_shared_level(
     """What replica b spent from chat's budget shows in replica a's reading for the gauge
     (``application_budget_remaining_tokens``); agent, without budgets, has no series; a
     store that does not answer leaves no series rather than a stale level."""
-    from tokenpace.gateway._shared_budgets import SharedBudgetLevels
+    from tokenpace.gateway.tenants import SharedBudgetLevels
 
     async def body() -> None:
         a, b = (_runtime(tmp_path, name, redis_server.url) for name in ("a", "b"))
@@ -188,7 +188,7 @@ def test_an_admitted_requests_headroom_is_the_shared_one(
     """The x-ratelimit-* figures of an admitted request come from the shared buckets (the
     levels the store's reservation returns): what replica a spent shows in what replica
     b's response says is left."""
-    from tokenpace.gateway._ratelimit import headroom_headers
+    from tokenpace.gateway.wire import headroom_headers
 
     async def body() -> None:
         a, b = (_runtime(tmp_path, name, redis_server.url) for name in ("a", "b"))

@@ -17,10 +17,10 @@ from tests._redis import RedisServer, require_redis_client
 require_redis_client()
 
 from tokenpace.gateway import parse_config  # noqa: E402
-from tokenpace.gateway._dispatch import QueueFull  # noqa: E402
-from tokenpace.gateway._dispatch_shared import SharedDispatcher  # noqa: E402
-from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
-from tokenpace.gateway._tenants import Tenants  # noqa: E402
+from tokenpace.gateway.dispatch import QueueFull  # noqa: E402
+from tokenpace.gateway.dispatch import SharedDispatcher  # noqa: E402
+from tokenpace.gateway.state import RedisStore  # noqa: E402
+from tokenpace.gateway.tenants import Tenants  # noqa: E402
 
 URL = "http://127.0.0.1:1"
 KEYS = [f"engine:{URL}", "running:t", "queued:t"]

@@ -18,15 +18,15 @@ from tests._redis import RedisServer, require_redis_client
 require_redis_client()
 
 from tokenpace.gateway import parse_config  # noqa: E402
-from tokenpace.gateway._admission import Admission, admit  # noqa: E402
-from tokenpace.gateway._body import parse_request  # noqa: E402
-from tokenpace.gateway._dispatch import Dispatcher  # noqa: E402
-from tokenpace.gateway._errors import GatewayError  # noqa: E402
-from tokenpace.gateway._ledger import open_ledger  # noqa: E402
-from tokenpace.gateway._runtime import Runtime  # noqa: E402
-from tokenpace.gateway._settle import Exchange  # noqa: E402
-from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
-from tokenpace.gateway._tenants import Tenants  # noqa: E402
+from tokenpace.gateway.admission import Admission, admit  # noqa: E402
+from tokenpace.gateway.wire import parse_request  # noqa: E402
+from tokenpace.gateway.dispatch import Dispatcher  # noqa: E402
+from tokenpace.gateway.wire import GatewayError  # noqa: E402
+from tokenpace.gateway.ledger import open_ledger  # noqa: E402
+from tokenpace.gateway.exchange import Runtime  # noqa: E402
+from tokenpace.gateway.exchange import Exchange  # noqa: E402
+from tokenpace.gateway.state import RedisStore  # noqa: E402
+from tokenpace.gateway.tenants import Tenants  # noqa: E402
 
 CLOSED = "http://127.0.0.1:1"  # no request here needs the engine
 
@@ -86,7 +86,7 @@ def test_limits_in_observe_mode_are_shared_too_and_refuse_nothing(
     """An observed ``max_requests`` of 1 per hour and an observed budget of 3 per hour,
     counted in Redis across two replicas; an enforced limit of the same figures would
     have its own key."""
-    from tokenpace.gateway import _metrics as metrics
+    from tokenpace.gateway import metrics
 
     def runtime(name: str) -> Runtime:
         config = parse_config({

@@ -13,10 +13,10 @@ from tests._redis import RedisServer, require_redis_client
 require_redis_client()
 
 from tests.unit.test_rate_split import R, Engines  # noqa: E402
-from tokenpace.gateway._rate_split import RateSplitter  # noqa: E402
-from tokenpace.gateway._shared_split import SharedSplitBook  # noqa: E402
-from tokenpace.gateway._state import StateUnavailable  # noqa: E402
-from tokenpace.gateway._state._redis import RedisStore  # noqa: E402
+from tokenpace.gateway.engines import RateSplitter  # noqa: E402
+from tokenpace.gateway.engines import SharedSplitBook  # noqa: E402
+from tokenpace.gateway.state import StateUnavailable  # noqa: E402
+from tokenpace.gateway.state import RedisStore  # noqa: E402
 
 SLACK_S = 2.0  # store calls' timeout: a loaded machine must not turn these into latency tests
 

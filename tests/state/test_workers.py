@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenpace.gateway._workers import reuse_port_socket, worker_argv
+from tokenpace.gateway.server._workers import reuse_port_socket, worker_argv
 
 # One write per line (shorter than PIPE_BUF, so atomic): the workers share one pipe.
 WORKER = ("import os, sys, time; sys.stdout.write(f'{os.getpid()} {sys.argv[1:]}\\n'); "
@@ -34,7 +34,7 @@ def test_worker_argv_drops_workers() -> None:
 
 
 def test_supervisor_restarts_a_killed_worker_and_stops_on_sigterm() -> None:
-    code = ("import sys; from tokenpace.gateway._workers import supervise; "
+    code = ("import sys; from tokenpace.gateway.server._workers import supervise; "
             f"sys.exit(supervise([sys.executable, '-c', {WORKER!r}], 2))")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -7,10 +7,17 @@ import json
 
 import pytest
 
-from tokenpace.gateway._body import count_calls, engine_body, parse_request, responses_as_chat
-from tokenpace.gateway._errors import GatewayError
-from tokenpace.gateway._stream import ChunkRewriter, EventSplitter
-from tokenpace.gateway._usage import EventScanner, answer_usage
+from tokenpace.gateway.engines import EngineInstructions, engine_body
+from tokenpace.gateway.wire import (
+    ChunkRewriter,
+    EventScanner,
+    EventSplitter,
+    GatewayError,
+    answer_usage,
+    count_calls,
+    parse_request,
+    responses_as_chat,
+)
 
 RESPONSES_STREAM = (
     b'event: response.created\ndata: {"response":{"id":"resp_1","status":"in_progress",'
@@ -139,15 +146,15 @@ def test_the_engine_gets_the_tenants_identity_and_no_store() -> None:
     req = parse_request("responses", body("responses", input="hi", store=True, priority=-5,
                                           request_id="resp_theirs",
                                           vllm_xargs={"output_rate_user": "other"}))
-    sent = json.loads(engine_body(req, user="acme", rate=20.0, priority=10, max_tokens=9,
-                                  request_id="tpg-1"))
+    sent = json.loads(engine_body(req, EngineInstructions(user="acme", rate=20.0, priority=10, max_tokens=9,
+                                  request_id="tpg-1")))
     assert sent["vllm_xargs"]["output_rate_user"] == "acme"
     assert (sent["store"], sent["priority"], sent["max_output_tokens"], sent["request_id"]) \
         == (False, 10, 9, "resp_tpg-1")
     assert "stream_options" not in sent
     req = parse_request("messages", body("messages", messages=[{"role": "user", "content": "x"}],
                                          max_tokens=5, stream=True, priority=-5))
-    sent = json.loads(engine_body(req, user="acme", rate=None, priority=10, max_tokens=5))
+    sent = json.loads(engine_body(req, EngineInstructions(user="acme", rate=None, priority=10, max_tokens=5)))
     assert "priority" not in sent and "stream_options" not in sent
     assert sent["vllm_xargs"] == {"output_rate_user": "acme"}
 
@@ -177,8 +184,9 @@ def test_a_body_nested_deeper_than_the_encoder_goes_is_a_400_not_a_crash() -> No
     recursion limit where ``json.loads`` did not (seen once in the hostile-body battery)."""
     import pytest
 
-    from tokenpace.gateway._body import engine_body, parse_request
-    from tokenpace.gateway._errors import GatewayError
+    from tokenpace.gateway.engines import EngineInstructions, engine_body
+    from tokenpace.gateway.wire import parse_request
+    from tokenpace.gateway.wire import GatewayError
 
     deep: list = []
     node = deep
@@ -187,7 +195,7 @@ def test_a_body_nested_deeper_than_the_encoder_goes_is_a_400_not_a_crash() -> No
         node = node[0]
     req = parse_request("completion", {"model": "m", "prompt": "hi", "max_tokens": 2, "x": deep})
     with pytest.raises(GatewayError) as info:
-        engine_body(req, user="t", rate=None, priority=0, max_tokens=2)
+        engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2))
     assert (info.value.status, info.value.code) == (400, "invalid_json")
     assert "nested too deeply" in info.value.message
 
@@ -195,20 +203,21 @@ def test_a_body_nested_deeper_than_the_encoder_goes_is_a_400_not_a_crash() -> No
 def test_the_end_user_is_the_openai_user_field_or_the_messages_metadata() -> None:
     import pytest
 
-    from tokenpace.gateway._body import end_user_of, engine_body, parse_request
-    from tokenpace.gateway._errors import GatewayError
+    from tokenpace.gateway.wire import end_user_of, parse_request
+    from tokenpace.gateway.engines import EngineInstructions, engine_body
+    from tokenpace.gateway.wire import GatewayError
 
     chat = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 2, "user": "alice",
                                   "vllm_xargs": {"output_rate_end_user": "mallory",
                                                  "output_rate_end_user_tokens_per_second": 1e9}})
     assert end_user_of(chat) == "alice"
-    sent = json.loads(engine_body(chat, user="t", rate=None, priority=0, max_tokens=2,
-                                  end_user="alice", end_user_rate=4.0))["vllm_xargs"]
+    sent = json.loads(engine_body(chat, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
+                                  end_user="alice", end_user_rate=4.0)))["vllm_xargs"]
     assert (sent["output_rate_end_user"], sent["output_rate_end_user_tokens_per_second"]) \
         == ("alice", 4.0)
     # Without an end-user rate for the tenant, a client's own end-user fields are dropped.
-    plain = json.loads(engine_body(chat, user="t", rate=None, priority=0, max_tokens=2))
+    plain = json.loads(engine_body(chat, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2)))
     assert "output_rate_end_user" not in plain["vllm_xargs"]
     assert "output_rate_end_user_tokens_per_second" not in plain["vllm_xargs"]
     messages = parse_request("messages", {"model": "m", "max_tokens": 2,
@@ -228,8 +237,8 @@ def test_safety_identifier_names_the_end_user_before_user() -> None:
     field (alone or beside the old one) is paced as that end user."""
     import pytest
 
-    from tokenpace.gateway._body import end_user_of, parse_request
-    from tokenpace.gateway._errors import GatewayError
+    from tokenpace.gateway.wire import end_user_of, parse_request
+    from tokenpace.gateway.wire import GatewayError
 
     def chat(**fields: object) -> object:
         return parse_request("chat", {"model": "m", "max_tokens": 2, **fields,
@@ -248,20 +257,21 @@ def test_safety_identifier_names_the_end_user_before_user() -> None:
 
 
 def test_an_applications_rate_goes_to_the_engine_and_a_clients_own_is_dropped() -> None:
-    from tokenpace.gateway._body import engine_body, parse_request
+    from tokenpace.gateway.engines import EngineInstructions, engine_body
+    from tokenpace.gateway.wire import parse_request
 
     req = parse_request("completion", {
         "model": "m", "prompt": "x", "max_tokens": 2,
         "vllm_xargs": {"output_rate_application": "other",
                        "output_rate_application_tokens_per_second": 1e9}})
-    sent = json.loads(engine_body(req, user="t", rate=20.0, priority=0, max_tokens=2,
-                                  application="bot", application_rate=5.0))["vllm_xargs"]
+    sent = json.loads(engine_body(req, EngineInstructions(user="t", rate=20.0, priority=0, max_tokens=2,
+                                  application="bot", application_rate=5.0)))["vllm_xargs"]
     assert (sent["output_rate_user"], sent["output_rate_application"],
             sent["output_rate_application_tokens_per_second"]) == ("t", "bot", 5.0)
     # An application without a rate (or a tenant's own key): nothing of the client's goes.
     for application in ("bot", None):
-        plain = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
-                                       application=application))["vllm_xargs"]
+        plain = json.loads(engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
+                                       application=application)))["vllm_xargs"]
         assert "output_rate_application" not in plain
         assert "output_rate_application_tokens_per_second" not in plain
 
@@ -269,25 +279,26 @@ def test_an_applications_rate_goes_to_the_engine_and_a_clients_own_is_dropped() 
 def test_an_applications_own_end_user_rate_goes_with_the_end_user() -> None:
     """An application with its own end-user rate: the end user is named, the rate goes in
     the application's field (its end users are its own), the tenant's end-user rate not."""
-    from tokenpace.gateway._body import engine_body, parse_request
+    from tokenpace.gateway.engines import EngineInstructions, engine_body
+    from tokenpace.gateway.wire import parse_request
 
     req = parse_request("completion", {"model": "m", "prompt": "x", "max_tokens": 2,
                                        "user": "alice"})
-    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
+    sent = json.loads(engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
                                   end_user="alice", end_user_rate=6.0, application="bot",
-                                  application_end_user_rate=3.0))["vllm_xargs"]
+                                  application_end_user_rate=3.0)))["vllm_xargs"]
     assert sent["output_rate_end_user"] == "alice"
     assert sent["output_rate_application"] == "bot"
     assert sent["output_rate_application_end_user_tokens_per_second"] == 3.0
     assert "output_rate_end_user_tokens_per_second" not in sent
     assert "output_rate_application_tokens_per_second" not in sent  # bot has no rate itself
     # The tenant's end-user rate for a request of its own key: as before.
-    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
-                                  end_user="alice", end_user_rate=6.0))["vllm_xargs"]
+    sent = json.loads(engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
+                                  end_user="alice", end_user_rate=6.0)))["vllm_xargs"]
     assert (sent["output_rate_end_user"], sent["output_rate_end_user_tokens_per_second"]) \
         == ("alice", 6.0)
     assert "output_rate_application_end_user_tokens_per_second" not in sent
     # No end user in the request: nothing about end users goes.
-    sent = json.loads(engine_body(req, user="t", rate=None, priority=0, max_tokens=2,
-                                  application="bot", application_end_user_rate=3.0))["vllm_xargs"]
+    sent = json.loads(engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
+                                  application="bot", application_end_user_rate=3.0)))["vllm_xargs"]
     assert not any("end_user" in key for key in sent)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._config import APPLICATION_SEPARATOR
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.config import APPLICATION_SEPARATOR
+from tokenpace.gateway.tenants import Tenants
 
 
 def _config(*applications: dict[str, Any]) -> Any:

@@ -119,7 +119,7 @@ def test_headroom_is_the_budget_with_the_least_left() -> None:
 
 
 def test_go_duration_is_openais_reset_format() -> None:
-    from tokenpace.gateway._ratelimit import go_duration
+    from tokenpace.gateway.wire import go_duration
 
     assert [go_duration(s) for s in (0.0, 0.0004, 0.02, 1.5, 36.0, 360.0, 3723.25)] == \
         ["0s", "1ms", "20ms", "1.5s", "36s", "6m0s", "1h2m3.25s"]

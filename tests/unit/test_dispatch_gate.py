@@ -7,8 +7,8 @@ import asyncio
 from typing import Any
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.dispatch import Dispatcher
+from tokenpace.gateway.tenants import Tenants
 
 
 def setup(**engine: Any) -> tuple[Dispatcher, Any]:
@@ -138,7 +138,7 @@ def test_a_stale_running_gauge_of_an_idle_engine_does_not_hold_a_burst() -> None
 
 
 def test_a_gate_closed_on_an_old_reading_reads_again_at_once() -> None:
-    from tokenpace.gateway._app import LOAD_SOON_S, reread_delay
+    from tokenpace.gateway.server._app import LOAD_SOON_S, reread_delay
 
     # closed 0.4 s after the reading (taken under load that has since ended): at once
     assert reread_delay(10.0, 10.4) == 0.0

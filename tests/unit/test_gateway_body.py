@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from tokenpace.gateway._body import parse_json_body
-from tokenpace.gateway._errors import GatewayError
+from tokenpace.gateway.wire import GatewayError, parse_json_body
 
 
 @pytest.mark.parametrize("raw, param, code", [

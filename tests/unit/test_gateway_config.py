@@ -191,7 +191,7 @@ def test_engine_key_inline_and_from_env_together_is_refused() -> None:
 
 
 def test_a_reload_keeps_generated_engine_keys_and_refuses_a_changed_one() -> None:
-    from tokenpace.gateway._config import keep_engine_keys
+    from tokenpace.gateway.config import keep_engine_keys
 
     running = parse_config(with_change("engines.0.api_key", "generated"))
     reloaded = keep_engine_keys(parse_config(GOOD), running)
@@ -220,12 +220,13 @@ def test_each_tenant_gets_its_own_stable_cache_salt_unless_it_shares() -> None:
 def test_engine_body_sets_the_salt_and_mixes_in_a_clients_own() -> None:
     import json
 
-    from tokenpace.gateway._body import engine_body, parse_request
+    from tokenpace.gateway.engines import EngineInstructions, engine_body
+    from tokenpace.gateway.wire import parse_request
 
     def sent(body: dict, salt: str | None) -> dict:
         req = parse_request("completion", {"model": "m", "prompt": "p", **body})
-        return json.loads(engine_body(req, user="u", rate=None, priority=0, max_tokens=1,
-                                      cache_salt=salt))
+        return json.loads(engine_body(req, EngineInstructions(user="u", rate=None, priority=0, max_tokens=1,
+                                      cache_salt=salt)))
 
     assert sent({}, "s1")["cache_salt"] == "s1"
     assert sent({"cache_salt": "s1"}, "s2")["cache_salt"] not in ("s1", "s2")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenpace.gateway._watch import Guard
+from tokenpace.gateway.relay import Guard
 
 
 def run(coro: object) -> object:

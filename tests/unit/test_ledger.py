@@ -16,13 +16,7 @@ from typing import Any
 
 import pytest
 
-from tokenpace.gateway._ledger import (
-    BudgetState,
-    LedgerError,
-    UsageRecord,
-    UsageTotal,
-    open_ledger,
-)
+from tokenpace.gateway.ledger import BudgetState, LedgerError, UsageRecord, UsageTotal, open_ledger
 
 T0 = 1_795_000_000.0  # a fixed instant in late 2026, so `since` cut-offs are exact
 
@@ -547,7 +541,7 @@ def test_background_writer_retries_after_a_lock(
     path = tmp_path / "usage.db"
     ledger = open_ledger(_url(path), flush_interval_s=0.05)
     blocker = sqlite3.connect(path, isolation_level=None)
-    caplog.set_level(logging.ERROR, logger="tokenpace.gateway._ledger")
+    caplog.set_level(logging.ERROR, logger="tokenpace.gateway.ledger")
     try:
         blocker.execute("BEGIN EXCLUSIVE")
         for i in range(50):

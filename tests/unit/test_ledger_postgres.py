@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tokenpace.gateway._ledger import LedgerError, open_ledger
+from tokenpace.gateway.ledger import LedgerError, open_ledger
 
 from .test_ledger import (
     T0,

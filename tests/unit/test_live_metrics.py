@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenpace.gateway import parse_config
-from tokenpace.gateway import _metrics as metrics
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway import metrics, parse_config
+from tokenpace.gateway.tenants import Tenants
 
 
 def cfg(*tenants: dict[str, Any]) -> Any:

@@ -26,11 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tokenpace.gateway import _app
-from tokenpace.gateway import _metrics as metrics
-from tokenpace.gateway._app import Gateway
-from tokenpace.gateway._config import load_config
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway import metrics
+from tokenpace.gateway.config import load_config
+from tokenpace.gateway.server import Gateway, _app
+from tokenpace.gateway.tenants import Tenants
 
 ADMIN = "sk-admin"
 

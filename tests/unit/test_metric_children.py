@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenpace.gateway import _metrics as metrics
-from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher
+from tokenpace.gateway import metrics, parse_config
+from tokenpace.gateway.dispatch import Dispatcher
 
 
 def series(name: str, tenant: str) -> list[float]:

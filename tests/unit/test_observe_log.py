@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tokenpace.gateway._observe import LOG_EVERY_S, WouldRejectLog
+from tokenpace.gateway.tenants._would_reject import LOG_EVERY_S, WouldRejectLog
 
 
 def test_one_line_a_minute_per_tenant_and_reason_with_the_count_since(

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher, Waiter
-from tokenpace.gateway._tenants import Tenants
+from tokenpace.gateway.dispatch import Dispatcher, Waiter
+from tokenpace.gateway.tenants import Tenants
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tokenpace.gateway._rate_split import NewerVersion, RateSplitter, SplitFailed, split
+from tokenpace.gateway.engines import NewerVersion, RateSplitter, SplitFailed, split
 
 R = 60.0
 

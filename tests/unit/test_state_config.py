@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tokenpace.fairness import BudgetRefusal, BudgetSpec
-from tokenpace.gateway._state import (
+from tokenpace.gateway.state import (
     Lease,
     LocalStore,
     SlotRefusal,

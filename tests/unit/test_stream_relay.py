@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenpace.gateway._stream import ChunkRewriter, EventSplitter
+from tokenpace.gateway.wire import ChunkRewriter, EventSplitter
 
 SEPARATORS = "\u0085\u2028\u2029"
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests._servers import free_port
-from tokenpace.gateway import _upstream
-from tokenpace.gateway._upstream import ConnectFailed, Upstream, UpstreamError
+from tokenpace.gateway.engines import ConnectFailed, Upstream, UpstreamError, _upstream
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 HEADERS = {"content-type": "application/json", "x-request-id": "r1"}

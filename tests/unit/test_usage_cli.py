@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenpace.gateway._ledger import UsageRecord, open_ledger, resolve_ledger_url
-from tokenpace.gateway._usage_cli import main, parse_since
+from tokenpace.gateway.ledger import UsageRecord, open_ledger, parse_since, resolve_ledger_url
+from tokenpace.gateway.ledger._cli import main
 
 NOV28 = datetime(2024, 11, 28, 12, 0, tzinfo=timezone.utc).timestamp()
 NOV29 = datetime(2024, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()

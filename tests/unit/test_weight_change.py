@@ -16,7 +16,7 @@ import pytest
 
 from tokenpace.fairness import FairQueue, LaneSpec
 from tokenpace.gateway import parse_config
-from tokenpace.gateway._dispatch import Dispatcher
+from tokenpace.gateway.dispatch import Dispatcher
 
 PROMPT, OUTPUT = 10.0, 90.0  # cost units of one request's prompt and of its output
 

@@ -57,8 +57,8 @@ from typing import Any
 import aiohttp
 
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
-from ..up import CPU_BIND_ENV, cpu_binds
 from ..engine import read_charges
+from ..up import CPU_BIND_ENV, cpu_binds
 from ._environment import environment
 from ._load import StreamRecord, record_chunk, sse_payloads, stream_aiohttp
 from ._paired import pair_order, ratio_summary
@@ -75,7 +75,7 @@ def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
     """A pair that pinning puts on one engine, and a trio of which exactly two share one:
     asked of the gateway's own router, so the bench needs no copy of its hash."""
     from ..gateway import parse_config
-    from ..gateway._dispatch import Dispatcher
+    from ..gateway.dispatch import Dispatcher
 
     candidates = [f"tenant-{i}" for i in range(64)]
     config = parse_config({"engines": urls, "ledger": "sqlite:///unused.db",
@@ -177,8 +177,8 @@ def choice_cost(engines: int, routing: str, requests: int = 20000) -> float:
     (a pool of ``engines``, 16 tenants, nobody waiting), so what the engine choice adds to a
     request's dispatch, pool against pinned."""
     from ..gateway import parse_config
-    from ..gateway._dispatch import Dispatcher
-    from ..gateway._tenants import Tenants
+    from ..gateway.dispatch import Dispatcher
+    from ..gateway.tenants import Tenants
 
     config = parse_config({
         "engines": [{"url": f"http://10.0.0.{i}:8000", "models": ["m"], "max_inflight": 1000}

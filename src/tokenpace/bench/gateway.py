@@ -65,19 +65,13 @@ from typing import Any
 import aiohttp
 import httpx
 
+from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from ..gateway.state import StateConfig
 from . import _control
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_aiohttp
-from ._paired import (
-    difference_summary,
-    pair_order,
-    paired_differences,
-    ratio_summary,
-    run_pairs,
-)
+from ._paired import difference_summary, pair_order, paired_differences, ratio_summary, run_pairs
 from ._redis_server import RedisServer, Usage
-from ..gateway._state import StateConfig
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from .overhead import median_interval
 
 KEY = "sk-bench"

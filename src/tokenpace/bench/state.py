@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fairness import BudgetSpec
-from ..gateway._state import (
+from ..gateway.state import (
     Admission,
     Lease,
     LocalStore,
@@ -91,9 +91,9 @@ async def _dispatch_path(url: str | None, requests: int, concurrency: int,
     """(median wait for the slot in s one at a time, CPU s per request at ``concurrency``,
     requests per second) through the real dispatcher; ``url`` None: in process."""
     from ..gateway import parse_config
-    from ..gateway._dispatch_shared import make_dispatcher
-    from ..gateway._state._redis import RedisStore
-    from ..gateway._tenants import Tenants
+    from ..gateway.dispatch import make_dispatcher
+    from ..gateway.state import RedisStore
+    from ..gateway.tenants import Tenants
 
     config = parse_config({
         "engines": [{"url": "http://bench-engine", "max_inflight": max_inflight,
@@ -163,7 +163,7 @@ async def _measure_dispatch(url: str, requests: int, concurrency: int) -> dict[s
 
 
 async def _measure(url: str, requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
-    from ..gateway._state._redis import RedisStore
+    from ..gateway.state import RedisStore
 
     # A generous timeout: this measures cost, and a stalled shared machine must not abort it.
     redis = RedisStore(url, timeout_s=5.0, prefix="tokenpace-bench:")

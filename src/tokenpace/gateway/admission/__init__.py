@@ -1,0 +1,35 @@
+"""Admission: who is asking, for what, and whether the request may wait for an engine slot.
+
+``identify`` (API key -> tenant and application) and ``route`` (model -> pool) decide from
+memory; ``admit`` checks the per-request caps, counts or bounds the prompt, takes the
+request limits and reserves the budgets (enforced, then observed). Each refusal is a
+``GatewayError`` made in ``_refusals``, with OpenAI's headers.
+"""
+
+from ._admit import Admission, admit, prompt_bytes, read_body
+from ._identity import authenticate, authorization_of, bearer_key, identify, route, tenant_models
+from ._refusals import (
+    budget_error,
+    queue_full,
+    request_limit_error,
+    retry_headers,
+    state_unavailable,
+)
+
+__all__ = [
+    "Admission",
+    "admit",
+    "authenticate",
+    "authorization_of",
+    "bearer_key",
+    "budget_error",
+    "identify",
+    "prompt_bytes",
+    "queue_full",
+    "read_body",
+    "request_limit_error",
+    "retry_headers",
+    "route",
+    "state_unavailable",
+    "tenant_models",
+]

@@ -1,0 +1,95 @@
+"""Who is asking, and for what: the API key's tenant (and application), and the model's pool.
+
+Decided from the configuration in memory, without an engine call: a SHA-256 of the key and
+a few dict lookups per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .. import metrics
+from ..dispatch import EngineSlots, Pool
+from ..exchange import Runtime
+from ..tenants import ApplicationState, TenantState
+from ..wire import GatewayError
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header value, else None."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def authorization_of(headers: Mapping[str, str]) -> str | None:
+    """The request's ``Authorization`` value, or one made of its ``x-api-key`` header (how
+    the anthropic SDK sends its key)."""
+    value = headers.get("authorization")
+    if value is None and (key := headers.get("x-api-key")) is not None:
+        return f"Bearer {key}"
+    return value
+
+
+def authenticate(rt: Runtime, authorization: str | None) -> TenantState:
+    """The tenant of the request's ``Authorization`` header value, or a 401."""
+    return identify(rt, authorization)[0]
+
+
+def identify(rt: Runtime, authorization: str | None,
+             ) -> tuple[TenantState, ApplicationState | None]:
+    """The tenant, and the application when the key is an application's, of the
+    request's ``Authorization`` header value, or a 401. Per request: a SHA-256 of the key
+    and two or three dict lookups."""
+    key = bearer_key(authorization)
+    identity = rt.config.identity_for_key(key) if key else None
+    state = rt.tenants.get(identity[0].id) if identity else None
+    application = None
+    if state is not None and identity is not None and identity[1] is not None:
+        application = state.applications.get(identity[1].id)
+        if application is None:  # a reload removed it between the two lookups
+            state = None
+    if state is None:
+        metrics.child(metrics.REJECTIONS, "", "unauthenticated").inc()
+        raise GatewayError(
+            401,
+            "Missing API key: send 'Authorization: Bearer <key>'" if not key
+            else "Incorrect API key provided",
+            reason="unauthenticated", code="invalid_api_key")
+    rt.tenants.series.touch(state)
+    return state, application
+
+
+def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, EngineSlots]:
+    """The served name of the model the client asked for, its pool, and the engine that
+    counts the prompt; 404 ``model_not_found`` when no engine serves it or the tenant may
+    not use it, 503 at once when every engine the tenant could use in its pool is down.
+    Decided here, without an engine call: a dict lookup or two."""
+    model = rt.config.served_name(requested)
+    pool = rt.dispatcher.pool_for(model)
+    if pool is None or not tenant.config.may_use(model):
+        if pool is None and rt.dispatcher.unlearned():
+            raise GatewayError(
+                503, f"no engine that has reported its models serves {requested!r}; "
+                f"{len(rt.dispatcher.unlearned())} engine(s) have not reported theirs yet",
+                reason="engine_unavailable", code="engine_unavailable",
+                headers={"retry-after": "2"})
+        raise GatewayError(
+            404, f"The model {requested!r} does not exist or you do not have access to it; "
+            f"models of tenant {tenant.id!r}: {', '.join(tenant_models(rt, tenant)) or 'none'}",
+            reason="model_not_found", code="model_not_found", param="model")
+    engine = rt.dispatcher.preferred(tenant, pool)
+    if engine is None:
+        raise GatewayError(503, f"no engine serving model {model!r} for tenant {tenant.id!r} "
+                           "is available", reason="engine_unavailable",
+                           code="engine_unavailable")
+    return model, pool, engine
+
+
+def tenant_models(rt: Runtime, tenant: TenantState) -> list[str]:
+    """The model names (served names and their aliases) the tenant may send, sorted."""
+    names: list[str] = []
+    for model in rt.dispatcher.served_models():
+        if tenant.config.may_use(model):
+            names.append(model)
+            names.extend(rt.config.aliases_of(model))
+    return sorted(names)

@@ -1,0 +1,38 @@
+"""The gateway's configuration: ``gateway.yaml`` parsed and checked into frozen values.
+
+``load_config`` / ``parse_config`` give a ``GatewayConfig`` (engines, models, lanes,
+tenants and their applications, state, ledger) or a ``ConfigError`` naming the key path.
+Nothing here runs a request: every stage reads these values, and a reload swaps them.
+"""
+
+from ._config import (
+    APPLICATION_SEPARATOR,
+    ApplicationConfig,
+    ConfigError,
+    EngineConfig,
+    GatewayConfig,
+    LaneConfig,
+    ModelConfig,
+    TenantConfig,
+    hash_key,
+    keep_engine_keys,
+    load_config,
+    parse_config,
+    paused_gc,
+)
+
+__all__ = [
+    "APPLICATION_SEPARATOR",
+    "ApplicationConfig",
+    "ConfigError",
+    "EngineConfig",
+    "GatewayConfig",
+    "hash_key",
+    "keep_engine_keys",
+    "LaneConfig",
+    "load_config",
+    "ModelConfig",
+    "parse_config",
+    "paused_gc",
+    "TenantConfig",
+]

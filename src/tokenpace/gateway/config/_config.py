@@ -1,0 +1,929 @@
+"""``gateway.yaml``, validated strictly.
+
+Every unknown key and every bad value is an error whose message names the key path
+(``tenants[1].budgets[0].per``): a typo in a quota must stop the gateway, not silently
+leave a tenant unlimited. Parsing is separate from the running state so that a reload can
+check a new file completely before anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import hashlib
+import hmac
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from ...fairness import BudgetSpec, CostModel, RequestLimit, parse_duration
+from ...pacing import LimitsError, validate_user_id
+from ..state import StateConfig, StateConfigError, parse_state
+
+DEFAULT_LEDGER = "sqlite:///tokenpace-usage.db"
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ROUTINGS = ("pool", "pinned")
+
+
+class ConfigError(ValueError):
+    """The gateway configuration is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    url: str
+    max_inflight: int = 64
+    # vLLM refuses a non-zero request priority unless started with --scheduling-policy priority.
+    scheduling_policy: str = "fcfs"
+    # Saturation read from the engine's own /metrics: hold requests in the gateway (where
+    # fairness decides) while the engine already queues this many or its KV cache is this full.
+    max_engine_waiting: int | None = 4
+    max_kv_cache_usage: float | None = 0.95
+    # The engine's API key (``tokenpace serve --trusted-gateway`` requires one on every
+    # route). Not compared: ``tokenpace up`` fills in keys it generates, and a reload of
+    # the file (which lacks them) must still see the same engines; see keep_engine_keys.
+    api_key: str | None = field(default=None, repr=False, compare=False)
+    # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
+    # its /metrics (the running count while requests keep waiting in it).
+    max_num_seqs: int | None = None
+    # The model names it serves (its --served-model-name). None: learned from its
+    # /v1/models at start-up and on health checks.
+    models: tuple[str, ...] | None = None
+    # What ``tokenpace up`` serves on this engine when it starts it (a path, relative to
+    # the configuration's folder, or a hub name); None: up's MODEL argument. Unused by the
+    # gateway itself.
+    model_path: str | None = None
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers for every call to this engine."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Settings of one model name the engines serve: other names clients may send for it,
+    and its cost coefficients (seed 002's a and b depend on the model and its hardware)."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    cost: CostModel | None = None  # None: the top-level cost
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    name: str
+    priority: int = 0
+    min_share: float = 0.1
+
+
+APPLICATION_SEPARATOR = "\x1f"
+"""Between a tenant id and an application id where both name one thing (the shared
+store's keys, the ledger's budget rows, the fair queue): neither id may contain it (config
+refuses control characters in both), so no pair can spell another pair or a tenant."""
+
+
+@dataclass(frozen=True)
+class ApplicationConfig:
+    """One application inside a tenant: its own keys, share of the tenant's dispatches,
+    and limits that apply inside the tenant's (both must admit a request)."""
+
+    id: str
+    key_hashes: tuple[bytes, ...]
+    weight: float = 1.0
+    # Paced in the engine inside the tenant's output_tokens_per_second (trusted engines).
+    output_tokens_per_second: float | None = None
+    # Its own end users' rate: they are then its own, not the tenant's (see _inner).
+    end_user_output_tokens_per_second: float | None = None
+    max_concurrency: int | None = None
+    observed_concurrency: int | None = None
+    budgets: tuple[BudgetSpec, ...] = ()
+    observed_budgets: tuple[BudgetSpec, ...] = ()
+    max_requests: tuple[RequestLimit, ...] = ()
+    observed_requests: tuple[RequestLimit, ...] = ()
+
+    def owner(self, tenant_id: str) -> str:
+        """The name its limits are kept under beside its tenant's (shared store, ledger)."""
+        return f"{tenant_id}{APPLICATION_SEPARATOR}{self.id}"
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    id: str
+    key_hashes: tuple[bytes, ...]
+    lane: str
+    weight: float = 1.0
+    output_tokens_per_second: float | None = None
+    # Each end user's rate inside output_tokens_per_second (the request's OpenAI ``user``).
+    end_user_output_tokens_per_second: float | None = None
+    max_concurrency: int | None = None
+    max_queued: int | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    queue_timeout_s: float = 60.0
+    budgets: tuple[BudgetSpec, ...] = ()
+    # Request-rate limits (``max_requests``), checked beside concurrency and budgets.
+    max_requests: tuple[RequestLimit, ...] = ()
+    # Limits with ``mode: observe``: they refuse nothing; what they would have refused is
+    # counted (``admission._observe``, ``tenants._would_reject``).
+    observed_budgets: tuple[BudgetSpec, ...] = ()
+    observed_requests: tuple[RequestLimit, ...] = ()
+    observed_concurrency: int | None = None
+    share_prefix_cache: bool = False
+    # The models (served names, aliases resolved) the tenant may use; None: every model.
+    models: frozenset[str] | None = None
+    # Applications inside the tenant (``applications``): keys of their own, limits nested
+    # in the tenant's, a weighted share of the tenant's dispatches.
+    applications: tuple[ApplicationConfig, ...] = ()
+
+    def application(self, application_id: str) -> ApplicationConfig | None:
+        """The application with this id (O(applications): a handful per tenant)."""
+        return next((a for a in self.applications if a.id == application_id), None)
+
+    def may_use(self, model: str) -> bool:
+        """Whether the tenant may send requests for ``model`` (a served name)."""
+        return self.models is None or model in self.models
+
+    @property
+    def all_key_hashes(self) -> tuple[bytes, ...]:
+        """The digests of the tenant's own keys and of its applications' keys."""
+        return self.key_hashes + tuple(d for a in self.applications for d in a.key_hashes)
+
+    @functools.cached_property
+    def cache_salt(self) -> str | None:
+        """vLLM's ``cache_salt`` for this tenant's requests; None when it shares the cache.
+
+        Without a salt, tenants share vLLM's prefix cache and one can time another's
+        prompts (a cached prefix answers faster). The salt is an HMAC of the tenant id
+        keyed with the digests of the tenant's own API keys: the same on every gateway
+        replica with this configuration, and unknowable to anyone who does not hold one
+        of those keys. Changing the tenant's keys changes it (its cache is then cold).
+        Computed once per configuration (one HMAC), then read per request.
+        """
+        if self.share_prefix_cache:
+            return None
+        secret = b"".join(sorted(self.all_key_hashes))
+        return hmac.new(secret, b"tokenpace-prefix-cache:" + self.id.encode(),
+                        hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    engines: tuple[EngineConfig, ...]
+    tenants: tuple[TenantConfig, ...]
+    lanes: tuple[LaneConfig, ...] = (LaneConfig("default", 0),)
+    cost: CostModel = field(default_factory=CostModel)
+    ledger: str = DEFAULT_LEDGER
+    admin_key_hashes: tuple[bytes, ...] = ()
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    lane_share_window_s: float = 30.0
+    repin_after_s: float | None = None
+    # "fcfs" keeps lanes but serves tenants in arrival order: the baseline for comparisons.
+    dispatch_order: str = "vtc"
+    # "bound": a prompt whose byte bound decides admission is not sent to /tokenize first;
+    # "exact": every prompt a decision depends on is counted by the engine before dispatch.
+    prompt_count: str = "bound"
+    # Where budgets live: in process (one replica) or shared in Redis (several).
+    state: StateConfig = field(default_factory=StateConfig)
+    models: tuple[ModelConfig, ...] = ()
+    # "pool": one fair queue per model over every engine serving it, load-aware engine
+    # choice; "pinned": every tenant on one engine per model (rendezvous hashing).
+    routing: str = "pool"
+    # A tenant's preferred engine keeps its requests while it has at most this many more
+    # in flight than the least loaded engine of the pool (prefix-cache locality).
+    pool_affinity: int = 2
+    # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
+    metrics_idle_after_s: float = 900.0
+    source: Path | None = None
+
+    def served_name(self, model: str) -> str:
+        """The served name of ``model`` as a client sent it (an alias resolved)."""
+        return self._aliases.get(model, model)
+
+    def cost_of(self, model: str) -> CostModel:
+        """The cost coefficients of ``model`` (a served name): its own, else the top-level."""
+        settings = self._model_settings.get(model)
+        return settings.cost if settings is not None and settings.cost is not None else self.cost
+
+    def aliases_of(self, model: str) -> tuple[str, ...]:
+        settings = self._model_settings.get(model)
+        return settings.aliases if settings is not None else ()
+
+    @functools.cached_property
+    def _aliases(self) -> dict[str, str]:
+        return {alias: m.name for m in self.models for alias in m.aliases}
+
+    @functools.cached_property
+    def _model_settings(self) -> dict[str, ModelConfig]:
+        return {m.name: m for m in self.models}
+
+    def lane(self, name: str) -> LaneConfig:
+        return next(lane for lane in self.lanes if lane.name == name)
+
+    def tenant_for_key(self, key: str) -> TenantConfig | None:
+        """The tenant owning API key ``key`` (its own, or one of its applications')."""
+        identity = self.identity_for_key(key)
+        return None if identity is None else identity[0]
+
+    def identity_for_key(self, key: str) -> tuple[TenantConfig, ApplicationConfig | None] | None:
+        """The tenant, and the application when it is an application's key, of API key
+        ``key``.
+
+        The lookup is by SHA-256 digest, so its timing depends on the digest, never on how
+        much of a secret key a guess got right.
+        """
+        return self._identity_by_digest.get(hash_key(key))
+
+    @property
+    def _identity_by_digest(self) -> dict[bytes, tuple[TenantConfig, ApplicationConfig | None]]:
+        table = self.__dict__.get("_by_digest")
+        if table is None:
+            table = {}
+            for t in self.tenants:
+                own = (t, None)
+                for digest in t.key_hashes:
+                    table[digest] = own
+                for app in t.applications:
+                    for digest in app.key_hashes:
+                        table[digest] = (t, app)
+            object.__setattr__(self, "_by_digest", table)
+        return table
+
+    def tenant(self, tenant_id: str) -> TenantConfig | None:
+        """The tenant with id ``tenant_id`` (one dict lookup; None: not configured)."""
+        table = self.__dict__.get("_by_id")
+        if table is None:
+            table = {t.id: t for t in self.tenants}
+            object.__setattr__(self, "_by_id", table)
+        return table.get(tenant_id)
+
+    def build_indexes(self) -> GatewayConfig:
+        """Build the lookup tables (key digest and id -> tenant) now: O(tenants), done
+        where the configuration is loaded (a worker thread on reload) so that the first
+        request after a reload does not build them on the event loop."""
+        self.tenant("")
+        self.tenant_for_key("")
+        return self
+
+    def is_admin_key(self, key: str) -> bool:
+        digest = hash_key(key)
+        return any(hmac.compare_digest(known, digest) for known in self.admin_key_hashes)
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection in the block (the whole process; restored after).
+
+    Reading a large configuration allocates a few hundred thousand objects that all stay
+    alive until it is built: every full collection on the way walks them all and finds
+    nothing (at 10,000 tenants, seven collections took 1.3 s of a 2.1 s YAML read here,
+    one of them 470 ms in a row with the GIL held, which stalled the event loop during a
+    reload in a worker thread). Nothing the block makes is cyclic garbage; plain reference
+    counting still frees everything as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML file; relative ledger paths are relative to the file."""
+    with paused_gc():
+        return _load_config(Path(path))
+
+
+def _load_config(p: Path) -> GatewayConfig:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(p)!r}: {exc.strerror}") from None
+    try:
+        data = _parse_text(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, base_dir=p.resolve().parent, source=p)
+
+
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser where PyYAML has it (about 4x faster than the pure-Python one)."""
+
+
+def _parse_text(text: str) -> Any:
+    """The document in ``text``: JSON when it is a JSON object, otherwise YAML.
+
+    JSON is YAML too, and the same document; but Python's JSON parser reads a 10,000-tenant
+    configuration in ~20 ms where PyYAML, even with libyaml, takes ~1.5 s here (it builds a
+    node per scalar in Python). Generated tenant lists should be written as JSON.
+    """
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass  # not JSON after all (YAML's flow style): YAML says what is wrong
+    loader = _YAML_LOADER(text)
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else _construct(loader, node)
+    finally:
+        loader.dispose()
+    _drop_gradually(node)
+    return data
+
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _construct(loader: Any, node: Any) -> Any:
+    """``loader.construct_document(node)``'s value, built faster: plain strings, lists and
+    mappings here (PyYAML's constructor makes a generator per collection, a third of a
+    10,000-tenant file's read), every other scalar (numbers, booleans, null, dates) and any
+    mapping with a merge key (``<<``) by PyYAML's own safe constructor."""
+    if isinstance(node, yaml.ScalarNode):
+        return node.value if node.tag == _STR_TAG else loader.construct_object(node, deep=True)
+    if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":
+        return [_construct(loader, item) for item in node.value]
+    if isinstance(node, yaml.MappingNode) and node.tag == "tag:yaml.org,2002:map" and not any(
+            key.tag == _MERGE_TAG for key, _ in node.value):
+        out = {}
+        for key_node, value_node in node.value:
+            key = _construct(loader, key_node)
+            try:
+                out[key] = _construct(loader, value_node)
+            except TypeError:  # an unhashable key: PyYAML's own message
+                return loader.construct_object(node, deep=True)
+        return out
+    return loader.construct_object(node, deep=True)
+
+
+def _drop_gradually(node: Any) -> None:
+    """Free a YAML node tree one node at a time.
+
+    Dropped at once, the tree of a 10,000-tenant file (170,000 nodes with their marks) is
+    freed in one chain of deallocations that holds the GIL for ~40 ms: a reload reads the
+    file in a worker thread, and the event loop would wait that out. Taken apart here, the
+    interpreter can hand the GIL over between nodes.
+    """
+    stack = [node] if node is not None else []
+    while stack:
+        current = stack.pop()
+        value = current.value
+        if isinstance(value, list):
+            current.value = None
+            for item in value:
+                if isinstance(item, tuple):
+                    stack.extend(item)
+                else:
+                    stack.append(item)
+
+
+def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = None) -> GatewayConfig:
+    root = _mapping(data, "the configuration")
+    _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
+                      "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
+                      "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
+                      "routing", "pool_affinity", "metrics_idle_after"))
+    engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
+    if not engines:
+        raise ConfigError("engines: at least one engine is needed")
+    urls = [e.url for e in engines]
+    if len(set(urls)) != len(urls):
+        raise ConfigError("engines: the same url is listed twice")
+    lanes = tuple(_lane(x, f"lanes[{i}]") for i, x in enumerate(_list(root, "lanes"))) or (LaneConfig("default", 0),)
+    names = [lane.name for lane in lanes]
+    if len(set(names)) != len(names):
+        raise ConfigError("lanes: lane names must be unique")
+    cost = _cost(root.get("cost"))
+    models = _models(_list(root, "models"), engines)
+    aliases = {alias: m.name for m in models for alias in m.aliases}
+    tenants = tuple(
+        _tenant(t, f"tenants[{i}]", lanes, aliases, _known_models(models, engines))
+        for i, t in enumerate(_list(root, "tenants", required=True))
+    )
+    if not tenants:
+        raise ConfigError("tenants: at least one tenant is needed")
+    seen_ids: set[str] = set()
+    seen_keys: dict[bytes, str] = {}
+    for i, tenant in enumerate(tenants):
+        if tenant.id in seen_ids:
+            raise ConfigError(f"tenants[{i}].id: tenant {tenant.id!r} is defined twice")
+        seen_ids.add(tenant.id)
+        owned = [(f"tenants[{i}].api_keys", repr(tenant.id), d) for d in tenant.key_hashes]
+        owned += [(f"tenants[{i}].applications[{j}].api_keys",
+                   f"{tenant.id!r} application {app.id!r}", d)
+                  for j, app in enumerate(tenant.applications) for d in app.key_hashes]
+        for where, owner, digest in owned:
+            if digest in seen_keys:
+                raise ConfigError(f"{where}: a key of {owner} also belongs to "
+                                  f"{seen_keys[digest]}")
+            seen_keys[digest] = owner
+    admin = tuple(_keys(root.get("admin_api_keys", []), "admin_api_keys"))
+    ledger = root.get("ledger", DEFAULT_LEDGER)
+    if not isinstance(ledger, str) or not ledger:
+        raise ConfigError("ledger: must be a URL such as 'sqlite:///usage.db' or 'postgresql://...'")
+    if base_dir is not None:
+        from ..ledger import resolve_ledger_url
+
+        ledger = resolve_ledger_url(ledger, base_dir)
+    return GatewayConfig(
+        engines=engines,
+        tenants=tenants,
+        lanes=lanes,
+        cost=cost,
+        ledger=ledger,
+        admin_key_hashes=admin,
+        request_timeout_s=_duration(root, "request_timeout", "", 600.0),
+        max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
+        lane_share_window_s=_duration(root, "lane_share_window", "", 30.0),
+        repin_after_s=_duration(root, "repin_after", "", 0.0) or None,
+        dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
+        prompt_count=_prompt_count(root.get("prompt_count", "bound")),
+        state=_state(root.get("state"), root.get("on_state_failure")),
+        models=models,
+        routing=_routing(root.get("routing", "pool")),
+        pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
+        metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
+        source=source,
+    )
+
+
+def _routing(value: Any) -> str:
+    if value not in ROUTINGS:
+        raise ConfigError(f"routing: expected 'pool' (one fair queue per model over its "
+                          f"engines) or 'pinned' (each tenant on one engine), got {value!r}")
+    return value
+
+
+def _name_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise ConfigError(f"{where}: expected a list of model names (non-empty strings)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: the same name is listed twice")
+    return tuple(value)
+
+
+def _models(items: list[Any], engines: tuple[EngineConfig, ...]) -> tuple[ModelConfig, ...]:
+    """The ``models`` section: per-model aliases and costs, names and aliases unique."""
+    out: list[ModelConfig] = []
+    taken: dict[str, str] = {}  # every name and alias -> where it was given
+    for i, item in enumerate(items):
+        where = f"models[{i}]"
+        m = _mapping(item, where)
+        _known(m, where, ("name", "aliases", "cost"))
+        name = m.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.name: required, the name the engines serve "
+                              "(their --served-model-name)")
+        aliases = _name_list(m.get("aliases", []), f"{where}.aliases")
+        for label, value in ((f"{where}.name", name),
+                             *((f"{where}.aliases", a) for a in aliases)):
+            if value in taken:
+                raise ConfigError(f"{label}: {value!r} is already given at {taken[value]}")
+            taken[value] = label
+        cost = _cost(m["cost"], f"{where}.cost") if m.get("cost") is not None else None
+        out.append(ModelConfig(name, aliases, cost))
+    served = {name for e in engines for name in e.models or ()}
+    for model in out:
+        for alias in model.aliases:
+            if alias in served:
+                raise ConfigError(f"models: alias {alias!r} of {model.name!r} is also a name an "
+                                  "engine serves")
+    return tuple(out)
+
+
+def _known_models(models: tuple[ModelConfig, ...],
+                  engines: tuple[EngineConfig, ...]) -> frozenset[str] | None:
+    """Every served name, when all engines list theirs (None: some are learned at run time)."""
+    if any(e.models is None for e in engines):
+        return None
+    return frozenset(name for e in engines for name in e.models or ())
+
+
+# -- sections ----------------------------------------------------------------------
+
+
+def _state(state: Any, on_failure: Any) -> StateConfig:
+    try:
+        return parse_state(state, on_failure)
+    except StateConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _dispatch_order(value: Any) -> str:
+    if value not in ("vtc", "fcfs"):
+        raise ConfigError(f"dispatch_order: expected 'vtc' (weighted fair) or 'fcfs', got {value!r}")
+    return value
+
+
+def _prompt_count(value: Any) -> str:
+    if value not in ("bound", "exact"):
+        raise ConfigError(f"prompt_count: expected 'bound' (count with /tokenize only when the "
+                          f"prompt's byte bound cannot decide) or 'exact', got {value!r}")
+    return value
+
+
+def _engine(value: Any, where: str) -> EngineConfig:
+    if isinstance(value, str):
+        value = {"url": value}
+    m = _mapping(value, where)
+    _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
+                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models",
+                      "model_path"))
+    url = m.get("url")
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{where}.url: expected http(s)://host:port, got {url!r}")
+    policy = m.get("scheduling_policy", "fcfs")
+    if policy not in SCHEDULING_POLICIES:
+        raise ConfigError(
+            f"{where}.scheduling_policy: expected one of {', '.join(SCHEDULING_POLICIES)} "
+            f"(the engine's --scheduling-policy), got {policy!r}"
+        )
+    kv = m.get("max_kv_cache_usage", 0.95)
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float))
+                           or not 0 < kv <= 1):
+        raise ConfigError(f"{where}.max_kv_cache_usage: expected a fraction in (0, 1] or null, got {kv!r}")
+    return EngineConfig(
+        url=url.rstrip("/"),
+        max_inflight=_int(m, "max_inflight", where, 64, minimum=1) or 64,
+        scheduling_policy=policy,
+        max_engine_waiting=_int(m, "max_engine_waiting", where, 4, minimum=0)
+        if m.get("max_engine_waiting", 4) is not None else None,
+        max_kv_cache_usage=None if kv is None else float(kv),
+        api_key=_engine_key(m, where),
+        max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
+        models=_name_list(m["models"], f"{where}.models") if m.get("models") is not None
+        else None,
+        model_path=_model_path(m, where),
+    )
+
+
+def _model_path(m: Mapping[str, Any], where: str) -> str | None:
+    value = m.get("model_path")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{where}.model_path: expected the model tokenpace up serves there "
+                          "(a path or a hub name)")
+    return value
+
+
+def _engine_key(m: Mapping[str, Any], where: str) -> str | None:
+    """``api_key`` as given, or read from the environment variable named by ``api_key_env``."""
+    if "api_key" in m and "api_key_env" in m:
+        raise ConfigError(f"{where}: give api_key or api_key_env, not both")
+    if "api_key_env" in m:
+        name = m["api_key_env"]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.api_key_env: expected the name of an environment variable")
+        key = os.environ.get(name)
+        if not key:
+            raise ConfigError(f"{where}.api_key_env: the environment variable {name} is not set "
+                              "or empty")
+        if key != key.strip() or not key.isprintable():
+            raise ConfigError(f"{where}.api_key_env: the value of {name} has surrounding spaces "
+                              "or control characters")
+        return key
+    key = m.get("api_key")
+    if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                            or not key.isprintable()):
+        raise ConfigError(f"{where}.api_key: expected a non-empty string without surrounding "
+                          "spaces or control characters (the engine's --api-key / VLLM_API_KEY)")
+    return key
+
+
+def keep_engine_keys(new: GatewayConfig, old: GatewayConfig) -> GatewayConfig:
+    """``new`` with the running engines' keys where its file gives none.
+
+    Keys that ``tokenpace up`` generated live only in the running configuration; a key
+    that the new file changes is refused (the engine would have to restart with it too).
+    """
+    engines = []
+    for i, (engine, running) in enumerate(zip(new.engines, old.engines)):
+        if engine.api_key is None:
+            engine = dataclasses.replace(engine, api_key=running.api_key)
+        elif engine.api_key != running.api_key:
+            raise ConfigError(f"engines[{i}].api_key: changing an engine's key needs a restart")
+        engines.append(engine)
+    return dataclasses.replace(new, engines=tuple(engines) + new.engines[len(engines):])
+
+
+def _lane(value: Any, where: str) -> LaneConfig:
+    m = _mapping(value, where)
+    _known(m, where, ("name", "priority", "min_share"))
+    name = m.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name: required, a non-empty string")
+    priority = m.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"{where}.priority: expected an integer (lower runs first), got {priority!r}")
+    share = m.get("min_share", 0.1)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise ConfigError(f"{where}.min_share: expected a fraction in [0, 1), got {share!r}")
+    return LaneConfig(name, priority, float(share))
+
+
+def _cost(value: Any, where: str = "cost") -> CostModel:
+    if value is None:
+        return CostModel()
+    m = _mapping(value, where)
+    _known(m, where, ("prompt", "completion"))
+    try:
+        return CostModel(m.get("prompt", 1.0), m.get("completion", 1.0))
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("cost.", f"{where}.", 1)) from None
+
+
+def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
+            aliases: Mapping[str, str] | None = None,
+            served: frozenset[str] | None = None) -> TenantConfig:
+    m = _mapping(value, where)
+    _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
+                      "end_user_output_tokens_per_second",
+                      "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
+                      "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
+                      "models", "applications"))
+    tenant_id = m.get("id")
+    try:
+        validate_user_id(tenant_id, f"{where}.id")
+    except LimitsError as exc:
+        raise ConfigError(str(exc)) from None
+    _no_control_characters(tenant_id, f"{where}.id")
+    keys = tuple(_keys(m.get("api_keys"), f"{where}.api_keys"))
+    applications = _applications(m, where)
+    if not keys and not any(a.key_hashes for a in applications):
+        raise ConfigError(f"{where}.api_keys: at least one key is needed (the tenant's own, "
+                          "or its applications')")
+    lane = m.get("lane", lanes[0].name)
+    if lane not in {x.name for x in lanes}:
+        raise ConfigError(
+            f"{where}.lane: unknown lane {lane!r}; lanes are {', '.join(x.name for x in lanes)}"
+        )
+    return TenantConfig(
+        id=tenant_id,
+        key_hashes=keys,
+        lane=lane,
+        weight=_number(m, "weight", where) or 1.0,
+        output_tokens_per_second=_number(m, "output_tokens_per_second", where),
+        end_user_output_tokens_per_second=_number(m, "end_user_output_tokens_per_second", where),
+        max_input_tokens=_int(m, "max_input_tokens", where, None, minimum=1),
+        max_output_tokens=_int(m, "max_output_tokens", where, None, minimum=1),
+        queue_timeout_s=_duration(m, "queue_timeout", where, 60.0),
+        share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
+        models=_allowed_models(m, where, aliases or {}, served),
+        applications=applications,
+        max_queued=_int(m, "max_queued", where, None, minimum=0),
+        **_limits(m, where),
+    )
+
+
+def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The limits a tenant and an application both have, as their configs' fields:
+    concurrency, token budgets and request rates, each enforced or observed."""
+    budgets = _budgets(m, where)
+    max_requests = _request_limits(m, where)
+    max_concurrency, observed_concurrency = _concurrency(m, where)
+    return {
+        "max_concurrency": max_concurrency,
+        "observed_concurrency": observed_concurrency,
+        "budgets": tuple(b for b in budgets if not b.observe),
+        "observed_budgets": tuple(b for b in budgets if b.observe),
+        "max_requests": tuple(r for r in max_requests if not r.observe),
+        "observed_requests": tuple(r for r in max_requests if r.observe),
+    }
+
+
+def _applications(m: Mapping[str, Any], where: str) -> tuple[ApplicationConfig, ...]:
+    """``applications: [{id, api_keys, weight, output_tokens_per_second,
+    end_user_output_tokens_per_second, max_concurrency, budgets, max_requests}]``: ids
+    unique inside the tenant."""
+    out: list[ApplicationConfig] = []
+    for i, item in enumerate(_list(m, "applications", where)):
+        aw = f"{where}.applications[{i}]"
+        am = _mapping(item, aw)
+        _known(am, aw, ("id", "api_keys", "weight", "output_tokens_per_second",
+                        "end_user_output_tokens_per_second", "max_concurrency", "budgets",
+                        "max_requests"))
+        app_id = am.get("id")
+        if not isinstance(app_id, str) or not app_id:
+            raise ConfigError(f"{aw}.id: required, a non-empty string")
+        if len(app_id) > MAX_APPLICATION_ID_LENGTH:
+            raise ConfigError(f"{aw}.id: is {len(app_id)} characters long; at most "
+                              f"{MAX_APPLICATION_ID_LENGTH} are allowed")
+        _no_control_characters(app_id, f"{aw}.id")
+        if any(a.id == app_id for a in out):
+            raise ConfigError(f"{aw}.id: application {app_id!r} is defined twice in the tenant")
+        keys = tuple(_keys(am.get("api_keys"), f"{aw}.api_keys"))
+        if not keys:
+            raise ConfigError(f"{aw}.api_keys: at least one key is needed (a key names the "
+                              "tenant and the application)")
+        out.append(ApplicationConfig(
+            id=app_id, key_hashes=keys, weight=_number(am, "weight", aw) or 1.0,
+            output_tokens_per_second=_number(am, "output_tokens_per_second", aw),
+            end_user_output_tokens_per_second=_number(
+                am, "end_user_output_tokens_per_second", aw),
+            **_limits(am, aw)))
+    return tuple(out)
+
+
+MAX_APPLICATION_ID_LENGTH = 128
+"""An application id is a metric label and part of ledger rows and store keys."""
+
+
+def _no_control_characters(value: str, where: str) -> None:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{where}: must not contain control characters")
+
+
+def _budgets(m: Mapping[str, Any], where: str) -> list[BudgetSpec]:
+    """``budgets: [{tokens, per, mode}]``: token buckets, each listed once."""
+    budgets = []
+    for i, b in enumerate(_list(m, "budgets", where)):
+        bw = f"{where}.budgets[{i}]"
+        bm = _mapping(b, bw)
+        _known(bm, bw, ("tokens", "per", "mode"))
+        tokens = _number(bm, "tokens", bw, required=True)
+        try:
+            per = parse_duration(bm.get("per"))
+        except ValueError as exc:
+            raise ConfigError(f"{bw}.per: {exc}") from None
+        assert tokens is not None
+        budgets.append(BudgetSpec(tokens, per, _observe(bm, bw)))
+    if len({b.key for b in budgets}) != len(budgets):
+        raise ConfigError(f"{where}.budgets: the same budget is listed twice")
+    return budgets
+
+
+def _request_limits(m: Mapping[str, Any], where: str) -> tuple[RequestLimit, ...]:
+    """``max_requests: [{requests: 600, per: 1m}, ...]``: whole requests per period."""
+    limits = []
+    for i, item in enumerate(_list(m, "max_requests", where)):
+        lw = f"{where}.max_requests[{i}]"
+        lm = _mapping(item, lw)
+        _known(lm, lw, ("requests", "per", "mode"))
+        requests = _int(lm, "requests", lw, None, minimum=1)
+        if requests is None:
+            raise ConfigError(f"{lw}.requests: required (a whole number of requests, >= 1)")
+        try:
+            per = parse_duration(lm.get("per"))
+        except ValueError as exc:
+            raise ConfigError(f"{lw}.per: {exc}") from None
+        limits.append(RequestLimit(requests, per, _observe(lm, lw)))
+    if len({x.key for x in limits}) != len(limits):
+        raise ConfigError(f"{where}.max_requests: the same limit is listed twice")
+    return tuple(limits)
+
+
+def _observe(m: Mapping[str, Any], where: str) -> bool:
+    """A limit's ``mode``: ``enforce`` (the default) or ``observe`` (True)."""
+    mode = m.get("mode", "enforce")
+    if mode not in ("enforce", "observe"):
+        raise ConfigError(f"{where}.mode: expected 'enforce' (the default) or 'observe', "
+                          f"got {mode!r}")
+    return mode == "observe"
+
+
+def _concurrency(m: Mapping[str, Any], where: str) -> tuple[int | None, int | None]:
+    """``max_concurrency``: a number, or ``{limit: 8, mode: observe}``; (enforced, observed)."""
+    value = m.get("max_concurrency")
+    if not isinstance(value, Mapping):
+        return _int(m, "max_concurrency", where, None, minimum=1), None
+    cw = f"{where}.max_concurrency"
+    _known(value, cw, ("limit", "mode"))
+    limit = _int(value, "limit", cw, None, minimum=1)
+    if limit is None:
+        raise ConfigError(f"{cw}.limit: required (requests in flight at once, >= 1)")
+    return (None, limit) if _observe(value, cw) else (limit, None)
+
+
+def _allowed_models(m: Mapping[str, Any], where: str, aliases: Mapping[str, str],
+                    served: frozenset[str] | None) -> frozenset[str] | None:
+    """A tenant's ``models`` allow-list as served names; a name no engine serves is an
+    error when every engine lists its models (a typo would lock the tenant out)."""
+    if m.get("models") is None:
+        return None
+    names = _name_list(m["models"], f"{where}.models")
+    if not names:
+        raise ConfigError(f"{where}.models: at least one model; leave the key out to allow "
+                          "every model")
+    resolved = frozenset(aliases.get(name, name) for name in names)
+    if served is not None:
+        for name in names:
+            if aliases.get(name, name) not in served:
+                raise ConfigError(f"{where}.models: no engine serves {name!r}; served: "
+                                  f"{', '.join(sorted(served))}")
+    return resolved
+
+
+# -- values ------------------------------------------------------------------------
+
+
+def _path(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _known(m: Mapping[str, Any], where: str, keys: tuple[str, ...]) -> None:
+    unknown = [k for k in m if k not in keys]
+    if unknown:
+        raise ConfigError(
+            f"{_path(where, str(unknown[0]))}: unknown key; known keys here are {', '.join(keys)}"
+        )
+
+
+def _list(m: Mapping[str, Any], key: str, where: str = "", required: bool = False) -> list[Any]:
+    if key not in m:
+        if required:
+            raise ConfigError(f"{_path(where, key)}: required")
+        return []
+    value = m[key]
+    if not isinstance(value, list):
+        raise ConfigError(f"{_path(where, key)}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _keys(value: Any, where: str) -> list[bytes]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of keys")
+    out = []
+    for i, key in enumerate(value):
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}[{i}]: expected a non-empty string")
+        if key.startswith("sha256:"):
+            hexdigest = key[len("sha256:"):]
+            try:
+                digest = bytes.fromhex(hexdigest)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise ConfigError(f"{where}[{i}]: 'sha256:' must be followed by 64 hex digits")
+            out.append(digest)
+        else:
+            out.append(hash_key(key))
+    return out
+
+
+def _number(m: Mapping[str, Any], key: str, where: str, required: bool = False) -> float | None:
+    if key not in m or m[key] is None:
+        if required:
+            raise ConfigError(f"{_path(where, key)}: required")
+        return None
+    value = m[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{_path(where, key)}: expected a number greater than 0, got {value!r}")
+    return float(value)
+
+
+def _bool(m: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    value = m.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_path(where, key)}: expected true or false, got {value!r}")
+    return value
+
+
+def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> int | None:
+    if key not in m or m[key] is None:
+        return default
+    value = m[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{_path(where, key)}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _duration(m: Mapping[str, Any], key: str, where: str, default: float) -> float:
+    if key not in m or m[key] is None:
+        return default
+    value = m[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ConfigError(f"{_path(where, key)}: {exc}") from None

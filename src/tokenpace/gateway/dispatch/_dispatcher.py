@@ -1,0 +1,581 @@
+"""Where admitted requests wait for an engine, and which engine each one goes to.
+
+Requests wait here, in the gateway, rather than in the engine: here they can still be
+reordered, timed out or cancelled for free, and this is where fairness is decided.
+
+Engines are grouped into pools by the model names they serve (``engines[].models``, else
+learned from each engine's ``/v1/models``); an engine serving two names is in two pools.
+Each pool has one fair queue (``fairness.FairQueue``: lanes in priority order with a
+minimum share, weighted VTC inside a lane, FIFO inside a tenant), so VTC counters and lane
+shares are measured over the whole pool, not per engine. A waiting request is dispatched
+when some engine of its pool that it may use has room (below ``max_inflight`` and, when its
+``/metrics`` are reachable, not already queueing or out of KV cache) and its tenant is
+below ``max_concurrency``.
+
+Which engine (``routing: pool``, the default): a tenant's engines are ranked by
+rendezvous hashing over the pool's URLs (a stable preference, so a tenant's prompts meet
+their own prefix cache); its request goes to the first engine in that order that has room,
+unless another engine with room has more than ``pool_affinity`` fewer requests in flight,
+in which case it goes to the least loaded. A tenant with ``output_tokens_per_second`` fills
+its first engine and spreads to the next only when that one is full: each engine it runs on
+paces a share of its rate (``engines._rate_split``), and every engine more is a share to move; it
+stays on its first engine where engines have no ``api_key`` (the shares are moved by a
+control call that needs it). With ``routing: pinned`` every tenant stays on its first
+engine. With ``repin_after`` set, a pinned tenant
+whose engine has been down that long moves to the next engine in its rendezvous order (the
+drain period lets the old engine finish or drop what it held before the identity is paced
+somewhere else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+from ...fairness import FairQueue, LaneSpec
+from .. import metrics
+from ..config import EngineConfig, GatewayConfig
+from ..state import Reservation
+from ..tenants import ApplicationState, TenantState, dispatched
+
+
+class QueueFull(Exception):
+    """The tenant already has ``max_queued`` requests waiting; ``waiting``: how many wait
+    on every replica together (shared slots), None in process."""
+
+    def __init__(self, waiting: int | None = None) -> None:
+        super().__init__(waiting)
+        self.waiting = waiting
+
+
+class EngineSlots:
+    """One engine's capacity as the gateway sees it, and its queue of waiting requests.
+
+    The saturation gate holds requests here while more would only queue inside the engine.
+    Two signals, because each alone fails:
+
+    - The gateway's own count. With the engine's capacity known (``max_num_seqs``
+      configured, or learned from two readings in a row that show requests waiting beside
+      the same running count), at most capacity + ``max_engine_waiting`` of the gateway's
+      requests are in the engine at once: a burst larger than the engine can run waits here,
+      where the fair queue orders it, and a burst that fits goes at once.
+    - The engine's own waiting count, polled from its ``/metrics``, for load the gateway does
+      not see (other clients, other gateway replicas). A reading is stale: it counts the
+      gateway's fresh dispatches as "waiting" until the engine's next step admits them (a
+      burst would hold itself back until a later poll), so the requests the gateway
+      dispatched between the two last readings are not counted against it. vLLM's running
+      gauge is not used for load: it keeps its last value while the engine is idle.
+
+    While the gate holds requests it sets ``held``, and the poller reads the gauges again
+    within tens of milliseconds (backing off while the engine stays full).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.pools: list[Pool] = []  # one per model name it serves
+        self.models: frozenset[str] | None = (  # None: not known yet (learned)
+            frozenset(config.models) if config.models is not None else None)
+        self.inflight = 0
+        self.healthy = True
+        self.down_since: float | None = None
+        self.engine_waiting: float | None = None  # from the engine's /metrics
+        self.engine_running: float | None = None
+        self.kv_cache_usage: float | None = None
+        self.learned_capacity: int | None = None
+        self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
+        self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
+        self._dispatched_since_reading = 0
+        self._fresh_at_reading = 0  # dispatched between the previous reading and the last
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def waiting(self) -> int:
+        """Requests waiting in the queues of the pools this engine serves."""
+        return sum(len(pool.queue) for pool in self.pools)
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests the engine runs at once (configured, else learned; None: unknown)."""
+        return self.config.max_num_seqs or self.learned_capacity
+
+    def record_reading(self, running: float | None, waiting: float | None,
+                       kv_usage: float | None) -> None:
+        """A fresh reading of the engine's gauges (None: not reported)."""
+        if running is not None and waiting and self.engine_waiting and running == self.engine_running \
+                and not self._kv_full(kv_usage):
+            # Requests waited across two polls beside the same running count: that is the
+            # engine's limit, not a burst between two scheduler steps.
+            self.learned_capacity = max(self.learned_capacity or 0, int(running))
+        if running is not None and self.learned_capacity is not None:
+            self.learned_capacity = max(self.learned_capacity, int(running))
+        self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
+        self._fresh_at_reading = self._dispatched_since_reading
+        self._dispatched_since_reading = 0
+
+    def dispatched(self) -> None:
+        self.inflight += 1
+        self._dispatched_since_reading += 1
+
+    def _kv_full(self, kv_usage: float | None) -> bool:
+        limit = self.config.max_kv_cache_usage
+        return limit is not None and kv_usage is not None and kv_usage >= limit
+
+    def saturated(self) -> bool:
+        """More work now would only queue inside the engine (or its KV cache is full)."""
+        if self._kv_full(self.kv_cache_usage):
+            return True
+        limit = self.config.max_engine_waiting
+        if limit is None:
+            return False
+        capacity = self.capacity
+        if capacity is not None and self.inflight + 1 > capacity + limit:
+            return True
+        waiting = self.engine_waiting
+        return waiting is not None and waiting - self._fresh_at_reading > limit
+
+    def has_room(self) -> bool:
+        return self.inflight < self.config.max_inflight and not self.saturated()
+
+
+class Pool:
+    """The engines serving one model name, and the one fair queue its requests wait in."""
+
+    def __init__(self, model: str, queue: FairQueue[Waiter]) -> None:
+        self.model = model
+        self.engines: list[EngineSlots] = []
+        self.queue = queue
+
+    def __repr__(self) -> str:
+        return f"Pool({self.model!r}, {[e.url for e in self.engines]})"
+
+
+@dataclass(eq=False)
+class Waiter:
+    tenant: TenantState
+    pool: Pool
+    application: ApplicationState | None = None
+    engine: EngineSlots | None = None  # chosen when the request is granted
+    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    granted: bool = False
+    released: bool = False
+
+
+class Lease:
+    """One request's slot on an engine, from the wait for it to its release.
+
+    ``async with dispatcher.lease(...)`` holds the slot for a block and gives it back however
+    the block ends (exception, cancellation). A request whose response outlives its handler
+    (a stream relayed after ``handle`` returned) calls ``acquire`` and ``release`` itself:
+    ``Exchange.finish`` releases. ``acquire`` leaves nothing behind when it fails or is
+    cancelled, and ``release`` is idempotent, so a slot cannot leak or be freed twice.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, tenant: TenantState, pool: Pool,
+                 timeout_s: float, prompt_cost: float, estimate: float,
+                 application: ApplicationState | None = None) -> None:
+        self._dispatcher = dispatcher
+        self.tenant, self.pool, self.application = tenant, pool, application
+        self._wait = (timeout_s, prompt_cost, estimate)
+        self.waiter: Waiter | None = None  # set once granted
+
+    @property
+    def engine(self) -> EngineSlots:
+        """The engine the slot is on (once granted)."""
+        assert self.waiter is not None and self.waiter.engine is not None
+        return self.waiter.engine
+
+    async def acquire(self) -> Lease:
+        """Wait for the slot; raise ``QueueFull`` at once or ``TimeoutError`` after the
+        timeout (see ``Dispatcher.acquire``)."""
+        timeout_s, prompt_cost, estimate = self._wait
+        self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
+                                                     prompt_cost, estimate, self.application)
+        return self
+
+    def charge(self, cost: float) -> None:
+        """Service received (cost units), for the fair queue's counter."""
+        if self.waiter is not None:
+            self._dispatcher.charge(self.waiter, cost)
+
+    def release(self, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give the slot back (idempotent; nothing to do before it was granted).
+
+        ``settle``: a budget reservation of the shared store and the actual cost, settled in
+        the same store call as the release when the slot is a shared lease (one round trip
+        instead of two). True when it was taken; otherwise the caller settles it.
+        """
+        if self.waiter is not None:
+            return self._dispatcher.release(self.waiter, settle)
+        return False
+
+    async def __aenter__(self) -> Lease:
+        return await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class Dispatcher:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._config = config
+        self.engines = [EngineSlots(e) for e in config.engines]
+        # Whether a paced tenant's rate can be split over engines: the rate-control call
+        # that moves the shares needs each engine's key (``engines[].api_key``). Engines
+        # are fixed for the life of the process.
+        self.splits_rates = all(e.api_key for e in config.engines)
+        self.pools: dict[str, Pool] = {}
+        self.repin_after_s = config.repin_after_s
+        self._states: dict[str, TenantState] = {}
+        # (tenant, pool model) -> the pool's engines in rendezvous order. The order depends
+        # only on the pool's engine URLs and the tenant id; health and the clock decide among
+        # them in engine_for, so health changes need not (but do) clear it; reloads and a
+        # pool's membership changing clear it, so a removed tenant's entry goes.
+        self._ranked: dict[tuple[str, str | None], list[EngineSlots]] = {}
+        for engine in self.engines:
+            if engine.models is not None:
+                self._join(engine, engine.models)
+        self.configure(config)
+        for engine in self.engines:
+            engine.inflight_gauge.set(0)
+
+    def configure(self, config: GatewayConfig) -> None:
+        """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue."""
+        self._config = config
+        self.repin_after_s = config.repin_after_s
+        self._ranked.clear()
+        for pool in self.pools.values():
+            self._configure_queue(pool.queue, config)
+
+    def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
+        """Lanes and order; the lanes and weights of the tenants the queue has seen (a
+        tenant is declared to a queue with its first request: O(tenants seen), not
+        O(configured))."""
+        queue.set_lanes(_lane_specs(config))
+        queue.fair = config.dispatch_order == "vtc"
+        for tenant_id in queue.declared_tenants():
+            tenant = config.tenant(tenant_id)
+            if tenant is not None:
+                queue.set_tenant(tenant.id, tenant.lane, tenant.weight,
+                                 {a.id: a.weight for a in tenant.applications})
+
+    @staticmethod
+    def _declare(queue: FairQueue[Waiter], tenant: TenantState) -> None:
+        """Declare the tenant to the queue before its first request there (a reload
+        updates it from then on: ``_configure_queue``)."""
+        if not queue.declared(tenant.id):
+            cfg = tenant.config
+            queue.set_tenant(cfg.id, cfg.lane, cfg.weight,
+                             {a.id: a.weight for a in cfg.applications})
+
+    # -- pools -------------------------------------------------------------------------
+
+    def set_models(self, engine: EngineSlots, models: frozenset[str]) -> bool:
+        """The model names ``engine`` serves, as learned from it; True when they changed.
+
+        Requests already waiting for a pool it leaves stay queued for the pool's other
+        engines (or time out); a pool it joins can dispatch to it at once.
+        """
+        if engine.models == models:
+            return False
+        for pool in list(engine.pools):
+            if pool.model not in models:
+                pool.engines.remove(engine)
+                engine.pools.remove(pool)
+        self._join(engine, models - {pool.model for pool in engine.pools})
+        engine.models = models
+        self._ranked.clear()
+        for pool in engine.pools:
+            self._pump(pool)
+        return True
+
+    def _join(self, engine: EngineSlots, models: frozenset[str] | tuple[str, ...]) -> None:
+        for model in models:
+            pool = self.pools.get(model)
+            if pool is None:
+                pool = Pool(model, self._new_queue())
+                self.pools[model] = pool
+            pool.engines.append(engine)
+            engine.pools.append(pool)
+
+    def _new_queue(self) -> FairQueue[Waiter]:
+        config = self._config
+        queue: FairQueue[Waiter] = FairQueue(_lane_specs(config), self._clock,
+                                             config.lane_share_window_s,
+                                             fair=config.dispatch_order == "vtc")
+        self._configure_queue(queue, config)
+        return queue
+
+    def pool_for(self, model: str) -> Pool | None:
+        """The pool serving ``model`` (a served name), or None when no engine serves it."""
+        pool = self.pools.get(model)
+        return pool if pool is not None and pool.engines else None
+
+    def served_models(self) -> list[str]:
+        """Every model name some engine serves, sorted."""
+        return sorted(model for model, pool in self.pools.items() if pool.engines)
+
+    def unlearned(self) -> list[EngineSlots]:
+        """Engines whose model names are not known yet (they have not answered /v1/models)."""
+        return [engine for engine in self.engines if engine.models is None]
+
+    # -- routing ---------------------------------------------------------------------
+
+    def _rank(self, tenant_id: str, pool: Pool | None) -> list[EngineSlots]:
+        key = (tenant_id, pool.model if pool is not None else None)
+        ranked = self._ranked.get(key)
+        if ranked is None:  # one hash per engine and a sort: once per tenant and pool
+            engines = pool.engines if pool is not None else self.engines
+            ranked = sorted(engines, key=lambda e: _score(e.url, tenant_id), reverse=True)
+            self._ranked[key] = ranked
+        return ranked
+
+    def engine_for(self, tenant_id: str, pool: Pool | None = None) -> EngineSlots:
+        """The engine ``tenant_id`` is pinned to in ``pool`` (default: over every engine):
+        the highest rendezvous score, or with ``repin_after`` the first healthy one in score
+        order once that one has been down that long."""
+        ranked = self._rank(tenant_id, pool)
+        first = ranked[0]
+        if first.healthy or self.repin_after_s is None or first.down_since is None \
+                or self._clock() - first.down_since < self.repin_after_s:
+            return first
+        return next((e for e in ranked[1:] if e.healthy), first)
+
+    def pinned(self, tenant: TenantState) -> bool:
+        """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
+        tenant whose rate cannot be split (``splits_rates``): one engine paces it."""
+        return self._config.routing == "pinned" or (
+            tenant.config.output_tokens_per_second is not None and not self.splits_rates)
+
+    def preferred(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
+        """The engine that counts the tenant's prompts before dispatch (``/tokenize``): its
+        pinned engine when pinned, else the first healthy one in its rendezvous order."""
+        if self.pinned(tenant):
+            engine = self.engine_for(tenant.id, pool)
+            return engine if engine.healthy else None
+        return next((e for e in self._rank(tenant.id, pool) if e.healthy), None)
+
+    def may_wait(self, tenant: TenantState, pool: Pool) -> bool:
+        """Whether some engine the tenant may use in ``pool`` is up (else: refuse at once)."""
+        return self.preferred(tenant, pool) is not None
+
+    def choose(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
+        """The engine of ``pool`` the tenant's next request goes to now; None: none has room.
+
+        Cost: O(engines in the pool) comparisons on cached rendezvous ranks.
+        """
+        if self.pinned(tenant):
+            engine = self.engine_for(tenant.id, pool)
+            return engine if engine.healthy and self._open(engine) else None
+        if tenant.config.output_tokens_per_second is not None:
+            # A paced tenant fills its first engine in rendezvous order and spills to the
+            # next only when that one is full: its rate, not an engine, bounds it, and each
+            # engine more is a share to move by control call as streams start and end.
+            return next((e for e in self._rank(tenant.id, pool)
+                         if e.healthy and self._open(e)), None)
+        best: EngineSlots | None = None
+        first: EngineSlots | None = None
+        for engine in self._rank(tenant.id, pool):
+            if not (engine.healthy and self._open(engine)):
+                continue
+            if first is None:
+                first = engine
+            if best is None or engine.inflight < best.inflight:
+                best = engine
+        if first is None or best is None:
+            return None
+        return first if first.inflight <= best.inflight + self._config.pool_affinity else best
+
+    def _open(self, engine: EngineSlots) -> bool:
+        """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
+        other replicas hold)."""
+        return engine.has_room()
+
+    def set_health(self, engine: EngineSlots, healthy: bool) -> None:
+        if healthy == engine.healthy:
+            return
+        engine.healthy = healthy
+        self._ranked.clear()
+        engine.down_since = None if healthy else self._clock()
+        if healthy:
+            for pool in engine.pools:
+                self._pump(pool)
+
+    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
+                 running: float | None = None) -> None:
+        """Saturation gauges read from the engine's /metrics (None: not reported)."""
+        engine.record_reading(running, waiting, kv_usage)
+        for pool in engine.pools:
+            self._pump(pool)
+
+    # -- waiting and dispatch ----------------------------------------------------------
+
+    async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
+                      prompt_cost: float, estimate: float,
+                      application: ApplicationState | None = None) -> Waiter:
+        """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
+
+        On cancellation the waiter leaves the queue, or gives its slot back if it was
+        granted in the same instant, so nothing leaks.
+        """
+        waiter = Waiter(tenant, pool, application)
+        self._states[tenant.id] = tenant
+        self._declare(pool.queue, tenant)
+        pool.queue.push(waiter, tenant.id, prompt_cost, estimate,
+                        None if application is None else application.id)
+        tenant.queued += 1
+        self._pump(pool)
+        if waiter.granted:
+            return waiter
+        if tenant.config.max_queued is not None and tenant.queued > tenant.config.max_queued:
+            self._remove(waiter)
+            raise QueueFull()
+        metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+        async with asyncio.timeout(timeout_s):
+            await self._wait(waiter)
+        return waiter
+
+    async def _wait(self, waiter: Waiter) -> None:
+        """Wait for ``waiter``'s grant. If the wait ends otherwise (timeout, cancellation),
+        give back the slot granted in the same instant, or leave the queue: nothing leaks."""
+        try:
+            await waiter.future
+        except BaseException:
+            if waiter.granted:
+                self.release(waiter)
+            else:
+                self._remove(waiter)
+            raise
+
+    def lease(self, tenant: TenantState, pool: Pool, timeout_s: float,
+              prompt_cost: float, estimate: float,
+              application: ApplicationState | None = None) -> Lease:
+        """A slot on an engine of ``pool`` for one request of ``tenant`` (and of its
+        ``application``), not yet waited for."""
+        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate, application)
+
+    def charge(self, waiter: Waiter, cost: float) -> None:
+        """Service a dispatched request received (output tokens as the stream reports them)."""
+        app = waiter.application
+        waiter.pool.queue.charge(waiter.tenant.id, cost, None if app is None else app.id)
+
+    def release(self, waiter: Waiter, settle: tuple[Reservation, float] | None = None) -> bool:
+        """Give a dispatched request's slots back (idempotent) and dispatch the next.
+        In process there is no store call to settle ``settle`` with: False."""
+        if not waiter.granted or waiter.released:
+            return False
+        waiter.released = True
+        engine, tenant = waiter.engine, waiter.tenant
+        assert engine is not None
+        engine.inflight -= 1
+        tenant.inflight -= 1
+        if waiter.application is not None:
+            waiter.application.inflight -= 1
+        engine.inflight_gauge.set(engine.inflight)
+        metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
+        for pool in self.pools.values():  # the tenant's concurrency may unblock any queue
+            if len(pool.queue):
+                self._pump(pool)
+        return False
+
+    def _remove(self, waiter: Waiter) -> None:
+        if waiter.pool.queue.remove(waiter):
+            waiter.tenant.queued -= 1
+            metrics.child(metrics.QUEUED, waiter.tenant.id).set(waiter.tenant.queued)
+
+    def _placeable(self, tenant_id: str, pool: Pool) -> EngineSlots | None:
+        """The engine a waiter of ``tenant_id`` would get now, if it may go at all."""
+        state = self._states.get(tenant_id)
+        if state is None or not self._may_dispatch(tenant_id):
+            return None
+        return self.choose(state, pool)
+
+    def _eligibility(self, pool: Pool) -> tuple[Callable[[str], bool],
+                                                dict[str, EngineSlots | None]]:
+        """The fair queue's ``eligible`` test for ``pool``, and the engine choices it makes
+        on the way (the chosen tenant's engine is then read, not chosen again)."""
+        placed: dict[str, EngineSlots | None] = {}
+
+        def eligible(tenant_id: str) -> bool:
+            engine = placed[tenant_id] = self._placeable(tenant_id, pool)
+            return engine is not None
+
+        return eligible, placed
+
+    def _may_dispatch_application(self, tenant_id: str, application_id: str) -> bool:
+        """Whether a waiting request of this application may go now (below its
+        ``max_concurrency``). An application a reload removed has no limit left."""
+        state = self._states.get(tenant_id)
+        app = None if state is None else state.applications.get(application_id)
+        return app is None or not app.at_concurrency_limit()
+
+    def _pump(self, pool: Pool) -> None:
+        """Dispatch the fair queue's choices while an engine of the pool has room for them.
+
+        Cost per dispatch: the fair queue's choice (O(tenants waiting)), each candidate
+        tenant's engine choice (O(engines in the pool)), a few counters and gauges.
+        """
+        eligible, placed = self._eligibility(pool)
+        while len(pool.queue) and any(e.healthy and self._open(e) for e in pool.engines):
+            placed.clear()
+            waiter = pool.queue.pop(eligible, self._may_dispatch_application)
+            if waiter is None:
+                break
+            tenant = waiter.tenant
+            engine = placed.get(tenant.id) or self.choose(tenant, pool)
+            assert engine is not None
+            waiter.engine = engine
+            waiter.granted = True
+            tenant.queued -= 1
+            tenant.inflight += 1
+            dispatched(tenant, self._clock())
+            if waiter.application is not None:
+                waiter.application.inflight += 1
+                dispatched(waiter.application, self._clock())
+            engine.dispatched()
+            engine.inflight_gauge.set(engine.inflight)
+            metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
+            metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+        if len(pool.queue):
+            for engine in pool.engines:
+                if engine.inflight < engine.config.max_inflight and engine.saturated():
+                    engine.held.set()  # a fresh reading: the one that closed the gate may be stale
+
+    def _may_dispatch(self, tenant_id: str) -> bool:
+        state = self._states.get(tenant_id)
+        return state is not None and not state.at_concurrency_limit()
+
+    async def close(self) -> None:
+        """Stop background work (none in process; see ``SharedDispatcher``)."""
+
+    def publish(self, active: Iterable[str]) -> None:
+        """Refresh the fairness gauges of the ``active`` tenants (those with series; called
+        when /metrics is scraped). O(lanes + active tenants x pools)."""
+        lane_cost: dict[str, float] = {}
+        for pool in self.pools.values():
+            for lane, cost in pool.queue.lane_costs().items():
+                lane_cost[lane] = lane_cost.get(lane, 0.0) + cost
+        total = sum(lane_cost.values())
+        for lane, cost in lane_cost.items():
+            metrics.LANE_SHARE.labels(lane).set(cost / total if total else 0.0)
+        for tenant_id in active:
+            metrics.child(metrics.FAIRNESS_DEBT, tenant_id).set(
+                max((p.queue.debt(tenant_id) for p in self.pools.values()), default=0.0))
+            metrics.child(metrics.QUEUED_COST, tenant_id).set(
+                sum(p.queue.queued(tenant_id)[1] for p in self.pools.values()))
+
+
+def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
+    return [LaneSpec(lane.name, lane.priority, lane.min_share) for lane in config.lanes]
+
+
+def _score(url: str, tenant_id: str) -> int:
+    digest = hashlib.blake2b(f"{url}\x00{tenant_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

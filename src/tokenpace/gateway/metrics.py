@@ -1,0 +1,289 @@
+"""The gateway's Prometheus metrics, declared once.
+
+Label values are bounded: ``tenant`` is a configured tenant id (or ``""`` for requests
+without a valid key), ``application`` a configured application id of that tenant (or
+``""``), ``lane`` a configured lane, ``model`` a name an engine serves (or
+``""`` for a request refused before it was routed), ``reason`` and ``outcome`` come from
+small fixed sets in the code. A tenant's series exist while it is active: they appear with
+its first request and go once it has been idle for ``metrics_idle_after`` (``tenants._series``), or
+when a reload removes it; so a scrape's size follows the traffic, not the configuration.
+
+A scrape reads the live gauges on the event loop (a few values per active tenant) and
+renders the page in a worker thread (``render``): the text of thousands of series takes
+tens of milliseconds to format, which requests in flight must not wait out.
+Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
+deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Metric,
+    generate_latest,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# `_created` series double every counter and histogram and nothing here reads them.
+disable_created_metrics()
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+# process_cpu_seconds_total, process_resident_memory_bytes, ...: the gateway's own cost.
+ProcessCollector(registry=REGISTRY)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+REQUESTS = Counter(
+    "tokenpace_gateway_requests", "Requests that ended, by outcome (finish reason or rejected).",
+    ["tenant", "lane", "outcome"], registry=REGISTRY,
+)
+MODEL_REQUESTS = Counter(
+    "tokenpace_gateway_model_requests",
+    "Requests that ended, by the model they were routed to (a served name; \"\" before "
+    "routing) and outcome.", ["model", "outcome"], registry=REGISTRY,
+)
+MODEL_TOKENS = Counter(
+    "tokenpace_gateway_model_tokens",
+    "Tokens of served requests by model and kind (prompt, completion).",
+    ["model", "kind"], registry=REGISTRY,
+)
+REJECTIONS = Counter(
+    "tokenpace_gateway_rejections", "Requests refused by the gateway, by reason.",
+    ["tenant", "reason"], registry=REGISTRY,
+)
+WOULD_REJECT = Counter(
+    "tokenpace_gateway_would_reject", "Requests that a limit in observe mode would have "
+    "refused (or, for max_concurrency, held in the queue), by reason; none was refused. "
+    "application: whose limit (\"\": the tenant's own).",
+    ["tenant", "application", "reason"], registry=REGISTRY,
+)
+APPLICATION_REQUESTS = Counter(
+    "tokenpace_gateway_application_requests", "Requests of a tenant's applications that "
+    "ended, by outcome (requests of the tenant's own keys are not counted here).",
+    ["tenant", "application", "outcome"], registry=REGISTRY,
+)
+APPLICATION_TOKENS = Counter(
+    "tokenpace_gateway_application_tokens", "Tokens of a tenant's applications' served "
+    "requests, by kind (prompt, completion).",
+    ["tenant", "application", "kind"], registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "tokenpace_gateway_prompt_tokens", "Prompt tokens of requests that reached an engine.",
+    ["tenant", "lane"], registry=REGISTRY,
+)
+PROMPT_BOUND_VIOLATIONS = Counter(
+    "tokenpace_gateway_prompt_bound_violations", "Prompts with more tokens than the byte bound "
+    "they were admitted on (the bound is then off for that engine and model).",
+    ["engine"], registry=REGISTRY,
+)
+COMPLETION_TOKENS = Counter(
+    "tokenpace_gateway_completion_tokens", "Output tokens generated for a tenant.",
+    ["tenant", "lane"], registry=REGISTRY,
+)
+SERVICE = Counter(
+    "tokenpace_gateway_service_cost", "Service cost charged (cost.prompt x prompt + "
+    "cost.completion x completion).", ["tenant", "lane"], registry=REGISTRY,
+)
+QUEUE_SECONDS = Histogram(
+    "tokenpace_gateway_queue_seconds", "Time from admission to dispatch to an engine.",
+    ["tenant"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+TTFT_SECONDS = Histogram(
+    "tokenpace_gateway_time_to_first_token_seconds",
+    "Time from arrival at the gateway to the first output token (streaming requests).",
+    ["tenant"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+E2E_SECONDS = Histogram(
+    "tokenpace_gateway_request_seconds", "Time from arrival at the gateway to the end of the response.",
+    ["tenant"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+INFLIGHT = Gauge(
+    "tokenpace_gateway_inflight_requests", "Requests dispatched to an engine and not finished.",
+    ["tenant"], registry=REGISTRY,
+)
+QUEUED = Gauge(
+    "tokenpace_gateway_queued_requests", "Admitted requests waiting in the gateway for dispatch.",
+    ["tenant"], registry=REGISTRY,
+)
+
+
+class LiveGauge(Collector):
+    """A gauge whose samples are read from live state when Prometheus scrapes.
+
+    A gauge set on change shows the value of the last change: a token budget refills
+    continuously, so a pushed level was stale between requests, and series of a tenant a
+    reload removed came back with the next push. Read at scrape time, the value is the
+    bucket's level now and only active configured tenants appear.
+
+    Not in ``REGISTRY``: its source reads the gateway's live state, which only the event
+    loop may touch, so a scrape reads it there (``family``) and renders the page in a
+    worker thread (``render``).
+    """
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.source: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None
+
+    def family(self) -> GaugeMetricFamily:
+        """The samples now (on the event loop)."""
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+        if self.source is not None:
+            for values, value in self.source():
+                family.add_metric(list(values), value)
+        return family
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield self.family()
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labels)]
+
+
+BUDGET_REMAINING = LiveGauge(
+    "tokenpace_gateway_budget_remaining_tokens", "Cost units left in a tenant's token budget "
+    "(active tenants).", ["tenant", "budget"],
+)
+APPLICATION_BUDGET_REMAINING = LiveGauge(
+    "tokenpace_gateway_application_budget_remaining_tokens", "Cost units left in an "
+    "application's own token budget (the applications of active tenants).",
+    ["tenant", "application", "budget"],
+)
+LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING, APPLICATION_BUDGET_REMAINING)
+
+
+class _Page:
+    """What one scrape exports: the registry, and the live gauges as read on the loop."""
+
+    def __init__(self, live: list[Metric]) -> None:
+        self._live = live
+
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+        yield from self._live
+
+
+def exposition() -> bytes:
+    """The whole page, rendered on the calling thread (tests, tools)."""
+    return generate_latest(_Page([gauge.family() for gauge in LIVE]))  # type: ignore[arg-type]
+
+
+async def render() -> bytes:
+    """The whole page for a scrape: the live gauges read here, on the event loop (O(active
+    tenants)), the text rendered in a worker thread. The registry's metrics are safe to
+    collect from another thread (each copies its series under its own lock)."""
+    page = _Page([gauge.family() for gauge in LIVE])
+    return await asyncio.to_thread(generate_latest, page)  # type: ignore[arg-type]
+FAIRNESS_DEBT = Gauge(
+    "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
+    "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
+    ["tenant"], registry=REGISTRY,
+)
+QUEUED_COST = Gauge(
+    "tokenpace_gateway_queued_tokens", "Estimated cost (prompt + max output, in cost units) "
+    "of a tenant's requests waiting in the gateway.", ["tenant"], registry=REGISTRY,
+)
+LANE_SHARE = Gauge(
+    "tokenpace_gateway_lane_dispatch_share", "A lane's share of the cost dispatched over the "
+    "sliding window (lane_share_window).", ["lane"], registry=REGISTRY,
+)
+OUTPUT_RATE = Gauge(
+    "tokenpace_gateway_tenant_output_rate_tokens_per_second", "A tenant's configured "
+    "output_tokens_per_second (paced in the engine); no series when it has none.",
+    ["tenant"], registry=REGISTRY,
+)
+LEDGER_WRITE_FAILURES = Counter(
+    "tokenpace_gateway_ledger_write_failures", "Usage-ledger flushes that failed (the rows "
+    "stay queued and are retried).", registry=REGISTRY,
+)
+LEDGER_DROPPED_ROWS = Counter(
+    "tokenpace_gateway_ledger_dropped_rows", "Usage-ledger rows thrown away (queue full, or "
+    "unwritten at shutdown).", registry=REGISTRY,
+)
+ENGINE_INFLIGHT = Gauge(
+    "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
+    ["engine"], registry=REGISTRY,
+)
+
+_LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
+    REQUESTS: ("tenant", "lane", "outcome"),
+    REJECTIONS: ("tenant", "reason"),
+    WOULD_REJECT: ("tenant", "application", "reason"),
+    APPLICATION_REQUESTS: ("tenant", "application", "outcome"),
+    APPLICATION_TOKENS: ("tenant", "application", "kind"),
+    PROMPT_TOKENS: ("tenant", "lane"),
+    COMPLETION_TOKENS: ("tenant", "lane"),
+    SERVICE: ("tenant", "lane"),
+    QUEUE_SECONDS: ("tenant",),
+    TTFT_SECONDS: ("tenant",),
+    E2E_SECONDS: ("tenant",),
+    INFLIGHT: ("tenant",),
+    QUEUED: ("tenant",),
+    FAIRNESS_DEBT: ("tenant",),
+    QUEUED_COST: ("tenant",),
+    OUTPUT_RATE: ("tenant",),
+}
+_TENANT_AT = {metric: names.index("tenant") for metric, names in _LABELS.items()}
+
+
+# (metric, label values) -> bound child. ``metric.labels(...)`` validates its arguments,
+# builds a key and takes the metric's lock on every call; the request path binds the same
+# few children for every request of a tenant, so it binds them once here. Bounded like the
+# series themselves: forget_tenant prunes a tenant's entries.
+_CHILDREN: dict[tuple[Counter | Gauge | Histogram, tuple[str, ...]], Any] = {}
+# tenant -> the keys of its bound series: what forget_tenant removes, without looking
+# through any other tenant's series.
+_OF_TENANT: dict[str, list[tuple[Counter | Gauge | Histogram, tuple[str, ...]]]] = {}
+
+
+def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
+    """``metric.labels(*values)``, bound once (one dict lookup per call afterwards).
+
+    Every series with a ``tenant`` label (the metrics in ``_LABELS``) is made here, so that
+    forget_tenant finds all of a tenant's series in its own index.
+    """
+    key = (metric, values)
+    bound = _CHILDREN.get(key)
+    if bound is None:
+        bound = _CHILDREN[key] = metric.labels(*values)
+        at = _TENANT_AT.get(metric)
+        if at is not None:
+            _OF_TENANT.setdefault(values[at], []).append(key)
+    return bound
+
+
+def forget_tenant(tenant: str) -> None:
+    """Drop every series of a tenant (idle, or removed by a reload). O(its series)."""
+    for key in _OF_TENANT.pop(tenant, ()):
+        metric, values = key
+        if _CHILDREN.pop(key, None) is not None:
+            with suppress(KeyError):
+                metric.remove(*values)
+
+
+def has_series(tenant: str) -> bool:
+    return tenant in _OF_TENANT
+
+
+def publish_output_rate(tenant: str, rate: float | None) -> None:
+    """Set (or, without a rate, remove) a tenant's configured-rate series."""
+    if rate is not None:
+        child(OUTPUT_RATE, tenant).set(rate)
+        return
+    key = (OUTPUT_RATE, (tenant,))
+    if _CHILDREN.pop(key, None) is not None:
+        with suppress(KeyError):
+            OUTPUT_RATE.remove(tenant)
+        keys = _OF_TENANT.get(tenant)
+        if keys is not None:
+            keys.remove(key)

@@ -1,0 +1,16 @@
+"""The relay: a dispatched request's engine call and its answer passed to the client.
+
+``call`` (non-streamed) and ``open_stream`` (server-sent events) end in
+``Exchange.finish``; ``ClientWatch`` interrupts any wait when the client goes away or the
+request's time runs out.
+"""
+
+from ._relay import call, open_stream
+from ._watch import ClientWatch, Guard
+
+__all__ = [
+    "call",
+    "ClientWatch",
+    "Guard",
+    "open_stream",
+]

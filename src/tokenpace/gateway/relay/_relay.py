@@ -1,0 +1,342 @@
+"""The hot path: the engine call of a dispatched request, and the relay of its answer.
+
+Non-streamed requests pass the engine's answer on as it is (usage read from it); streamed
+ones relay the engine's SSE events as they come, one ``send`` per network read, counting
+tokens from the usage the engine reports in the stream. However either ends, it ends in
+one ``Exchange.finish`` with its ``Outcome``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ...engine import ABORTED_PATH
+from ..engines import Upstream, UpstreamError, UpstreamResponse
+from ..exchange import Exchange, Outcome
+from ..wire import (
+    ROUTES,
+    ChunkRewriter,
+    EventScanner,
+    EventSplitter,
+    GatewayError,
+    ParsedRequest,
+    answer_usage,
+    anthropic_error_body,
+    error_body,
+    headroom_headers,
+    stream_error_event,
+)
+from ._watch import ClientWatch
+
+PATHS = ROUTES
+
+
+ABORT_WAIT_S = 2.0
+"""How long the gateway asks an engine for an aborted request's count: the abort reaches
+the engine's scheduler a few milliseconds after the connection closes, unless the engine
+is slow to notice; past this, the stream's own lower bound is charged."""
+ASK_EVERY_S = 0.05
+
+TURNS_ASKED = 8
+
+
+def _engine_ids(ex: Exchange) -> list[str]:
+    """The ids vLLM's API server gives the engine requests of the gateway's request ``ex``:
+    Messages, ``chatcmpl-`` and its ``x-request-id`` header; Responses, the ``request_id``
+    the gateway set, then ``_`` and the turn (``_0``; a response with built-in tools may take
+    more turns, the first ``TURNS_ASKED`` are asked for)."""
+    if ex.kind == "messages":
+        return [f"chatcmpl-{ex.id}"]
+    return [f"resp_{ex.id}_{turn}" for turn in range(TURNS_ASKED)]
+
+
+async def engine_output_count(ex: Exchange) -> int | None:
+    """The tokens the engine generated for ``ex``'s aborted request, from tokenpace's
+    engine (``POST /tokenpace/v1/aborted``); None where the engine cannot tell (plain
+    vLLM answers 404, the request finished rather than aborted, no answer in time).
+    Called only for a Responses or Messages stream that ended early: about 1 to 3 calls."""
+    assert ex.lease is not None
+    ids = _engine_ids(ex)
+    client = ex.rt.clients[ex.lease.engine.url]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ABORT_WAIT_S
+    while True:
+        try:
+            resp = await client.post(ABORTED_PATH, json={"request_ids": ids},
+                                     timeout=ABORT_WAIT_S)
+            counts = resp.json().get("output_tokens") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(counts, dict):
+            return None  # plain vLLM (404), or an engine that cannot tell
+        found = [c for c in counts.values() if isinstance(c, int)]
+        if found:
+            # Earlier turns that finished (not aborted) are not in the book: a response
+            # with built-in tools cut short in a later turn is charged that turn's count.
+            return sum(found)
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(ASK_EVERY_S)
+
+
+def _ratelimit_headers(ex: Exchange) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers of an admitted request (``wire._ratelimit``)."""
+    if ex.requests_headroom is None and ex.tokens_headroom is None:
+        return {}
+    return headroom_headers(ex.requests_headroom, ex.tokens_headroom)
+
+
+def _upstream_headers(ex: Exchange) -> dict[str, str]:
+    return {"content-type": "application/json", "x-request-id": ex.id}
+
+
+async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
+               deadline: float) -> Response:
+    """A non-streaming request: the engine's answer is passed on as it is."""
+    outcome, detail = Outcome.CANCELLED, None
+    resp = None
+    try:
+        async with watch.guard(deadline) as scope:
+            try:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                content = await resp.read()
+            except UpstreamError as exc:
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                raise GatewayError(502, f"engine failed: {type(exc).__name__}",
+                                   reason="engine_error", code="engine_error") from None
+        if scope.cancelled_caught:
+            # A non-streaming answer never arrived, so the engine's count is unknown: the
+            # reservation (max_tokens) stands as the charge.
+            ex.completion_tokens = ex.max_completion_tokens
+            if watch.gone:
+                return Response(status_code=499)
+            outcome = Outcome.TIMEOUT
+            return _timeout_response(ex)
+        assert resp is not None
+        if resp.status != 200:
+            ex.charge_usage = False
+            outcome = Outcome.UPSTREAM_ERROR
+            return Response(content, status_code=resp.status,
+                            media_type=resp.headers.get("content-type"),
+                            headers={"x-request-id": ex.id})
+        try:
+            reported, ex.completion_tokens, reason = answer_usage(ex.kind, json.loads(content))
+            if reported:
+                ex.learn_prompt(int(reported))
+            outcome, detail = Outcome.FINISHED, reason
+        except (ValueError, AttributeError, TypeError):
+            outcome = Outcome.UPSTREAM_ERROR
+        return Response(content, status_code=200, media_type="application/json",
+                        headers={"x-request-id": ex.id, **_ratelimit_headers(ex)})
+    finally:
+        if resp is not None:
+            if outcome in (Outcome.CANCELLED, Outcome.TIMEOUT):
+                resp.close()  # the engine sees the connection go and aborts the request
+            else:
+                resp.release()
+        ex.finish(outcome, detail)
+        watch.stop()
+
+
+def _timeout_response(ex: Exchange) -> Response:
+    message = f"the request did not finish within request_timeout ({ex.rt.config.request_timeout_s:g} s)"
+    body = (anthropic_error_body(504, message, "timeout") if ex.kind == "messages"
+            else error_body(504, message, "timeout"))
+    return Response(json.dumps(body), status_code=504, media_type="application/json",
+                    headers={"x-request-id": ex.id})
+
+
+async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
+                      watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
+    """Start the engine stream; its status decides between a pass-through error and SSE."""
+    outcome = Outcome.CANCELLED
+    resp: UpstreamResponse | None = None
+    try:
+        async with watch.guard(deadline) as scope:
+            try:
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+            except UpstreamError as exc:
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                raise GatewayError(502, f"engine failed: {type(exc).__name__}",
+                                   reason="engine_error", code="engine_error") from None
+            if resp.status != 200:
+                try:
+                    content = await resp.read()
+                except UpstreamError:
+                    content = b""
+                resp.release()
+                ex.charge_usage = False
+                outcome = Outcome.UPSTREAM_ERROR
+                ex.finish(outcome)
+                watch.stop()
+                return Response(content, status_code=resp.status,
+                                media_type=resp.headers.get("content-type"),
+                                headers={"x-request-id": ex.id})
+        if scope.cancelled_caught:
+            if resp is not None:
+                resp.close()  # closing the connection makes the engine abort the request
+            ex.charge_usage = False
+            outcome = Outcome.CANCELLED if watch.gone else Outcome.TIMEOUT
+            ex.finish(outcome)
+            watch.stop()
+            return Response(status_code=499) if watch.gone else _timeout_response(ex)
+        assert resp is not None
+        return StreamResponse(ex, resp, req, watch, deadline)
+    except BaseException:
+        if resp is not None:
+            resp.close()
+        ex.finish(outcome)
+        watch.stop()
+        raise
+
+
+class StreamResponse:
+    """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
+
+    def __init__(self, ex: Exchange, upstream: UpstreamResponse, req: ParsedRequest,
+                 watch: ClientWatch, deadline: float) -> None:
+        self.ex = ex
+        self.upstream = upstream
+        self.batch = req.prompts > 1
+        # Chat and completion chunks are rewritten (usage cut out as the client asked);
+        # Responses and Messages events go through unchanged, only read (``wire._usage``).
+        self.rewriter: ChunkRewriter | None = None
+        self.scanner: EventScanner | None = None
+        if req.kind in ("chat", "completion"):
+            self.rewriter = ChunkRewriter(req.client_wants_usage,
+                                          req.client_wants_continuous_usage, req.n, req.prompts)
+            self.progress = self.rewriter.progress
+        else:
+            self.scanner = EventScanner()
+            self.progress = self.scanner.progress
+        self.watch = watch
+        self.deadline = deadline
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex, progress = self.ex, self.progress
+        outcome, detail = Outcome.CANCELLED, None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                (b"x-request-id", ex.id.encode()),
+                *((k.encode(), v.encode()) for k, v in _ratelimit_headers(ex).items()),
+            ]})
+            async with self.watch.guard(self.deadline) as cancel:
+                failure = await self._relay(send)
+            if cancel.cancelled_caught:
+                outcome = Outcome.CANCELLED if self.watch.gone else Outcome.TIMEOUT
+                if outcome is Outcome.TIMEOUT:
+                    await self._send_error(send, 504, "the request did not finish within "
+                                           "request_timeout", "timeout")
+            elif failure is not None or progress.error is not None or not progress.done:
+                outcome = Outcome.UPSTREAM_ERROR
+                if failure is not None or not progress.done and progress.error is None:
+                    await self._send_error(send, 502, failure or "the engine stream ended early",
+                                           "engine_error")
+            else:
+                outcome, detail = Outcome.FINISHED, progress.finish_reason
+            if not self.watch.gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            outcome = Outcome.CANCELLED  # the client socket broke while we wrote to it
+        finally:
+            if progress.done:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # the engine sees the connection go and aborts
+            ex.completion_tokens = progress.completion_tokens
+            if progress.prompt_tokens is not None and not (
+                    self.batch and progress.prompt_tokens < ex.prompt_tokens):
+                # (A batch cut short reported only some prompts: the admission's count stands.)
+                ex.learn_prompt(progress.prompt_tokens)
+            if self.scanner is not None and not progress.final and ex.lease is not None \
+                    and ex.charge_usage:
+                # A Responses or Messages stream cut short: only the engine knows its count.
+                task = asyncio.get_running_loop().create_task(
+                    self._settle_with_engine_count(outcome, detail))
+                ex.rt.settling.add(task)
+                task.add_done_callback(ex.rt.settling.discard)
+            else:
+                ex.finish(outcome, detail)
+                self.watch.stop()
+
+    async def _settle_with_engine_count(self, outcome: Outcome, detail: str | None) -> None:
+        """Settle once the engine said what the aborted request generated (the slot is
+        held until then: the engine works on it until the abort lands)."""
+        ex = self.ex
+        try:
+            count = await engine_output_count(ex)
+            if count is not None:
+                ex.completion_tokens = count
+        finally:
+            ex.finish(outcome, detail)
+            self.watch.stop()
+
+    async def _relay(self, send: Send) -> str | None:
+        """Copy events until the engine ends the stream; return a failure description.
+
+        The events of one network read go out in one ``send``: one write per read, not
+        per event. Responses and Messages streams go out as read (their events are only
+        scanned) and are read to their end: their last event is not followed by a
+        ``[DONE]`` line, and its closing blank line may come in a later read.
+        """
+        ex, rewriter, scanner = self.ex, self.rewriter, self.scanner
+        progress = self.progress
+        splitter = EventSplitter()
+        try:
+            upstream = self.upstream
+            # Per read: one await on the connection; per event a few bytes operations
+            # (EventSplitter, ChunkRewriter or EventScanner); one send per read.
+            while data := await upstream.chunk():
+                if scanner is not None:
+                    for payload in splitter.feed(data):
+                        scanner.event(payload)
+                    body = data
+                else:
+                    assert rewriter is not None
+                    out = []
+                    for payload in splitter.feed(data):
+                        event = rewriter.event(payload)
+                        if event is not None:
+                            out.append(b"data: " + event + b"\n\n")
+                    body = b"".join(out)
+                if progress.first_token and ex.ttft_s is None:
+                    ex.ttft_s = ex.rt.clock() - ex.arrived
+                if progress.prompt_tokens is not None and not ex.prompt_counted \
+                        and not self.batch:
+                    # The first usage: the exact prompt count (once; corrects a reservation
+                    # made on the prompt's byte bound).
+                    ex.learn_prompt(progress.prompt_tokens)
+                if progress.completion_tokens > ex.completion_tokens or not ex.prompt_counted:
+                    ex.completion_tokens = progress.completion_tokens
+                    ex.charge_progress()
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                if progress.done and scanner is None:
+                    return None
+            for payload in splitter.flush():
+                if scanner is not None:
+                    scanner.event(payload)
+                    continue
+                assert rewriter is not None
+                event = rewriter.event(payload)
+                if event is not None:
+                    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
+                                "more_body": True})
+        except UpstreamError as exc:
+            return f"the engine stream failed: {type(exc).__name__}"
+        return None
+
+    async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
+        event = stream_error_event(self.ex.kind, status, message, code)
+        with anyio.move_on_after(1.0, shield=True):
+            await send({"type": "http.response.body", "body": event, "more_body": True})

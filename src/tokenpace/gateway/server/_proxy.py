@@ -1,0 +1,182 @@
+"""One proxied completion: identity -> admission -> queue -> engine -> settlement.
+
+``handle`` runs the stages in order; each lives in its own package: ``admission``
+(identity, body, caps, budget reservation), ``dispatch``'s ``Lease`` (a slot on an engine
+of the model's pool, waited for in the fair queue), ``engines`` (the rate's share on that
+engine, the instructions written into the body), ``relay`` (the engine call and the relay
+of its answer) and ``exchange`` (the one exit every request that got past authentication
+ends in: slot, budget, metrics, ledger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import asyncio
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import Receive, Scope
+
+from .. import metrics
+from ..admission import (
+    Admission,
+    admit,
+    identify,
+    queue_full,
+    read_body,
+    retry_headers,
+    route,
+    state_unavailable,
+)
+from ..dispatch import Lease, Pool, QueueFull
+from ..engines import SplitFailed, engine_body, for_request, paces_end_users
+from ..exchange import Exchange, Outcome, Runtime
+from ..relay import ClientWatch, call, open_stream
+from ..state import StateUnavailable
+from ..wire import GatewayError, Kind, end_user_of, parse_json_body, parse_request
+
+logger = logging.getLogger("tokenpace.gateway")
+
+
+async def handle(rt: Runtime, kind: Kind, scope: Scope,
+                 receive: Receive) -> Response | Callable[..., Awaitable[None]]:
+    """One completion request, given as its ASGI ``scope`` and ``receive`` channel; the
+    returned ASGI response is the caller's to send."""
+    request_id = "tpg-" + os.urandom(16).hex()  # 128 random bits; uuid4() costs 4x as much
+    arrived = rt.clock()
+    # Cost: one pass over the request's header list (uvicorn gives names in lower case).
+    authorization = declared = None
+    for name, value in scope["headers"]:
+        if name == b"authorization" and authorization is None:
+            authorization = value.decode("latin-1")
+        elif name == b"content-length":
+            declared = value.decode("latin-1")
+        elif name == b"x-api-key" and authorization is None:
+            # How the anthropic SDK sends its key; a Bearer header, if any, comes first.
+            authorization = "Bearer " + value.decode("latin-1")
+    try:
+        tenant, application = identify(rt, authorization)
+    except GatewayError as exc:
+        return exc.response(request_id, kind)
+    ex = Exchange(rt, request_id, kind, tenant, arrived, time.time(), application=application)
+    watch: ClientWatch | None = None
+    try:
+        req = parse_request(kind, parse_json_body(
+            await read_body(receive, declared, rt.config.max_body_bytes)))
+        ex.model = req.model
+        watch = ClientWatch(receive)
+        model, pool, counting = route(rt, tenant, req.model)
+        req.model = ex.model = model  # an alias resolved: what the engine serves
+        ex.routed = True
+        ex.cost = rt.config.cost_of(model)
+        app = application.config if application is not None else None
+        end_user = end_user_of(req) if paces_end_users(tenant.config, app) else None
+        admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
+        admitted = rt.clock()
+        ex.lease = await _wait_for_slot(ex, pool, admission, watch)
+        if ex.lease is None:
+            ex.charge_usage = False
+            ex.finish(Outcome.CANCELLED)
+            watch.stop()
+            return Response(status_code=499)
+        ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
+        metrics.child(metrics.QUEUE_SECONDS, tenant.id).observe(ex.queue_s)
+        engine = ex.lease.engine
+        upstream = rt.upstreams[engine.url]
+        lane = rt.config.lane(tenant.config.lane)
+        rate, version = await _rate_share(ex, pool, engine.url)
+        body = engine_body(req, for_request(
+            tenant.config, app, model=model, request_id=request_id,
+            max_tokens=admission.max_tokens, rate=rate, rate_version=version,
+            priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
+            end_user=end_user))
+        deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
+        if req.stream:
+            return await open_stream(ex, upstream, req, body, watch, deadline)
+        return await call(ex, upstream, body, watch, deadline)
+    except GatewayError as exc:
+        ex.charge_usage = False
+        ex.finish(Outcome.REJECTED, exc.reason)
+        if watch is not None:
+            watch.stop()
+        return exc.response(request_id, kind)
+    except ClientDisconnect:
+        # The client left while sending its body: nothing was asked of the engine.
+        ex.charge_usage = False
+        ex.finish(Outcome.CLIENT_DISCONNECTED)
+        return Response(status_code=499)
+    except Exception:
+        # A bug, not a refusal: logged here once with the request id the client receives.
+        logger.exception("request %s failed", request_id)
+        ex.charge_usage = ex.lease is not None
+        ex.finish(Outcome.ERROR)
+        if watch is not None:
+            watch.stop()
+        return GatewayError(500, f"internal error in the gateway (request id {request_id})",
+                            reason="error", code="internal_error").response(request_id, kind)
+    except BaseException:
+        ex.finish(Outcome.ERROR)
+        if watch is not None:
+            watch.stop()
+        raise
+
+
+async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None, int | None]:
+    """The rate (and its version) the request carries to engine ``url``: the tenant's
+    rate, or with rates split over engines its share there, once the other engines'
+    shares are lowered (``engines.RateSplitter``; a 503 when one cannot be)."""
+    rt, tenant = ex.rt, ex.tenant
+    rate = tenant.config.output_tokens_per_second
+    if rate is None or rt.rate_split is None or rt.dispatcher.pinned(tenant):
+        return rate, None
+    try:
+        share = await rt.rate_split.start(tenant.id, rate, url)
+    except SplitFailed:
+        raise GatewayError(
+            503, f"could not move tenant {tenant.id!r}'s rate between engines (an engine did "
+            "not answer the rate-control call); retry", reason="rate_control_failed",
+            code="rate_control_failed", headers={"retry-after": "1"}) from None
+    except StateUnavailable:
+        # Several replicas and the store does not answer: nobody can count the tenant's
+        # streams. ``open`` keeps serving it on its first engine at R (as with one
+        # replica); anywhere else its rate could add to shares other engines hold.
+        if rt.config.state.on_failure != "open" \
+                or rt.dispatcher.engine_for(tenant.id, pool).url != url:
+            raise state_unavailable() from None
+        return rate, None
+    ex.split_on = url
+    return share
+
+
+async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
+                         watch: ClientWatch) -> Lease | None:
+    """A granted slot on an engine of ``pool``, or None when the client left while waiting;
+    a full queue or the queue timeout is a ``GatewayError``."""
+    rt, tenant = ex.rt, ex.tenant
+    lease = rt.dispatcher.lease(
+        tenant, pool, tenant.config.queue_timeout_s,
+        prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
+        application=ex.application)
+    async with watch.guard():
+        try:
+            return await lease.acquire()
+        except QueueFull as exc:
+            raise queue_full(tenant, exc.waiting) from None
+        except StateUnavailable:  # shared slots, on_state_failure: closed
+            raise state_unavailable() from None
+        except TimeoutError:
+            if not rt.dispatcher.may_wait(tenant, pool):
+                raise GatewayError(
+                    503, f"the engines serving model {pool.model!r} for tenant {tenant.id!r} "
+                    "went down while the request waited", reason="engine_unavailable",
+                    code="engine_unavailable") from None
+            wait = tenant.slot_wait_s()
+            raise GatewayError(
+                429, f"waited {tenant.config.queue_timeout_s:g} s in the queue without an "
+                f"engine slot (queue_timeout); a slot frees in about {wait:.1f} s",
+                reason="queue_timeout", code="queue_timeout",
+                headers=retry_headers(wait)) from None
+    return None

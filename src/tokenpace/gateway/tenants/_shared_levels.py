@@ -1,0 +1,73 @@
+"""The budget gauge when budgets live in the shared state store.
+
+With ``state: redis://...`` a tenant's buckets are in Redis and every replica spends from
+them; the process's own buckets are unused. The gauge ``budget_remaining_tokens`` must then
+show the shared level, as every replica sees it. Prometheus collectors are synchronous and
+a scrape must not wait on the network, so the levels are read in the background every
+``REFRESH_S`` and the scrape publishes the last reading: a level is at most ``REFRESH_S``
+(plus one round trip) old, which is finer than any budget window worth alerting on.
+
+Only the active tenants' levels are read (those with series on /metrics, ``_series``):
+one store call (one Redis script) per active tenant with budgets per refresh, and one per
+application of theirs with budgets of its own, off every request's path; about 2 store
+calls a second with 4 active budgeted tenants, however many are configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from ..state import StateStore, StateUnavailable
+from ._series import TenantSeries
+
+logger = logging.getLogger("tokenpace.gateway")
+
+REFRESH_S = 2.0
+
+
+class SharedBudgetLevels:
+    """The last levels read from the store, for the gauge at scrape time."""
+
+    def __init__(self, tenants: TenantSeries, store: StateStore) -> None:
+        self._tenants = tenants
+        self._store = store
+        self._levels: dict[tuple[str, str], float] = {}
+        self._application_levels: dict[tuple[str, str, str], float] = {}
+
+    async def refresh(self) -> None:
+        """Read every active budgeted tenant's levels and its applications'. A store that
+        does not answer leaves no series rather than stale ones (its outage shows in
+        ``state_up``); a tenant removed by a reload, or gone idle, drops out with the next
+        reading."""
+        levels: dict[tuple[str, str], float] = {}
+        application_levels: dict[tuple[str, str, str], float] = {}
+        try:
+            for state in self._tenants.active():
+                budgets = state.config.budgets
+                if budgets:
+                    for key, level in (await self._store.budget_levels(state.id, budgets)).items():
+                        levels[(state.id, key)] = level
+                for app in state.applications.values():
+                    if app.config.budgets:
+                        read = await self._store.budget_levels(app.owner, app.config.budgets)
+                        for key, level in read.items():
+                            application_levels[(state.id, app.config.id, key)] = level
+        except StateUnavailable:
+            levels, application_levels = {}, {}
+        self._levels, self._application_levels = levels, application_levels
+
+    def samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
+        return list(self._levels.items())
+
+    def application_samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
+        return list(self._application_levels.items())
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # a failed reading must not end the loop
+                logger.exception("reading the shared budget levels failed")
+            await asyncio.sleep(REFRESH_S)

@@ -1,0 +1,60 @@
+"""The wire formats the gateway speaks, with clients and with engines: OpenAI's chat
+completions, completions and Responses, Anthropic's Messages.
+
+Pure functions and small values over bytes and JSON, no state: reading a request body
+(``ParsedRequest``), the errors in each API's own format (``GatewayError``), server-sent
+events passed through (``EventSplitter``, ``ChunkRewriter``), the usage the answers report
+(``EventScanner``, ``answer_usage``) and OpenAI's rate-limit headers. Every stage above
+reads requests and answers through this package; it imports nothing of the gateway.
+"""
+
+from ._errors import (
+    GatewayError,
+    anthropic_error_body,
+    error_body,
+    error_response,
+    stream_error_event,
+)
+from ._ratelimit import go_duration, headroom_headers, refusal_headers
+from ._request import (
+    MAX_TOKENS_FIELD,
+    ROUTES,
+    Kind,
+    ParsedRequest,
+    count_calls,
+    dumps,
+    end_user_of,
+    parse_json_body,
+    parse_request,
+    prompt_token_ids,
+    responses_as_chat,
+)
+from ._stream import ChunkRewriter, EventSplitter, StreamProgress
+from ._usage import EventScanner, answer_usage
+
+__all__ = [
+    "answer_usage",
+    "anthropic_error_body",
+    "ChunkRewriter",
+    "count_calls",
+    "dumps",
+    "end_user_of",
+    "error_body",
+    "error_response",
+    "EventScanner",
+    "EventSplitter",
+    "GatewayError",
+    "go_duration",
+    "headroom_headers",
+    "Kind",
+    "MAX_TOKENS_FIELD",
+    "parse_json_body",
+    "parse_request",
+    "ParsedRequest",
+    "prompt_token_ids",
+    "refusal_headers",
+    "responses_as_chat",
+    "ROUTES",
+    "stream_error_event",
+    "StreamProgress",
+]

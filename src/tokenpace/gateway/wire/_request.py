@@ -1,0 +1,387 @@
+"""Reading request bodies (OpenAI chat, completions, Responses; Anthropic Messages): what admission needs.
+
+Only the fields the gateway must understand are checked here (token limits, ``n``,
+streaming options, the prompt's shape); everything else is left for the engine to
+validate, so the gateway never refuses a request vLLM would accept for a reason of its own
+making.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ...pacing import LimitsError, validate_user_id
+from ._errors import GatewayError
+
+Kind = Literal["chat", "completion", "responses", "messages"]
+"""The generation routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
+(OpenAI's Responses API) and ``/v1/messages`` (Anthropic's Messages API)."""
+
+ROUTES: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+                          "responses": "/v1/responses", "messages": "/v1/messages"}
+"""Each kind's path, at the engine and at the gateway alike (and in the ledger's rows)."""
+
+MAX_TOKENS_FIELD: dict[str, str] = {"chat": "max_tokens", "completion": "max_tokens",
+                                    "responses": "max_output_tokens", "messages": "max_tokens"}
+"""Each API's own name for the output limit (chat also takes ``max_completion_tokens``)."""
+
+# Fields of a chat request that change how the engine renders the prompt: the token count
+# request must carry them too, or the count would differ from the engine's.
+_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                         "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+@dataclass
+class ParsedRequest:
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    client_wants_continuous_usage: bool
+    n: int
+    max_tokens: int | None
+    max_tokens_field: str
+    prompts: int = 1
+    """Completion prompts in the request (a batch); 1 for every other kind."""
+
+    @property
+    def sequences(self) -> int:
+        """Outputs the engine generates, each up to ``max_tokens``: ``n`` per prompt."""
+        return self.n * self.prompts
+
+    @property
+    def prompt_param(self) -> str:
+        """The body field that holds the prompt, for an error's ``param``."""
+        return _PROMPT_FIELD[self.kind]
+
+
+_PROMPT_FIELD: dict[str, str] = {"chat": "messages", "completion": "prompt",
+                                 "responses": "input", "messages": "messages"}
+
+
+# A lone surrogate can only enter a parsed body through a ``\uD800``-``\uDFFF`` escape or
+# through the UTF-8-style bytes of one (``json.loads`` decodes bytes with "surrogatepass").
+# Valid pairs (emoji) match too; they only cost the walk that tells them apart. Bodies in
+# UTF-16 or UTF-32 (which ``json.loads`` also takes) have a NUL byte in their first four
+# bytes and are always walked.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+_suspect = [False]
+"""Set by the decoder's hooks while one body is parsed (parsing never yields to the loop)."""
+
+
+def _constant(name: str) -> float:
+    _suspect[0] = True
+    return float(name)
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _suspect[0] = True
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
+"""Made once: ``json.loads`` with hooks builds a decoder and its scanner on every call."""
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 naming what the engine could not take.
+
+    Python's JSON parser (and vLLM's, which is the same) accepts ``NaN``, ``Infinity``,
+    numbers that overflow to infinity and lone UTF-16 surrogates. None of these is JSON
+    text an OpenAI client can mean. vLLM 0.32 refuses a surrogate (its tokenizer raises)
+    and a non-finite sampling parameter, but renders ``NaN`` in ``chat_template_kwargs``
+    into the prompt; the gateway's own upstream encoder cannot send either. They are
+    refused here with the field's path, before any work. Cost: the parse, one
+    regular-expression scan of the raw bytes, plus a walk of the parsed body only when the
+    scan or the parser saw a suspect value.
+    """
+    _suspect[0] = False
+    try:
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except (ValueError, RecursionError) as exc:
+        raise GatewayError(400, f"the request body is not valid JSON: {exc}", reason="bad_request",
+                           code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object", reason="bad_request",
+                           code="invalid_json")
+    if _suspect[0] or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
+        _refuse_unencodable(body)
+    return body
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _refuse_unencodable(body: dict[str, Any]) -> None:
+    """Raise a 400 naming the first lone surrogate or non-finite number in ``body``.
+
+    Iterative, so a body nested as deep as the parser allows cannot exhaust the stack.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                raise GatewayError(
+                    400, f"'{path}' holds a lone UTF-16 surrogate, which is not Unicode text; "
+                    "send valid UTF-8 (a surrogate pair written as two escapes is fine)",
+                    reason="bad_request", code="invalid_unicode", param=path)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise GatewayError(
+                    400, f"'{path}' is {value!r}: JSON has no NaN or Infinity, and the engine "
+                    "cannot take a non-finite number", reason="bad_request",
+                    code="invalid_number", param=path)
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                child = f"{path}.{key}" if path else str(key)
+                if _has_lone_surrogate(key):
+                    raise GatewayError(
+                        400, f"a key in '{path or 'the body'}' holds a lone UTF-16 surrogate, "
+                        "which is not Unicode text", reason="bad_request",
+                        code="invalid_unicode", param=path or None)
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+
+
+def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "'model' is required (a string)", reason="bad_request",
+                           code="invalid_value", param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise GatewayError(400, "'stream' must be true or false", reason="bad_request",
+                           code="invalid_value", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise GatewayError(400, "'stream_options' must be an object", reason="bad_request",
+                           code="invalid_value", param="stream_options")
+    n = body.get("n", 1) if kind in ("chat", "completion") else 1
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GatewayError(400, "'n' must be an integer >= 1", reason="bad_request",
+                           code="invalid_value", param="n")
+    field = MAX_TOKENS_FIELD[kind]
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        field = "max_completion_tokens"
+    max_tokens = body.get(field)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise GatewayError(400, f"'{field}' must be an integer >= 1", reason="bad_request",
+                           code="invalid_value", param=field)
+    prompts = 1
+    if kind == "chat" or kind == "messages":
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise GatewayError(400, "'messages' must be a non-empty list", reason="bad_request",
+                               code="invalid_value", param="messages")
+        if kind == "messages" and max_tokens is None:
+            # The Messages API requires it (Anthropic and vLLM alike).
+            raise GatewayError(400, "'max_tokens' is required", reason="bad_request",
+                               code="invalid_value", param="max_tokens")
+    elif kind == "responses":
+        _check_responses(body)
+    else:
+        prompts = _completion_prompts(body.get("prompt"))
+    return ParsedRequest(
+        kind=kind, body=body, model=model, stream=stream,
+        client_wants_usage=bool(options.get("include_usage")),
+        client_wants_continuous_usage=bool(options.get("continuous_usage_stats")),
+        n=n, max_tokens=max_tokens, max_tokens_field=field, prompts=prompts,
+    )
+
+
+def _completion_prompts(prompt: Any) -> int:
+    """How many prompts a completion request holds: one string or list of token ids, or
+    a batch of them (a list of strings or of lists of ids); a 400 for anything else."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return 1
+    if isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)):
+        return len(prompt)
+    raise GatewayError(
+        400, "'prompt' must be a string, a list of token ids, or a non-empty list of either "
+        "(a batch)", reason="bad_request", code="invalid_value", param="prompt")
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """A Responses request the gateway can serve: an ``input``, and nothing that needs a
+    response kept in an engine's memory.
+
+    vLLM keeps stored responses (``store``, ``previous_response_id``, ``background``) in
+    the memory of the one API server that made them, unbounded, with no owner: behind a
+    gateway a follow-up could land on another engine, and any tenant that learnt an id
+    could read another tenant's conversation. The gateway therefore asks engines not to
+    store (``store: false``) and refuses the two fields that need a stored response.
+    """
+    value = body.get("input")
+    if not (isinstance(value, str) and value) and not (isinstance(value, list) and value):
+        raise GatewayError(400, "'input' must be a non-empty string or list of input items",
+                           reason="bad_request", code="invalid_value", param="input")
+    if body.get("previous_response_id") is not None:
+        raise GatewayError(
+            400, "'previous_response_id' is not served by this gateway: it keeps no responses "
+            "(an engine's stored responses would be reachable by any tenant); send the "
+            "conversation so far in 'input'", reason="bad_request", code="unsupported_parameter",
+            param="previous_response_id")
+    if body.get("background"):
+        raise GatewayError(
+            400, "'background' is not served by this gateway: a response that runs after the "
+            "request ends can be neither paced nor charged; stream it instead",
+            reason="bad_request", code="unsupported_parameter", param="background")
+
+
+def prompt_token_ids(req: ParsedRequest) -> list[list[int]] | None:
+    """Each prompt's token ids when the client sent ids (no tokenizer call needed)."""
+    if req.kind != "completion":
+        return None
+    prompt = req.body.get("prompt")
+    if _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and all(_is_token_ids(p) for p in prompt):
+        return prompt
+    return None
+
+
+def count_calls(req: ParsedRequest) -> list[tuple[str, dict[str, Any]]]:
+    """The engine calls (path, body) that count this request's prompts as the engine will:
+    ``/tokenize`` for chat, each completion prompt and a Responses input (rendered as the
+    chat messages vLLM makes of it); the engine's own ``/v1/messages/count_tokens`` for
+    the Messages API. The answer's ``count`` (or ``input_tokens``) is the prompt's size."""
+    body = req.body
+    if req.kind == "chat":
+        out = {"model": req.model, "messages": body["messages"]}
+        for name in _CHAT_TEMPLATE_FIELDS:
+            if body.get(name) is not None:
+                out[name] = body[name]
+        return [("/tokenize", out)]
+    if req.kind == "messages":
+        return [("/v1/messages/count_tokens",
+                 {k: v for k, v in body.items() if k in _MESSAGES_COUNT_FIELDS} | {
+                     "model": req.model})]
+    if req.kind == "responses":
+        return [("/tokenize", responses_as_chat(req.model, body))]
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    calls = []
+    for text in prompts:
+        out = {"model": req.model, "prompt": text}
+        if body.get("add_special_tokens") is not None:
+            out["add_special_tokens"] = body["add_special_tokens"]
+        calls.append(("/tokenize", out))
+    return calls
+
+
+_MESSAGES_COUNT_FIELDS = ("messages", "system", "tools", "tool_choice", "thinking",
+                          "chat_template_kwargs")
+
+
+def responses_as_chat(model: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/tokenize`` request with the chat messages and tools vLLM renders a Responses
+    request into: ``instructions`` as the system message, a string ``input`` as the user's,
+    message items with their text, function calls and their outputs as tool calls and tool
+    messages. An item of another type is counted on its JSON text (an over-count)."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        items = []
+    for item in items:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(item, dict) and "role" in item and kind in (None, "message"):
+            messages.append({"role": item["role"], "content": _chat_content(item.get("content"))})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else dumps(output)})
+        else:
+            messages.append({"role": "user", "content": dumps(item)})
+    out: dict[str, Any] = {"model": model, "messages": messages}
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
+                                                                 "parameters") if k in t}}
+             for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+def _chat_content(content: Any) -> Any:
+    """A Responses message's content as chat content: text parts become chat text parts."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+        else:
+            parts.append({"type": "text", "text": dumps(part)})
+    return parts
+
+
+def end_user_of(req: ParsedRequest) -> str | None:
+    """The end user a request names, or None: OpenAI's ``safety_identifier`` (chat,
+    Responses), which OpenAI has replacing ``user``, else the ``user`` field (chat,
+    completions, Responses); the Messages API's ``metadata.user_id``. 400 when it is not
+    a usable identity (a non-empty string of at most 256 characters)."""
+    if req.kind == "messages":
+        metadata = req.body.get("metadata")
+        value, param = (metadata.get("user_id") if isinstance(metadata, dict) else None,
+                        "metadata.user_id")
+    elif req.body.get("safety_identifier") is not None:
+        value, param = req.body["safety_identifier"], "safety_identifier"
+    else:
+        value, param = req.body.get("user"), "user"
+    if value is None:
+        return None
+    try:
+        return validate_user_id(value, param)
+    except LimitsError as exc:
+        raise GatewayError(400, f"{exc} (it names the end user, paced at the tenant's "
+                           "end_user_output_tokens_per_second)", reason="bad_request",
+                           code="invalid_end_user", param=param) from None
+
+
+def dumps(value: Any) -> str:
+    """JSON text of a client's value, or a 400 for one nested deeper than the encoder goes.
+
+    Python's parser and encoder both stop at the interpreter's recursion limit, counted
+    from wherever they run, so a body nested just short of that limit can parse on one
+    stack and fail to encode on a deeper one (a generated body of ~1,000 nested lists did,
+    once in many runs). Cost: nothing unless it fails.
+    """
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise GatewayError(400, "the request body is nested too deeply to forward",
+                           reason="bad_request", code="invalid_json") from None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
