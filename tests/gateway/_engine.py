@@ -257,9 +257,10 @@ def _validated(handler: Any) -> Any:
 class EngineServer:
     """A ``FakeEngine`` on uvicorn in a background thread, on a free port."""
 
-    def __init__(self, engine: FakeEngine | None = None) -> None:
+    def __init__(self, engine: FakeEngine | None = None, port: int | None = None) -> None:
+        """``port``: a given one (an engine restarted where it was), else a free one."""
         self.engine = engine or FakeEngine()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(
             self.engine.app(), host="127.0.0.1", port=self.port, log_level="warning",

@@ -271,7 +271,9 @@ def test_requests_beyond_max_connections_wait_for_a_free_one() -> None:
     run(main)
 
 
-def test_a_failed_connect_is_retried_once_and_never_sends_twice() -> None:
+def test_a_failed_connect_raises_at_once_and_sends_nothing() -> None:
+    """Nothing was sent: the gateway sends the request to another engine of its pool
+    (issue 43), not to this one again; the next call connects anew."""
     class FirstConnectRefused(Upstream):
         """The first connect goes to a port nothing listens on: a real refusal."""
 
@@ -290,6 +292,9 @@ def test_a_failed_connect_is_retried_once_and_never_sends_twice() -> None:
     async def main() -> None:
         async with Script(answer_json) as server:
             upstream = FirstConnectRefused(server.url, 8, 2.0)
+            with pytest.raises(ConnectFailed):
+                await upstream.post("/v1/completions", b"{}", HEADERS)
+            assert upstream.attempts == 1 and not server.requests
             resp = await upstream.post("/v1/completions", b"{}", HEADERS)
             assert await resp.read() == b'{"ok": true}'
             resp.release()

@@ -48,6 +48,10 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
+_AHEAD = 1 << 62
+"""Subtracted from the sequence number of an item pushed ``ahead``: it sorts before every
+fresh item, and after the items pushed ahead before it."""
+
 _COMPACT_SLACK = 32
 """A lane's heap is rebuilt from its backlog once it holds more than twice as many entries
 as backlogged tenants plus this: stale entries (a counter charged while its tenant waits
@@ -216,12 +220,18 @@ class FairQueue(Generic[T]):
     # -- queue operations ------------------------------------------------------------
 
     def push(self, item: T, tenant: str, prompt_cost: float, estimate: float,
-             application: str | None = None) -> None:
+             application: str | None = None, ahead: bool = False) -> None:
         """Queue ``item`` of ``tenant`` (and of its ``application``, if any).
         ``prompt_cost`` is charged at dispatch; ``estimate`` (prompt + max output cost) is
-        what the lane shares count."""
+        what the lane shares count.
+
+        ``ahead``: an item that was dispatched already and comes back (its engine failed
+        before it got the request): first in its tenant's and application's order, and
+        before every fresh item in first-come order; among tenants, its tenant's counter
+        places it as any other (it was charged at its first dispatch, pass 0 costs)."""
         state = self._tenants[tenant]
-        entry = _Entry(item, next(self._seq), prompt_cost, estimate, application)
+        seq = next(self._seq)
+        entry = _Entry(item, seq - _AHEAD if ahead else seq, prompt_cost, estimate, application)
         app = state.application(application)
         if not app.queue:
             # Application level: lifted like a tenant, always here (the shared store keeps
@@ -231,7 +241,15 @@ class FairQueue(Generic[T]):
             if floor is not None and floor > app.counter:
                 app.counter = floor
             state.backlog[application] = app
-        app.queue.append(entry)
+        if ahead:
+            # After the items sent back before it (a few at most), before the rest.
+            queue = app.queue
+            at = 0
+            while at < len(queue) and queue[at].seq < 0:
+                at += 1
+            queue.insert(at, entry)
+        else:
+            app.queue.append(entry)
         state.waiting += 1
         if state.waiting == 1:
             if self.lift:
@@ -240,6 +258,8 @@ class FairQueue(Generic[T]):
                     state.counter = floor
             self._backlogs[state.lane].tenants[tenant] = state
             self._place(tenant, state)
+        elif ahead:
+            self._place(tenant, state)  # its head, and so its place in the lane, changed
         state.queued_cost += estimate
         self._where[item] = (tenant, entry)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .. import metrics
-from ..dispatch import EngineSlots, Pool
+from ..dispatch import EngineSlots, Pool, engine_retry_headers
 from ..exchange import Runtime
 from ..tenants import ApplicationState, TenantState
 from ..wire import GatewayError
@@ -81,7 +81,7 @@ def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, 
     if engine is None:
         raise GatewayError(503, f"no engine serving model {model!r} for tenant {tenant.id!r} "
                            "is available", reason="engine_unavailable",
-                           code="engine_unavailable")
+                           code="engine_unavailable", headers=engine_retry_headers())
     return model, pool, engine
 
 

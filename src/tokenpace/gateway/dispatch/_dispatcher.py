@@ -42,6 +42,11 @@ from ..state import Reservation
 from ..tenants import ApplicationState, TenantState, dispatched
 
 
+EJECT_LAST_AFTER = 2
+"""Refused connections in a row that take the last engine up of a pool out of dispatch (any
+other engine goes out on the first)."""
+
+
 class QueueFull(Exception):
     """The tenant already has ``max_queued`` requests waiting; ``waiting``: how many wait
     on every replica together (shared slots), None in process."""
@@ -81,6 +86,9 @@ class EngineSlots:
         self.inflight = 0
         self.healthy = True
         self.down_since: float | None = None
+        # Connections refused in a row (requests that never reached it): one takes it out
+        # of dispatch, unless it is the last engine up in one of its pools (``connect_failed``).
+        self.connect_failures = 0
         self.engine_waiting: float | None = None  # from the engine's /metrics
         self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
@@ -120,6 +128,12 @@ class EngineSlots:
     def dispatched(self) -> None:
         self.inflight += 1
         self._dispatched_since_reading += 1
+
+    def forget_load(self) -> None:
+        """Drop the last gauge reading (the engine went down): a restarted engine starts
+        empty, and a reading from before its death must not hold requests back from it."""
+        self.engine_waiting = self.engine_running = self.kv_cache_usage = None
+        self._dispatched_since_reading = self._fresh_at_reading = 0
 
     def _kv_full(self, kv_usage: float | None) -> bool:
         limit = self.config.max_kv_cache_usage
@@ -195,6 +209,19 @@ class Lease:
         timeout_s, prompt_cost, estimate = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
                                                      prompt_cost, estimate, self.application)
+        return self
+
+    async def again(self) -> Lease:
+        """The slot's engine failed before the request reached it: give the slot back and
+        wait for one on another engine of the pool, first in the tenant's order and without
+        a second charge of its prompt (``FairQueue.push(ahead=True)``). Raises as
+        ``acquire``; nothing is held when it does."""
+        if self.waiter is not None:
+            self._dispatcher.release(self.waiter)
+            self.waiter = None
+        timeout_s, _, _ = self._wait
+        self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s, 0.0, 0.0,
+                                                     self.application, ahead=True)
         return self
 
     def charge(self, cost: float) -> None:
@@ -402,9 +429,42 @@ class Dispatcher:
         engine.healthy = healthy
         self._ranked.clear()
         engine.down_since = None if healthy else self._clock()
+        engine.forget_load()
         if healthy:
+            engine.connect_failures = 0
+            engine.held.set()  # read its gauges now, not at the next interval
             for pool in engine.pools:
                 self._pump(pool)
+
+    def connect_failed(self, engine: EngineSlots) -> bool:
+        """A request's connection to ``engine`` was refused (nothing was sent): take the
+        engine out of dispatch at once, for every request, until a health probe answers
+        (passive health). True when it is out now.
+
+        A network blip must not empty a pool: the last engine up in one of its pools
+        stays in after one refusal and goes out after ``EJECT_LAST_AFTER`` in a row (its
+        request is sent to it once more meanwhile); a request that reaches it resets the
+        count (``connect_ok``). Cost: a counter, and a pool scan on a failure only.
+        """
+        engine.connect_failures += 1
+        if not engine.healthy:
+            return True
+        if engine.connect_failures < EJECT_LAST_AFTER and self._last_up(engine):
+            return False
+        self.set_health(engine, False)
+        return True
+
+    @staticmethod
+    def connect_ok(engine: EngineSlots) -> None:
+        """A request reached ``engine``: its run of refused connections ends (one store
+        per request)."""
+        engine.connect_failures = 0
+
+    @staticmethod
+    def _last_up(engine: EngineSlots) -> bool:
+        """Whether ``engine`` is the only engine up in one of its pools."""
+        return any(all(e is engine or not e.healthy for e in pool.engines)
+                   for pool in engine.pools)
 
     def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
                  running: float | None = None) -> None:
@@ -417,8 +477,10 @@ class Dispatcher:
 
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
-                      application: ApplicationState | None = None) -> Waiter:
+                      application: ApplicationState | None = None,
+                      ahead: bool = False) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
+        ``ahead``: a request sent back by a failed engine (``Lease.again``).
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
@@ -427,12 +489,13 @@ class Dispatcher:
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         pool.queue.push(waiter, tenant.id, prompt_cost, estimate,
-                        None if application is None else application.id)
+                        None if application is None else application.id, ahead=ahead)
         tenant.queued += 1
         self._pump(pool)
         if waiter.granted:
             return waiter
-        if tenant.config.max_queued is not None and tenant.queued > tenant.config.max_queued:
+        if not ahead and tenant.config.max_queued is not None \
+                and tenant.queued > tenant.config.max_queued:
             self._remove(waiter)
             raise QueueFull()
         metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)

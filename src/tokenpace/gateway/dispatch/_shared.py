@@ -175,9 +175,12 @@ class SharedDispatcher(Dispatcher):
 
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
-                      application: ApplicationState | None = None) -> Waiter:
+                      application: ApplicationState | None = None,
+                      ahead: bool = False) -> Waiter:
         """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
-        ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed)."""
+        ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed).
+        ``ahead``: a request sent back by a failed engine (``Lease.again``): first in its
+        tenant's order, and not held to ``max_queued`` (it was admitted)."""
         waiter = SharedWaiter(tenant, pool, application, prompt_cost=prompt_cost,
                               estimate=estimate)
         app_id = None if application is None else application.id
@@ -206,14 +209,15 @@ class SharedDispatcher(Dispatcher):
                 self._refused(result, tenant, engine)
             lane = tenant.config.lane
             admitted = await self._call(self.store.admit(
-                tenant.id, (), 0.0, queued_slot(tenant.id, tenant.config.max_queued), lane))
+                tenant.id, (), 0.0,
+                queued_slot(tenant.id, None if ahead else tenant.config.max_queued), lane))
             if isinstance(admitted, SlotRefusal):
                 raise QueueFull(admitted.held)
             assert isinstance(admitted, Admission)
             waiter.queued = admitted.queued
             for other in self.pools.values():  # the store's lift, on every queue it uses
                 other.queue.set_counters({tenant.id: admitted.counter})
-            pool.queue.push(waiter, tenant.id, prompt_cost, estimate, app_id)
+            pool.queue.push(waiter, tenant.id, prompt_cost, estimate, app_id, ahead=ahead)
             tenant.queued += 1
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             self._kick(pool)

@@ -93,11 +93,13 @@ class Upstream:
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Send a POST; return once the response head arrived.
 
-        A failed connect is retried once (the engine may have just restarted); a request
-        that was written is sent again only where the engine closed a kept-alive connection
-        without reading it (module docstring), never after a byte of answer.
+        A failed connect raises ``ConnectFailed`` at once: nothing was sent, and the
+        gateway sends the request to another engine of its pool rather than to this one
+        again (``dispatch``'s ``connect_failed``). A request that was written is sent
+        again only where the engine closed a kept-alive connection without reading it
+        (module docstring), never after a byte of answer.
         """
-        return await self._send(b"POST ", path, body, headers, retry=True)
+        return await self._send(b"POST ", path, body, headers)
 
     async def fetch(self, method: str, path: str, timeout_s: float,
                     headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
@@ -118,19 +120,12 @@ class Upstream:
         return resp.status, resp.headers, content
 
     async def _send(self, method: bytes, path: str, body: bytes,
-                    headers: Mapping[str, str], retry: bool = False) -> Response:
+                    headers: Mapping[str, str]) -> Response:
         # Cost: one bytes join and one write; the head is parsed in C on arrival.
         request = b"".join((method, self._prefix, path.encode(), b" HTTP/1.1\r\n",
                             self._static, _header_bytes(headers),
                             b"content-length: %d\r\n\r\n" % len(body), body))
-        try:
-            conn = await self._acquire()
-        except ConnectFailed:
-            if not retry:
-                raise
-            logger.warning("engine %s: connect failed for %s; retrying once", self.base_url,
-                           headers.get("x-request-id"))
-            conn = await self._acquire()
+        conn = await self._acquire()
         try:
             return await conn.exchange(request)
         except StaleConnection:

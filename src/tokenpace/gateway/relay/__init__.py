@@ -5,10 +5,11 @@
 request's time runs out.
 """
 
-from ._relay import call, open_stream
+from ._relay import NotReached, call, open_stream
 from ._watch import ClientWatch, Guard
 
 __all__ = [
+    "NotReached",
     "call",
     "ClientWatch",
     "Guard",

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ...engine import ABORTED_PATH
-from ..engines import Upstream, UpstreamError, UpstreamResponse
+from ..engines import ConnectFailed, Upstream, UpstreamError, UpstreamResponse
 from ..exchange import Exchange, Outcome
 from ..wire import (
     ROUTES,
@@ -96,16 +96,26 @@ def _upstream_headers(ex: Exchange) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": ex.id}
 
 
+class NotReached(Exception):
+    """The engine refused the connection: nothing of the request was sent, so it may go to
+    another engine. The exchange is left open (not finished) for the caller to retry."""
+
+
 async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
                deadline: float) -> Response:
-    """A non-streaming request: the engine's answer is passed on as it is."""
+    """A non-streaming request: the engine's answer is passed on as it is. Raises
+    ``NotReached`` (the exchange still open) when the engine refused the connection."""
     outcome, detail = Outcome.CANCELLED, None
     resp = None
+    reached = True
     try:
         async with watch.guard(deadline) as scope:
             try:
                 resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
                 content = await resp.read()
+            except ConnectFailed:
+                reached = False
+                raise NotReached() from None
             except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = Outcome.UPSTREAM_ERROR
@@ -141,8 +151,9 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                 resp.close()  # the engine sees the connection go and aborts the request
             else:
                 resp.release()
-        ex.finish(outcome, detail)
-        watch.stop()
+        if reached:
+            ex.finish(outcome, detail)
+            watch.stop()
 
 
 def _timeout_response(ex: Exchange) -> Response:
@@ -155,13 +166,16 @@ def _timeout_response(ex: Exchange) -> Response:
 
 async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
                       watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
-    """Start the engine stream; its status decides between a pass-through error and SSE."""
+    """Start the engine stream; its status decides between a pass-through error and SSE.
+    Raises ``NotReached`` (the exchange still open) when the engine refused the connection."""
     outcome = Outcome.CANCELLED
     resp: UpstreamResponse | None = None
     try:
         async with watch.guard(deadline) as scope:
             try:
                 resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+            except ConnectFailed:
+                raise NotReached() from None
             except UpstreamError as exc:
                 ex.charge_usage = False
                 outcome = Outcome.UPSTREAM_ERROR
@@ -190,6 +204,8 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
             return Response(status_code=499) if watch.gone else _timeout_response(ex)
         assert resp is not None
         return StreamResponse(ex, resp, req, watch, deadline)
+    except NotReached:
+        raise
     except BaseException:
         if resp is not None:
             resp.close()

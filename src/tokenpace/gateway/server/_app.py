@@ -36,7 +36,13 @@ from ..config import (
     load_config,
     paused_gc,
 )
-from ..dispatch import EngineSlots, make_dispatcher
+from ..dispatch import (
+    DOWN_AFTER_FAILURES,
+    HEALTH_TIMEOUT_S,
+    EngineSlots,
+    ProbeSchedule,
+    make_dispatcher,
+)
 from ..engines import (
     UNKNOWN,
     RateSplitter,
@@ -57,12 +63,9 @@ from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
 
 logger = logging.getLogger("tokenpace.gateway")
 
-HEALTH_INTERVAL_S = 2.0
 LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
-HEALTH_TIMEOUT_S = 5.0
 START_MODELS_TIMEOUT_S = 3.0
-DOWN_AFTER_FAILURES = 2
 SNAPSHOT_INTERVAL_S = 1.0
 ENGINE_KEEPALIVE_S = 4.0
 """Idle connections to an engine are dropped after this long, before vLLM's server closes
@@ -240,12 +243,20 @@ class Gateway:
             self.rt.tenants.series.sweep()
 
     async def _health_loop(self) -> None:
-        """Engine health every 2 s: down after two failed checks in a row, up after one good one."""
+        """Engine health every 2 s: down after two failed checks in a row, up after one good
+        one. An engine that is down (by these checks, or taken out by a refused connection)
+        is probed sooner: 0.25 s after it went, then doubling up to every 2 s
+        (``ProbeSchedule``)."""
         assert self.rt is not None
         dispatcher = self.rt.dispatcher
         failures: dict[str, int] = {}
+        schedule = ProbeSchedule()
+        clock = self.clock  # the dispatcher's: an engine's down_since is on it
         while True:
             for engine in dispatcher.engines:
+                if not schedule.due(engine.url, engine.healthy, engine.down_since,
+                                    clock()):
+                    continue
                 upstream = self.rt.upstreams[engine.url]
                 try:
                     status, headers, _ = await upstream.fetch("GET", "/health", HEALTH_TIMEOUT_S)
@@ -264,7 +275,8 @@ class Gateway:
                     # Back up, it may serve another model or chat template: learn again.
                     self.rt.prompt_bounds.forget(engine.url)
                 dispatcher.set_health(engine, healthy)
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+                schedule.checked(engine.url, engine.healthy, clock())
+            await asyncio.sleep(schedule.sleep_s(clock()))
 
     async def _load_loop(self, engine: EngineSlots) -> None:
         """The engine's saturation gauges every 0.5 s, and sooner while the gate holds

@@ -31,14 +31,19 @@ from ..admission import (
     route,
     state_unavailable,
 )
-from ..dispatch import Lease, Pool, QueueFull
+from ..dispatch import EngineSlots, Lease, Pool, QueueFull, engine_retry_headers
 from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
-from ..relay import ClientWatch, call, open_stream
+from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
 from ..wire import GatewayError, Kind, end_user_of, parse_json_body, parse_request
 
 logger = logging.getLogger("tokenpace.gateway")
+
+MAX_DISPATCHES = 3
+"""How many engines a request is sent to at most when engines refuse its connection (the
+first and two more), all within its ``request_timeout``, each wait for a slot within its
+``queue_timeout``. A request an engine accepted is never sent again."""
 
 
 async def handle(rt: Runtime, kind: Kind, scope: Scope,
@@ -84,19 +89,35 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             return Response(status_code=499)
         ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
         metrics.child(metrics.QUEUE_SECONDS, tenant.id).observe(ex.queue_s)
-        engine = ex.lease.engine
-        upstream = rt.upstreams[engine.url]
         lane = rt.config.lane(tenant.config.lane)
-        rate, version = await _rate_share(ex, pool, engine.url)
-        body = engine_body(req, for_request(
-            tenant.config, app, model=model, request_id=request_id,
-            max_tokens=admission.max_tokens, rate=rate, rate_version=version,
-            priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-            end_user=end_user))
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
-        if req.stream:
-            return await open_stream(ex, upstream, req, body, watch, deadline)
-        return await call(ex, upstream, body, watch, deadline)
+        dispatches = 1
+        while True:
+            engine = ex.lease.engine
+            rate, version = await _rate_share(ex, pool, engine.url)
+            body = engine_body(req, for_request(
+                tenant.config, app, model=model, request_id=request_id,
+                max_tokens=admission.max_tokens, rate=rate, rate_version=version,
+                priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
+                end_user=end_user))
+            upstream = rt.upstreams[engine.url]
+            try:
+                if req.stream:
+                    answer = await open_stream(ex, upstream, req, body, watch, deadline)
+                else:
+                    answer = await call(ex, upstream, body, watch, deadline)
+            except NotReached:
+                _not_reached(ex, pool, engine, dispatches)
+                dispatches += 1
+                ex.lease = await _wait_for_slot(ex, pool, admission, watch, again=True)
+                if ex.lease is None:
+                    ex.charge_usage = False
+                    ex.finish(Outcome.CANCELLED)
+                    watch.stop()
+                    return Response(status_code=499)
+                continue
+            rt.dispatcher.connect_ok(engine)
+            return answer
     except GatewayError as exc:
         ex.charge_usage = False
         ex.finish(Outcome.REJECTED, exc.reason)
@@ -151,18 +172,45 @@ async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None,
     return share
 
 
-async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
-                         watch: ClientWatch) -> Lease | None:
-    """A granted slot on an engine of ``pool``, or None when the client left while waiting;
-    a full queue or the queue timeout is a ``GatewayError``."""
+def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int) -> None:
+    """The request's engine refused the connection (nothing was sent): undo what was set up
+    for that engine (its share of a split rate) and take it out of dispatch
+    (``connect_failed``), or raise the 503 when the request may not go again: after
+    ``MAX_DISPATCHES``, or with no engine of its pool up for its tenant."""
     rt, tenant = ex.rt, ex.tenant
-    lease = rt.dispatcher.lease(
-        tenant, pool, tenant.config.queue_timeout_s,
-        prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
-        application=ex.application)
+    if ex.split_on is not None and rt.rate_split is not None:
+        rt.rate_split.end(tenant.id, tenant.config.output_tokens_per_second, ex.split_on)
+        ex.split_on = None
+    was_up = engine.healthy
+    out = rt.dispatcher.connect_failed(engine)
+    if was_up and out:
+        logger.warning("engine %s refused a connection (request %s): out of dispatch until "
+                       "its /health answers", engine.url, ex.id)
+    if dispatches >= MAX_DISPATCHES or not rt.dispatcher.may_wait(tenant, pool):
+        raise GatewayError(
+            503, f"no engine serving model {pool.model!r} for tenant {tenant.id!r} could be "
+            f"reached ({dispatches} tried); retry shortly", reason="engine_unavailable",
+            code="engine_unavailable", headers=engine_retry_headers())
+
+
+async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
+                         watch: ClientWatch, again: bool = False) -> Lease | None:
+    """A granted slot on an engine of ``pool``, or None when the client left while waiting;
+    a full queue or the queue timeout is a ``GatewayError``. ``again``: the request's
+    engine refused it; the slot is given back and one on another engine waited for, first
+    in the tenant's order (``Lease.again``)."""
+    rt, tenant = ex.rt, ex.tenant
+    if again:
+        assert ex.lease is not None
+        acquire = ex.lease.again
+    else:
+        acquire = rt.dispatcher.lease(
+            tenant, pool, tenant.config.queue_timeout_s,
+            prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
+            application=ex.application).acquire
     async with watch.guard():
         try:
-            return await lease.acquire()
+            return await acquire()
         except QueueFull as exc:
             raise queue_full(tenant, exc.waiting) from None
         except StateUnavailable:  # shared slots, on_state_failure: closed
@@ -172,7 +220,7 @@ async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
                 raise GatewayError(
                     503, f"the engines serving model {pool.model!r} for tenant {tenant.id!r} "
                     "went down while the request waited", reason="engine_unavailable",
-                    code="engine_unavailable") from None
+                    code="engine_unavailable", headers=engine_retry_headers()) from None
             wait = tenant.slot_wait_s()
             raise GatewayError(
                 429, f"waited {tenant.config.queue_timeout_s:g} s in the queue without an "

@@ -1,0 +1,136 @@
+"""Engines that die and come back, over real HTTP (issue 43): a gateway process in front of
+two small engines, one of which is stopped (its port closed, as after a SIGKILL) and later
+started again on the same port.
+
+What a client must see: no request that never reached the dead engine fails (each goes to
+the live one, one ledger row each, charged once); the dead engine is out of dispatch at
+the first refused connection, not after the periodic checks; a pool whose last engine is
+gone answers 503 ``engine_unavailable`` with ``retry-after``; a restarted engine takes
+traffic again within one health interval of answering.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway._engine import EngineServer, FakeEngine
+from tests.gateway.conftest import GatewayProcess
+from tokenpace.gateway.dispatch import HEALTH_INTERVAL_S
+
+KEY = "sk-fleet"
+
+
+def config(urls: list[str], ledger: Path) -> dict[str, Any]:
+    return {
+        "engines": [{"url": u, "max_inflight": 4, "models": ["chat"]} for u in urls],
+        "ledger": f"sqlite:///{ledger}",
+        "tenants": [{"id": "fleet", "api_keys": [KEY]}],
+    }
+
+
+def send(gw: GatewayProcess, i: int, stream: bool) -> httpx.Response:
+    body = {"model": "chat", "prompt": f"request {i}", "max_tokens": 3, "stream": stream}
+    with httpx.Client(timeout=30) as http:
+        resp = http.post(f"{gw.url}/v1/completions", json=body,
+                         headers={"authorization": f"Bearer {KEY}"})
+        resp.read()
+        return resp
+
+
+def burst(gw: GatewayProcess, first: int, n: int, streams: int = 8) -> list[httpx.Response]:
+    """``n`` requests from ``streams`` clients at once, streamed and not alternately."""
+    answers: list[httpx.Response | None] = [None] * n
+    todo = iter(range(n))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            answers[i] = send(gw, first + i, stream=i % 2 == 0)
+
+    threads = [threading.Thread(target=client) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a is not None for a in answers)
+    return answers  # type: ignore[return-value]
+
+
+def engine_health(gw: GatewayProcess) -> dict[str, bool]:
+    return {e["url"]: e["healthy"] for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+
+
+@pytest.fixture
+def pair(make_gateway: Any, tmp_path: Path) -> Any:
+    engines = [EngineServer(FakeEngine(models=("chat",), token_delay_s=0.02)).start()
+               for _ in range(2)]
+    gw = make_gateway(config([e.url for e in engines], tmp_path / "u.db"))
+    yield gw, engines
+    for e in engines:
+        e.stop()
+
+
+def test_requests_that_never_reached_a_dead_engine_all_succeed_on_the_live_one(
+        pair: Any) -> None:
+    gw, (dead, live) = pair
+    assert all(a.status_code == 200 for a in burst(gw, 0, 8))
+    assert dead.engine.requests and live.engine.requests  # the pool used both
+    before = (len(dead.engine.requests), len(live.engine.requests))
+    dead.stop()  # its port refuses connections from here; the gateway does not know yet
+    answers = burst(gw, 100, 40)
+    assert [a.status_code for a in answers] == [200] * 40, [a.text for a in answers
+                                                             if a.status_code != 200]
+    assert len(dead.engine.requests) == before[0]
+    assert len(live.engine.requests) == before[1] + 40
+    # Out at the first refusal: two periodic checks (2 s apart) could not have done it yet.
+    assert engine_health(gw)[dead.url] is False
+    assert "refused a connection" in gw.log()
+    rows = gw.rows(48)
+    assert len(rows) == 48 and {r.finish_reason for r in rows} == {"length"}
+    assert sum(r.completion_tokens for r in rows) == 48 * 3
+    assert gw.wait_metric("tokenpace_gateway_inflight_requests", 0, tenant="fleet") == 0
+
+
+def test_a_restarted_engine_takes_traffic_within_one_health_interval(pair: Any) -> None:
+    gw, (dead, live) = pair
+    dead.stop()
+    assert all(a.status_code == 200 for a in burst(gw, 0, 8))
+    assert engine_health(gw)[dead.url] is False
+    back = EngineServer(FakeEngine(models=("chat",), token_delay_s=0.02), port=dead.port).start()
+    try:
+        answering = time.monotonic()  # its /health answers from here
+        while not engine_health(gw)[dead.url]:
+            # Probes back off to one health interval, never longer; 2 s of margin for a
+            # loaded machine (the probe and this poll are each a few ms of HTTP).
+            assert time.monotonic() - answering < HEALTH_INTERVAL_S + 2.0
+            time.sleep(0.02)
+        assert all(a.status_code == 200 for a in burst(gw, 100, 16))
+        assert back.engine.requests  # dispatched to again, not held by an old reading
+    finally:
+        back.stop()
+
+
+def test_a_pool_without_a_reachable_engine_answers_503_with_retry_after(
+        make_gateway: Any, tmp_path: Path) -> None:
+    engine = EngineServer(FakeEngine(models=("chat",))).start()
+    gw = make_gateway(config([engine.url], tmp_path / "u.db"))
+    assert send(gw, 0, stream=False).status_code == 200
+    engine.stop()
+    for i, stream in ((1, True), (2, False)):
+        resp = send(gw, i, stream)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "engine_unavailable"
+        assert resp.headers["retry-after"] == "2"
+    rows = gw.rows(3)
+    assert [r.finish_reason for r in rows[1:]] == ["rejected:engine_unavailable"] * 2
+    assert [r.completion_tokens for r in rows[1:]] == [0, 0]
