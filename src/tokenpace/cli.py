@@ -163,6 +163,18 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     return _bench_outputs(args, fleet, result)
 
 
+def _cmd_bench_failover(args: argparse.Namespace) -> int:
+    from .bench import failover
+
+    if args.plot:
+        raise SystemExit("tokenpace bench failover: error: --plot is not supported (use --json)")
+    if args.quick:
+        args.kill_after, args.down_for, args.after_back = 5.0, 3.0, 5.0
+    result = failover.run(_bench_model(args), args.kill_after, args.down_for, args.after_back,
+                          args.streams, args.tokens, args.max_inflight, args.restart_timeout)
+    return _bench_outputs(args, failover, result)
+
+
 def _cmd_bench_state(args: argparse.Namespace) -> int:
     from .bench import state
 
@@ -395,6 +407,32 @@ def build_parser() -> argparse.ArgumentParser:
     flt.add_argument("--paced-seconds", type=_positive_float, default=10.0,
                      help="about how long each paced scenario's streams run (default 10)")
     flt.set_defaults(func=_cmd_bench_fleet)
+
+    fov = bench_sub.add_parser(
+        "failover",
+        help="an engine of a 2-engine pool killed under load and started again",
+        description="Two engines on the tiny model in one pool behind the gateway, clients "
+        "streaming without pause; one engine's process group gets SIGKILL, then it is started "
+        "again on its port. Reports the requests failed (in flight on the dead engine, or "
+        "never reached it), how long the gateway kept dispatching to it, how soon the "
+        "restarted engine took traffic, and the ledger against what the clients received.",
+    )
+    _bench_common(fov)
+    fov.add_argument("--kill-after", type=_positive_float, default=10.0,
+                     help="seconds of load before the kill (default 10)")
+    fov.add_argument("--down-for", type=_positive_float, default=10.0,
+                     help="seconds between the kill and the restart (default 10)")
+    fov.add_argument("--after-back", type=_positive_float, default=15.0,
+                     help="seconds of load after the restarted engine answers (default 15)")
+    fov.add_argument("--streams", type=_positive_int, default=8,
+                     help="clients streaming without pause (default 8)")
+    fov.add_argument("--tokens", type=_positive_int, default=24,
+                     help="output tokens per request (default 24)")
+    fov.add_argument("--max-inflight", type=_positive_int, default=4,
+                     help="requests the gateway keeps on each engine (default 4)")
+    fov.add_argument("--restart-timeout", type=_positive_float, default=600.0,
+                     help="seconds to wait for the restarted engine (default 600)")
+    fov.set_defaults(func=_cmd_bench_failover)
 
     stb = bench_sub.add_parser(
         "state", help="state work per request: Redis (several replicas) against in process",

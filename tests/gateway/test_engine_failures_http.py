@@ -134,3 +134,59 @@ def test_a_pool_without_a_reachable_engine_answers_503_with_retry_after(
     rows = gw.rows(3)
     assert [r.finish_reason for r in rows[1:]] == ["rejected:engine_unavailable"] * 2
     assert [r.completion_tokens for r in rows[1:]] == [0, 0]
+
+
+def test_drain_by_admin_and_by_reload(pair: Any, tmp_path: Path) -> None:
+    """A drained engine gets no new request; the one it runs finishes; /health and the
+    metrics say so; the file's ``drain`` is applied by a reload, both ways."""
+    gw, (drained, other) = pair
+    gw.config["admin_api_keys"] = ["sk-admin"]
+    gw.write(gw.config)
+    gw.stop()
+    gw.start()
+    admin = {"authorization": "Bearer sk-admin"}
+    results: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: results.append(
+        httpx.post(f"{gw.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "chat", "prompt": "SLOW", "max_tokens": 20}, timeout=30)))
+    # The slow request must run on `drained`: drain `other` first, start the request,
+    # then swap the two.
+    assert httpx.post(f"{gw.url}/admin/engines/drain", headers=admin,
+                      json={"engine": other.url, "drain": True}).json()["draining"] is True
+    slow.start()
+    deadline = time.monotonic() + 10
+    while not drained.engine.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    httpx.post(f"{gw.url}/admin/engines/drain", headers=admin,
+               json={"engine": other.url, "drain": False})
+    resp = httpx.post(f"{gw.url}/admin/engines/drain", headers=admin,
+                      json={"engine": drained.url, "drain": True})
+    assert resp.status_code == 200 and resp.json()["inflight"] == 1
+    assert gw.metric("tokenpace_gateway_engine_draining", engine=drained.url) == 1.0
+    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    assert health[drained.url]["draining"] is True and health[drained.url]["healthy"] is True
+    seen = len(drained.engine.requests)
+    assert all(a.status_code == 200 for a in burst(gw, 0, 12))
+    slow.join()
+    assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] == 20
+    assert len(drained.engine.requests) == seen  # nothing new
+    # Refusals: no key, a tenant's key, an unknown engine, a bad body.
+    assert httpx.post(f"{gw.url}/admin/engines/drain",
+                      json={"engine": drained.url}).status_code == 401
+    assert httpx.post(f"{gw.url}/admin/engines/drain", headers={"authorization": f"Bearer {KEY}"},
+                      json={"engine": drained.url}).status_code == 403
+    assert httpx.post(f"{gw.url}/admin/engines/drain", headers=admin,
+                      json={"engine": "http://nowhere:1"}).status_code == 404
+    assert httpx.post(f"{gw.url}/admin/engines/drain", headers=admin,
+                      json={"engine": drained.url, "drain": "yes"}).status_code == 400
+    # A reload applies the file: drained there, so it stays drained; then undrained.
+    gw.config["engines"][0]["drain"] = True
+    gw.write(gw.config)
+    assert httpx.post(f"{gw.url}/admin/reload", headers=admin).status_code == 200
+    assert gw.metric("tokenpace_gateway_engine_draining", engine=drained.url) == 1.0
+    gw.config["engines"][0]["drain"] = False
+    gw.write(gw.config)
+    assert httpx.post(f"{gw.url}/admin/reload", headers=admin).status_code == 200
+    assert gw.metric("tokenpace_gateway_engine_draining", engine=drained.url) == 0.0
+    assert all(a.status_code == 200 for a in burst(gw, 100, 16))
+    assert len(drained.engine.requests) > seen

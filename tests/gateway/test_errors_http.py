@@ -38,18 +38,24 @@ def test_a_client_that_drops_while_sending_its_body_is_client_disconnected(gatew
     assert "Traceback" not in log, log
 
 
-def test_a_failed_connect_to_the_engine_is_retried_once(make_gateway: Any, tmp_path: Path) -> None:
-    """With no engine listening the client gets a JSON 502 after one retry (the retry
-    that succeeds is tests/unit/test_upstream.py)."""
+def test_a_refused_connect_to_the_only_engine_is_tried_twice_then_a_503(
+        make_gateway: Any, tmp_path: Path) -> None:
+    """With no engine listening the client gets a JSON 503 ``engine_unavailable`` with
+    ``retry-after`` (issue 43): the pool's last engine is tried twice (one refusal could be
+    a blip), then taken out of dispatch (tests/gateway/test_engine_failures_http.py has a
+    pool of two)."""
     port = free_port()
     cfg = base_config(f"http://127.0.0.1:{port}", tmp_path / "u.db")
     cfg["engines"][0]["models"] = ["fake"]  # routed without the engine's /v1/models
     gw = make_gateway(cfg)
     resp = httpx.post(gw.url + "/v1/completions", headers={"authorization": f"Bearer {KEY_A}"},
                       json={"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
-    assert resp.status_code == 502
-    assert resp.json()["error"]["code"] == "engine_error"
-    assert gw.log().count("retrying once") == 1
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "engine_unavailable"
+    assert resp.headers["retry-after"] == "2"
+    assert gw.log().count("refused a connection") == 1
+    assert gw.metric("tokenpace_gateway_engine_refused_connections_total",
+                     engine=cfg["engines"][0]["url"]) == 2.0
 
 
 def test_unexpected_errors_are_json_500_with_the_request_id(engine: EngineServer, make_gateway: Any,

@@ -220,3 +220,60 @@ def test_the_health_loop_sleeps_at_most_the_first_probe_delay() -> None:
     assert schedule.sleep_s(0.0) == PROBE_FIRST_S  # nothing due for 2 s: wake to look anyway
     assert schedule.sleep_s(1.9) == pytest.approx(0.1)
     assert schedule.sleep_s(2.5) == 0.0
+
+
+# -- drain: no new dispatches, what runs finishes ----------------------------------------
+
+
+def test_a_drained_engine_takes_no_new_request_and_its_running_ones_finish() -> None:
+    async def main() -> None:
+        dispatcher, tenants, _ = setup()
+        pool = dispatcher.pools["chat"]
+        tenant = tenants.get("a")
+        running = [await dispatcher.acquire(tenant, pool, 1.0, 1.0, 1.0) for _ in range(8)]
+        drained = running[0].engine
+        dispatcher.set_draining(drained, True)
+        assert drained.inflight == 4 and not drained.accepts and drained.healthy
+        for waiter in running:
+            dispatcher.release(waiter)  # every request finishes, the drained engine's too
+        later = [await dispatcher.acquire(tenant, pool, 1.0, 1.0, 1.0) for _ in range(4)]
+        assert drained.inflight == 0 and all(w.engine is not drained for w in later)
+        for waiter in later:
+            dispatcher.release(waiter)
+        dispatcher.set_draining(drained, False)
+        assert (await dispatcher.acquire(tenant, pool, 1.0, 1.0, 1.0)).engine is drained
+    asyncio.run(main())
+
+
+def test_a_tenant_pinned_to_a_drained_engine_moves_at_once() -> None:
+    dispatcher, tenants, _ = setup(urls=URLS)
+    pool = dispatcher.pools["chat"]
+    first = dispatcher.engine_for("a", pool)
+    dispatcher.set_draining(first, True)
+    assert dispatcher.engine_for("a", pool) is not first
+    dispatcher.set_draining(first, False)
+    assert dispatcher.engine_for("a", pool) is first
+
+
+def test_a_reload_applies_each_engines_drain_flag() -> None:
+    dispatcher, _, _ = setup()
+    config = parse_config({
+        "engines": [{"url": URLS[0], "max_inflight": 4, "models": ["chat"], "drain": True},
+                    {"url": URLS[1], "max_inflight": 4, "models": ["chat"]}],
+        "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"})
+    dispatcher.configure(config)
+    assert [e.draining for e in dispatcher.engines] == [True, False]
+    assert config.engines == dispatcher._config.engines  # drain is not an engine change
+    dispatcher.configure(parse_config({
+        "engines": [{"url": u, "max_inflight": 4, "models": ["chat"]} for u in URLS],
+        "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"}))
+    assert [e.draining for e in dispatcher.engines] == [False, False]
+
+
+def test_a_drained_engine_does_not_count_as_up_for_the_last_engine_rule() -> None:
+    """With the other engine drained, the one left is the last in dispatch: one refusal
+    does not empty the pool."""
+    dispatcher, _, _ = setup()
+    drained, last = dispatcher.pools["chat"].engines
+    dispatcher.set_draining(drained, True)
+    assert dispatcher.connect_failed(last) is False

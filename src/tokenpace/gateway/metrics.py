@@ -214,6 +214,20 @@ ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
     ["engine"], registry=REGISTRY,
 )
+ENGINE_UP = Gauge(
+    "tokenpace_gateway_engine_up", "1 while the engine is in dispatch as healthy; 0 once its "
+    "health checks failed or it refused a connection, until a probe answers.",
+    ["engine"], registry=REGISTRY,
+)
+ENGINE_DRAINING = Gauge(
+    "tokenpace_gateway_engine_draining", "1 while the engine is drained: no new dispatches, "
+    "its requests in flight finish.", ["engine"], registry=REGISTRY,
+)
+ENGINE_REFUSED = Counter(
+    "tokenpace_gateway_engine_refused_connections", "Requests whose connection the engine "
+    "refused (nothing was sent; each went to another engine or got a 503).",
+    ["engine"], registry=REGISTRY,
+)
 
 _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     REQUESTS: ("tenant", "lane", "outcome"),

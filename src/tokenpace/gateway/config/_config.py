@@ -62,6 +62,9 @@ class EngineConfig:
     # the configuration's folder, or a hub name); None: up's MODEL argument. Unused by the
     # gateway itself.
     model_path: str | None = None
+    # No new dispatches to it; its requests in flight finish (maintenance, a rolling
+    # restart). Not compared: a reload applies it to the running engine.
+    drain: bool = field(default=False, compare=False)
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
@@ -547,7 +550,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
                       "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models",
-                      "model_path"))
+                      "model_path", "drain"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -576,6 +579,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         models=_name_list(m["models"], f"{where}.models") if m.get("models") is not None
         else None,
         model_path=_model_path(m, where),
+        drain=_bool(m, "drain", where, False),
     )
 
 

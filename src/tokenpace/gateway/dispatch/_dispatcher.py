@@ -89,6 +89,11 @@ class EngineSlots:
         # Connections refused in a row (requests that never reached it): one takes it out
         # of dispatch, unless it is the last engine up in one of its pools (``connect_failed``).
         self.connect_failures = 0
+        # Drained (``engines[].drain``, ``POST /admin/engines/drain``): no new dispatches.
+        self.draining = config.drain
+        self.up_gauge = metrics.ENGINE_UP.labels(config.url)
+        self.draining_gauge = metrics.ENGINE_DRAINING.labels(config.url)
+        self.refused_counter = metrics.ENGINE_REFUSED.labels(config.url)
         self.engine_waiting: float | None = None  # from the engine's /metrics
         self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
@@ -101,6 +106,11 @@ class EngineSlots:
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def accepts(self) -> bool:
+        """Whether new requests may go to it: up and not drained (two attribute reads)."""
+        return self.healthy and not self.draining
 
     def waiting(self) -> int:
         """Requests waiting in the queues of the pools this engine serves."""
@@ -270,14 +280,21 @@ class Dispatcher:
         self.configure(config)
         for engine in self.engines:
             engine.inflight_gauge.set(0)
+            engine.up_gauge.set(1)
+            engine.draining_gauge.set(int(engine.draining))
 
     def configure(self, config: GatewayConfig) -> None:
-        """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue."""
+        """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue, and each
+        engine's ``drain`` flag (the engine list itself is fixed)."""
         self._config = config
         self.repin_after_s = config.repin_after_s
         self._ranked.clear()
         for pool in self.pools.values():
             self._configure_queue(pool.queue, config)
+        drains = {e.url: e.drain for e in config.engines}
+        for engine in self.engines:
+            if engine.url in drains:
+                self.set_draining(engine, drains[engine.url])
 
     def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
         """Lanes and order; the lanes and weights of the tenants the queue has seen (a
@@ -368,10 +385,13 @@ class Dispatcher:
         order once that one has been down that long."""
         ranked = self._rank(tenant_id, pool)
         first = ranked[0]
+        if first.healthy and first.draining:
+            # Drained on purpose: its tenants move at once (a paced tenant's rate with them).
+            return next((e for e in ranked[1:] if e.accepts), first)
         if first.healthy or self.repin_after_s is None or first.down_since is None \
                 or self._clock() - first.down_since < self.repin_after_s:
             return first
-        return next((e for e in ranked[1:] if e.healthy), first)
+        return next((e for e in ranked[1:] if e.accepts), first)
 
     def pinned(self, tenant: TenantState) -> bool:
         """Whether the tenant runs on one engine per pool: ``routing: pinned``, or a paced
@@ -384,8 +404,8 @@ class Dispatcher:
         pinned engine when pinned, else the first healthy one in its rendezvous order."""
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
-            return engine if engine.healthy else None
-        return next((e for e in self._rank(tenant.id, pool) if e.healthy), None)
+            return engine if engine.accepts else None
+        return next((e for e in self._rank(tenant.id, pool) if e.accepts), None)
 
     def may_wait(self, tenant: TenantState, pool: Pool) -> bool:
         """Whether some engine the tenant may use in ``pool`` is up (else: refuse at once)."""
@@ -398,17 +418,17 @@ class Dispatcher:
         """
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
-            return engine if engine.healthy and self._open(engine) else None
+            return engine if engine.accepts and self._open(engine) else None
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each
             # engine more is a share to move by control call as streams start and end.
             return next((e for e in self._rank(tenant.id, pool)
-                         if e.healthy and self._open(e)), None)
+                         if e.accepts and self._open(e)), None)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
         for engine in self._rank(tenant.id, pool):
-            if not (engine.healthy and self._open(engine)):
+            if not (engine.accepts and self._open(engine)):
                 continue
             if first is None:
                 first = engine
@@ -429,12 +449,23 @@ class Dispatcher:
         engine.healthy = healthy
         self._ranked.clear()
         engine.down_since = None if healthy else self._clock()
+        engine.up_gauge.set(int(healthy))
         engine.forget_load()
         if healthy:
             engine.connect_failures = 0
             engine.held.set()  # read its gauges now, not at the next interval
             for pool in engine.pools:
                 self._pump(pool)
+
+    def set_draining(self, engine: EngineSlots, draining: bool) -> None:
+        """Drain ``engine`` (no new dispatches; what runs there finishes) or undrain it."""
+        if draining == engine.draining:
+            return
+        engine.draining = draining
+        engine.draining_gauge.set(int(draining))
+        self._ranked.clear()
+        for pool in engine.pools:  # its waiters may go elsewhere now, or to it again
+            self._pump(pool)
 
     def connect_failed(self, engine: EngineSlots) -> bool:
         """A request's connection to ``engine`` was refused (nothing was sent): take the
@@ -447,6 +478,7 @@ class Dispatcher:
         count (``connect_ok``). Cost: a counter, and a pool scan on a failure only.
         """
         engine.connect_failures += 1
+        engine.refused_counter.inc()
         if not engine.healthy:
             return True
         if engine.connect_failures < EJECT_LAST_AFTER and self._last_up(engine):
@@ -463,7 +495,7 @@ class Dispatcher:
     @staticmethod
     def _last_up(engine: EngineSlots) -> bool:
         """Whether ``engine`` is the only engine up in one of its pools."""
-        return any(all(e is engine or not e.healthy for e in pool.engines)
+        return any(all(e is engine or not e.accepts for e in pool.engines)
                    for pool in engine.pools)
 
     def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
@@ -584,7 +616,7 @@ class Dispatcher:
         tenant's engine choice (O(engines in the pool)), a few counters and gauges.
         """
         eligible, placed = self._eligibility(pool)
-        while len(pool.queue) and any(e.healthy and self._open(e) for e in pool.engines):
+        while len(pool.queue) and any(e.accepts and self._open(e) for e in pool.engines):
             placed.clear()
             waiter = pool.queue.pop(eligible, self._may_dispatch_application)
             if waiter is None:

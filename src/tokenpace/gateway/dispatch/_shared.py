@@ -368,7 +368,7 @@ class SharedDispatcher(Dispatcher):
         for engine in pool.engines:
             if engine.inflight < engine.config.max_inflight and engine.saturated():
                 engine.held.set()  # ask for a fresh reading, as the in-process pump does
-        if pool not in self._polls and any(e.healthy and e.has_room() for e in pool.engines):
+        if pool not in self._polls and any(e.accepts and e.has_room() for e in pool.engines):
             # Requests wait while this replica has room: the store refused (other replicas
             # hold the slots) or a tenant is blocked. Ask again after the poll interval.
             self._polls[pool] = asyncio.get_running_loop().call_later(
@@ -381,7 +381,7 @@ class SharedDispatcher(Dispatcher):
     async def _round(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while the store grants their slots."""
         eligible, placed = self._eligibility(pool)
-        while any(e.healthy and self._open(e) for e in pool.engines):
+        while any(e.accepts and self._open(e) for e in pool.engines):
             if self._stale(pool):
                 await self._refresh()
             placed.clear()

@@ -106,6 +106,7 @@ class Gateway:
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/admin/reload", self._admin_reload, methods=["POST"]),
+                Route("/admin/engines/drain", self._admin_drain, methods=["POST"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={404: self._not_found, 405: self._not_allowed},
@@ -423,12 +424,13 @@ class Gateway:
     async def _health(self, request: Request) -> Response:
         rt = self.rt
         assert rt is not None
-        engines = [{"url": e.url, "healthy": e.healthy, "inflight": e.inflight,
-                    "queued": e.waiting(), "models": sorted(e.models or ()),
-                    **self._policy_fields(e.config)} for e in rt.dispatcher.engines]
-        ok = any(e["healthy"] for e in engines)
-        body: dict[str, object] = {"status": "ok" if ok else "no healthy engine",
-                                   "engines": engines}
+        engines = [{"url": e.url, "healthy": e.healthy, "draining": e.draining,
+                    "inflight": e.inflight, "queued": e.waiting(),
+                    "models": sorted(e.models or ()), **self._policy_fields(e.config)}
+                   for e in rt.dispatcher.engines]
+        ok = any(e.accepts for e in rt.dispatcher.engines)
+        body: dict[str, object] = {"status": "ok" if ok else "no engine in dispatch (down or "
+                                   "drained)", "engines": engines}
         body["state"] = rt.store.describe() if rt.store is not None else {"backend": "memory",
                                                                             "healthy": True}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -449,11 +451,46 @@ class Gateway:
             self.rt.dispatcher.publish(s.id for s in self.rt.tenants.series.active())
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def _admin_reload(self, request: Request) -> Response:
+    def _admin_refusal(self, request: Request) -> Response | None:
         key = bearer_key(request.headers.get("authorization"))
         if not key or not self.config.is_admin_key(key):
             return error_response(401 if not key else 403, "an admin API key is required",
                                   code="invalid_api_key")
+        return None
+
+    async def _admin_drain(self, request: Request) -> Response:
+        """``{"engine": url, "drain": true|false}``: drain an engine of this replica (no
+        new dispatches; its requests in flight finish) or put it back. Until the next
+        reload, which applies the file's ``engines[].drain``."""
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        assert self.rt is not None
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        url = body.get("engine") if isinstance(body, dict) else None
+        drain = body.get("drain", True) if isinstance(body, dict) else None
+        if not isinstance(url, str) or not isinstance(drain, bool):
+            return error_response(400, 'expected {"engine": "<url>", "drain": true|false}',
+                                  code="invalid_request", param="engine")
+        engine = next((e for e in self.rt.dispatcher.engines if e.url == url.rstrip("/")), None)
+        if engine is None:
+            return error_response(
+                404, f"no engine {url!r}; engines: "
+                f"{', '.join(e.url for e in self.rt.dispatcher.engines)}", code="not_found",
+                param="engine")
+        self.rt.dispatcher.set_draining(engine, drain)
+        logger.warning("engine %s %s by POST /admin/engines/drain", engine.url,
+                       "drained" if drain else "back in dispatch")
+        return JSONResponse({"engine": engine.url, "draining": engine.draining,
+                             "inflight": engine.inflight})
+
+    async def _admin_reload(self, request: Request) -> Response:
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
         try:
             new = await self.reload_async()
         except ConfigError as exc:
@@ -470,7 +507,8 @@ class Gateway:
                            for r in self._routes.routes if isinstance(r, Route)
                            and not r.path.startswith("/admin"))
         return error_response(404, f"no route {request.url.path}; this gateway serves "
-                              f"{served} (and POST /admin/reload)", code="not_found")
+                              f"{served} (and POST /admin/reload, /admin/engines/drain)",
+                              code="not_found")
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
