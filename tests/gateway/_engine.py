@@ -65,6 +65,10 @@ class FakeEngine:
     peak: int = 0  # the most at once since the last reset_peak()
     models: tuple[str, ...] = ("fake",)  # the names /v1/models lists (--served-model-name)
     models_status: int = 200  # another status: /v1/models answers it, with no body
+    # Completions answer 503 and are not recorded, /health stays 200: vLLM draining on
+    # SIGTERM (--shutdown-timeout) or scaling elastic EP. Counted in ``unavailable_answers``.
+    unavailable: bool = False
+    unavailable_answers: int = 0
 
     def reset_peak(self) -> None:
         self.peak = self.active
@@ -142,6 +146,9 @@ class FakeEngine:
 
     async def _complete(self, request: Request) -> Response:
         body = await request.json()
+        if self.unavailable:
+            self.unavailable_answers += 1
+            return JSONResponse({"error": "the server is shutting down"}, status_code=503)
         seen = Seen(request.url.path, body, dict(request.headers))
         self.requests.append(seen)
         self._enter()

@@ -136,6 +136,21 @@ def test_a_pool_without_a_reachable_engine_answers_503_with_retry_after(
     assert [r.completion_tokens for r in rows[1:]] == [0, 0]
 
 
+def test_an_engine_answering_503_is_left_for_the_others(pair: Any) -> None:
+    """An engine that answers 503 before working on a request (vLLM draining on SIGTERM)
+    did not take it: it goes to the other engine, and the engine is out of dispatch until a
+    probe of its /health answers (which it does: it comes back, and is left again at its
+    next 503)."""
+    gw, (draining, live) = pair
+    draining.engine.unavailable = True
+    answers = burst(gw, 0, 24)
+    assert [a.status_code for a in answers] == [200] * 24
+    assert draining.engine.unavailable_answers >= 1 and not draining.engine.requests
+    assert "answered 503" in gw.log()
+    rows = gw.rows(24)
+    assert len(rows) == 24 and {r.finish_reason for r in rows} == {"length"}
+
+
 def test_drain_by_admin_and_by_reload(pair: Any, tmp_path: Path) -> None:
     """A drained engine gets no new request; the one it runs finishes; /health and the
     metrics say so; the file's ``drain`` is applied by a reload, both ways."""

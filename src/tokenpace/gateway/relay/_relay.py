@@ -96,9 +96,19 @@ def _upstream_headers(ex: Exchange) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": ex.id}
 
 
+UNAVAILABLE = 503
+"""An engine's answer that it takes no request now, before any work on this one: vLLM while
+it drains on SIGTERM (``--shutdown-timeout``) or while elastic expert parallelism scales."""
+
+
 class NotReached(Exception):
-    """The engine refused the connection: nothing of the request was sent, so it may go to
-    another engine. The exchange is left open (not finished) for the caller to retry."""
+    """The engine did not take the request: it refused the connection (nothing was sent)
+    or answered 503 (``UNAVAILABLE``), so the request may go to another engine. The
+    exchange is left open (not finished) for the caller to retry."""
+
+    def __init__(self, answered: int | None = None) -> None:
+        super().__init__(answered)
+        self.answered = answered  # the engine's status; None: the connection was refused
 
 
 async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
@@ -130,6 +140,9 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
             outcome = Outcome.TIMEOUT
             return _timeout_response(ex)
         assert resp is not None
+        if resp.status == UNAVAILABLE:
+            reached, outcome = False, Outcome.UPSTREAM_ERROR  # read whole: the connection is kept
+            raise NotReached(resp.status)
         if resp.status != 200:
             ex.charge_usage = False
             outcome = Outcome.UPSTREAM_ERROR
@@ -187,6 +200,8 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
                 except UpstreamError:
                     content = b""
                 resp.release()
+                if resp.status == UNAVAILABLE:
+                    raise NotReached(resp.status)
                 ex.charge_usage = False
                 outcome = Outcome.UPSTREAM_ERROR
                 ex.finish(outcome)

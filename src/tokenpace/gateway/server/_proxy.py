@@ -106,8 +106,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
                     answer = await open_stream(ex, upstream, req, body, watch, deadline)
                 else:
                     answer = await call(ex, upstream, body, watch, deadline)
-            except NotReached:
-                _not_reached(ex, pool, engine, dispatches)
+            except NotReached as exc:
+                _not_reached(ex, pool, engine, dispatches, exc.answered)
                 dispatches += 1
                 ex.lease = await _wait_for_slot(ex, pool, admission, watch, again=True)
                 if ex.lease is None:
@@ -172,11 +172,13 @@ async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None,
     return share
 
 
-def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int) -> None:
-    """The request's engine refused the connection (nothing was sent): undo what was set up
-    for that engine (its share of a split rate) and take it out of dispatch
-    (``connect_failed``), or raise the 503 when the request may not go again: after
-    ``MAX_DISPATCHES``, or with no engine of its pool up for its tenant."""
+def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
+                 answered: int | None) -> None:
+    """The request's engine did not take it (a refused connection, or a 503 answer: see
+    ``relay.NotReached``): undo what was set up for that engine (its share of a split rate)
+    and take it out of dispatch (``connect_failed``), or raise the 503 when the request may
+    not go again: after ``MAX_DISPATCHES``, or with no engine of its pool up for its
+    tenant."""
     rt, tenant = ex.rt, ex.tenant
     if ex.split_on is not None and rt.rate_split is not None:
         rt.rate_split.end(tenant.id, tenant.config.output_tokens_per_second, ex.split_on)
@@ -184,8 +186,9 @@ def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int)
     was_up = engine.healthy
     out = rt.dispatcher.connect_failed(engine)
     if was_up and out:
-        logger.warning("engine %s refused a connection (request %s): out of dispatch until "
-                       "its /health answers", engine.url, ex.id)
+        logger.warning("engine %s %s (request %s): out of dispatch until its /health "
+                       "answers", engine.url, "refused a connection" if answered is None
+                       else f"answered {answered}", ex.id)
     if dispatches >= MAX_DISPATCHES or not rt.dispatcher.may_wait(tenant, pool):
         raise GatewayError(
             503, f"no engine serving model {pool.model!r} for tenant {tenant.id!r} could be "
