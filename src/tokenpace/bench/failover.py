@@ -90,8 +90,11 @@ def _gateway_config(urls: list[str], ledger: Path, max_inflight: int) -> str:
 
 async def _client(session: aiohttp.ClientSession, url: str, stop: asyncio.Event,
                   max_tokens: int, records: list[Request]) -> None:
+    # Usage in every chunk: what the client was told it received, token by token (a
+    # token's text may be empty, so counting texts would undercount).
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     while not stop.is_set():
         record = Request(start=time.monotonic())
         records.append(record)
@@ -108,10 +111,9 @@ async def _client(session: aiohttp.ClientSession, url: str, stop: asyncio.Event,
                         event = json.loads(data)
                         if "error" in event:
                             record.error = str(event["error"].get("message"))
-                        else:
-                            record.tokens += sum(1 for c in event.get("choices", ())
-                                                 if c.get("text"))
-        except aiohttp.ClientError as exc:
+                        elif event.get("usage"):
+                            record.tokens = int(event["usage"]["completion_tokens"])
+        except (aiohttp.ClientError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.end = time.monotonic()
         if record.status != 200:
