@@ -264,13 +264,15 @@ def _validated(handler: Any) -> Any:
 class EngineServer:
     """A ``FakeEngine`` on uvicorn in a background thread, on a free port."""
 
-    def __init__(self, engine: FakeEngine | None = None, port: int | None = None) -> None:
-        """``port``: a given one (an engine restarted where it was), else a free one."""
+    def __init__(self, engine: FakeEngine | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
+        """``port``: a given one (an engine restarted where it was), else a free one;
+        ``host``: a loopback address (engines found by DNS share a port on several)."""
         self.engine = engine or FakeEngine()
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(
-            self.engine.app(), host="127.0.0.1", port=self.port, log_level="warning",
+            self.engine.app(), host=host, port=self.port, log_level="warning",
             lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 

@@ -205,3 +205,45 @@ def test_drain_by_admin_and_by_reload(pair: Any, tmp_path: Path) -> None:
     assert gw.metric("tokenpace_gateway_engine_draining", engine=drained.url) == 0.0
     assert all(a.status_code == 200 for a in burst(gw, 100, 16))
     assert len(drained.engine.requests) > seen
+
+
+def test_every_replica_leaves_a_dead_engine_on_its_own(tmp_path: Path) -> None:
+    """Two gateway replicas sharing slots and counters in a real ``redis-server``: each
+    finds the dead engine by its own refused connection (passive health is per process,
+    nothing is told through the store), so neither fails a request that never reached it,
+    and a slot of the dead engine held in the store is not what keeps it out."""
+    from tests._redis import RedisServer, require_redis_client
+
+    require_redis_client()
+    redis = RedisServer(tmp_path / "redis").start()
+    engines = [EngineServer(FakeEngine(models=("chat",), token_delay_s=0.02)).start()
+               for _ in range(2)]
+    replicas: list[GatewayProcess] = []
+    try:
+        for i in range(2):
+            home = tmp_path / f"replica-{i}"
+            home.mkdir()
+            cfg = config([e.url for e in engines], home / "u.db")
+            cfg["state"] = {"url": redis.url, "timeout": "1s"}
+            replicas.append(GatewayProcess(home, cfg).start())
+        dead, live = engines
+        for gw in replicas:
+            assert all(a.status_code == 200 for a in burst(gw, 0, 8))
+        seen = len(dead.engine.requests)
+        assert seen  # both replicas used both engines
+        dead.stop()
+        for n, gw in enumerate(replicas):
+            answers = burst(gw, 100 * (n + 1), 24)
+            assert [a.status_code for a in answers] == [200] * 24, [
+                a.text for a in answers if a.status_code != 200]
+            assert engine_health(gw)[dead.url] is False
+            assert "refused a connection" in gw.log()
+            rows = gw.rows(32)
+            assert len(rows) == 32 and {r.finish_reason for r in rows} == {"length"}
+        assert len(dead.engine.requests) == seen
+    finally:
+        for gw in replicas:
+            gw.stop()
+        for e in engines:
+            e.stop()
+        redis.stop()

@@ -261,12 +261,16 @@ def test_a_reload_applies_each_engines_drain_flag() -> None:
         "engines": [{"url": URLS[0], "max_inflight": 4, "models": ["chat"], "drain": True},
                     {"url": URLS[1], "max_inflight": 4, "models": ["chat"]}],
         "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"})
-    dispatcher.configure(config)
+    engines = list(dispatcher.engines)
+    assert dispatcher.set_engines(config.engines) == ([], [])  # drain is no engine change
+    dispatcher.configure(config)  # as a reload does: the engines, then the rest
+    assert dispatcher.engines == engines
     assert [e.draining for e in dispatcher.engines] == [True, False]
-    assert config.engines == dispatcher._config.engines  # drain is not an engine change
-    dispatcher.configure(parse_config({
+    undrained = parse_config({
         "engines": [{"url": u, "max_inflight": 4, "models": ["chat"]} for u in URLS],
-        "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"}))
+        "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"})
+    dispatcher.set_engines(undrained.engines)
+    dispatcher.configure(undrained)
     assert [e.draining for e in dispatcher.engines] == [False, False]
 
 

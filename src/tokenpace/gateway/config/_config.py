@@ -65,6 +65,12 @@ class EngineConfig:
     # No new dispatches to it; its requests in flight finish (maintenance, a rolling
     # restart). Not compared: a reload applies it to the running engine.
     drain: bool = field(default=False, compare=False)
+    # "dns": the url's host names a set of engines (a Kubernetes headless Service): each
+    # address it resolves to is an engine of these settings, re-resolved every
+    # ``discovery_interval`` (``engines.discover``). None: the url is one engine.
+    discovery: str | None = None
+    # Set on an engine found by discovery: the configured url it was found under.
+    discovered_from: str | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
@@ -206,6 +212,8 @@ class GatewayConfig:
     pool_affinity: int = 2
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
+    # How often engines with ``discovery: dns`` are resolved again.
+    discovery_interval_s: float = 10.0
     source: Path | None = None
 
     def served_name(self, model: str) -> str:
@@ -404,7 +412,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
-                      "routing", "pool_affinity", "metrics_idle_after"))
+                      "routing", "pool_affinity", "metrics_idle_after",
+                      "discovery_interval"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -465,6 +474,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         routing=_routing(root.get("routing", "pool")),
         pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
+        discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
         source=source,
     )
 
@@ -550,13 +560,21 @@ def _engine(value: Any, where: str) -> EngineConfig:
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
                       "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models",
-                      "model_path", "drain"))
+                      "model_path", "drain", "discovery"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"{where}.url: expected http(s)://host:port, got {url!r}")
+    discovery = m.get("discovery")
+    if discovery is not None and discovery != "dns":
+        raise ConfigError(f"{where}.discovery: expected 'dns' (each address the url's host "
+                          f"resolves to is an engine) or null, got {discovery!r}")
+    if discovery and (parts.scheme != "http" or parts.path.strip("/")):
+        raise ConfigError(f"{where}.discovery: needs a plain http://host:port url (engines "
+                          "found by address are called by address, which a TLS certificate "
+                          f"naming the host would not match), got {url!r}")
     policy = m.get("scheduling_policy", "fcfs")
     if policy not in SCHEDULING_POLICIES:
         raise ConfigError(
@@ -580,6 +598,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         else None,
         model_path=_model_path(m, where),
         drain=_bool(m, "drain", where, False),
+        discovery=discovery,
     )
 
 
@@ -616,19 +635,24 @@ def _engine_key(m: Mapping[str, Any], where: str) -> str | None:
 
 
 def keep_engine_keys(new: GatewayConfig, old: GatewayConfig) -> GatewayConfig:
-    """``new`` with the running engines' keys where its file gives none.
+    """``new`` with the running engines' keys where its file gives none (paired by url).
 
     Keys that ``tokenpace up`` generated live only in the running configuration; a key
     that the new file changes is refused (the engine would have to restart with it too).
+    An engine the file adds brings its own key, or none.
     """
+    running = {e.url: e for e in old.engines}
     engines = []
-    for i, (engine, running) in enumerate(zip(new.engines, old.engines)):
-        if engine.api_key is None:
-            engine = dataclasses.replace(engine, api_key=running.api_key)
-        elif engine.api_key != running.api_key:
-            raise ConfigError(f"engines[{i}].api_key: changing an engine's key needs a restart")
+    for i, engine in enumerate(new.engines):
+        before = running.get(engine.url)
+        if before is not None:
+            if engine.api_key is None:
+                engine = dataclasses.replace(engine, api_key=before.api_key)
+            elif engine.api_key != before.api_key:
+                raise ConfigError(f"engines[{i}].api_key: changing an engine's key needs a "
+                                  "restart")
         engines.append(engine)
-    return dataclasses.replace(new, engines=tuple(engines) + new.engines[len(engines):])
+    return dataclasses.replace(new, engines=tuple(engines))
 
 
 def _lane(value: Any, where: str) -> LaneConfig:

@@ -107,6 +107,21 @@ class EngineSlots:
     def url(self) -> str:
         return self.config.url
 
+    def publish(self) -> None:
+        """Set the engine's gauges (a new engine: up, nothing in flight)."""
+        self.inflight_gauge.set(self.inflight)
+        self.up_gauge.set(int(self.healthy))
+        self.draining_gauge.set(int(self.draining))
+
+    def unpublish(self) -> None:
+        """Remove the engine's series (it left the configuration)."""
+        for family in (metrics.ENGINE_INFLIGHT, metrics.ENGINE_UP, metrics.ENGINE_DRAINING,
+                       metrics.ENGINE_REFUSED):
+            try:
+                family.remove(self.url)
+            except KeyError:
+                pass
+
     @property
     def accepts(self) -> bool:
         """Whether new requests may go to it: up and not drained (two attribute reads)."""
@@ -261,10 +276,12 @@ class Dispatcher:
     def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._config = config
-        self.engines = [EngineSlots(e) for e in config.engines]
+        # The engines named by address; those found by DNS (``engines[].discovery``) join
+        # through ``set_engines``, as do engines a reload adds.
+        self.engines = [EngineSlots(e) for e in config.engines if e.discovery is None]
         # Whether a paced tenant's rate can be split over engines: the rate-control call
-        # that moves the shares needs each engine's key (``engines[].api_key``). Engines
-        # are fixed for the life of the process.
+        # that moves the shares needs each engine's key (``engines[].api_key``). Fixed for
+        # the life of the process: a reload that adds an engine without a key is refused.
         self.splits_rates = all(e.api_key for e in config.engines)
         self.pools: dict[str, Pool] = {}
         self.repin_after_s = config.repin_after_s
@@ -279,22 +296,65 @@ class Dispatcher:
                 self._join(engine, engine.models)
         self.configure(config)
         for engine in self.engines:
-            engine.inflight_gauge.set(0)
-            engine.up_gauge.set(1)
-            engine.draining_gauge.set(int(engine.draining))
+            engine.publish()
 
     def configure(self, config: GatewayConfig) -> None:
         """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue, and each
-        engine's ``drain`` flag (the engine list itself is fixed)."""
+        engine's ``drain`` flag as its configuration says (``set_engines`` changes the
+        engine list)."""
         self._config = config
         self.repin_after_s = config.repin_after_s
         self._ranked.clear()
         for pool in self.pools.values():
             self._configure_queue(pool.queue, config)
-        drains = {e.url: e.drain for e in config.engines}
         for engine in self.engines:
-            if engine.url in drains:
-                self.set_draining(engine, drains[engine.url])
+            self.set_draining(engine, engine.config.drain)
+
+    def set_engines(self, configs: Iterable[EngineConfig]) -> tuple[list[EngineSlots],
+                                                                   list[EngineSlots]]:
+        """Make the engines those of ``configs`` (a reload, or DNS discovery finding
+        addresses come and go); returns (added, removed).
+
+        An added engine joins its pools at once when its models are configured (else once
+        they are learned: ``unlearned``). A removed engine leaves its pools: nothing new is
+        dispatched to it, its requests in flight finish and release their slots as usual;
+        the caller closes its connections once they are done. A kept engine takes its new
+        settings (its learned capacity and gauges stay). Tenants pinned by rendezvous
+        hashing move only where their first engine came or went (about 1/N of them).
+        Cost: O(engines + pools), on configuration changes only.
+        """
+        wanted = {c.url: c for c in configs}
+        current = {e.url: e for e in self.engines}
+        removed = [e for url, e in current.items() if url not in wanted]
+        for engine in removed:
+            for pool in engine.pools:
+                pool.engines.remove(engine)
+            engine.pools = []
+            self._forget(engine)
+            engine.unpublish()
+        added: list[EngineSlots] = []
+        engines: list[EngineSlots] = []
+        for url, cfg in wanted.items():
+            engine = current.get(url)
+            if engine is None:
+                engine = EngineSlots(cfg)
+                added.append(engine)
+                if engine.models is not None:
+                    self._join(engine, engine.models)
+                engine.publish()
+            else:
+                engine.config = cfg
+                if cfg.models is not None:
+                    self.set_models(engine, frozenset(cfg.models))
+            engines.append(engine)
+        self.engines = engines
+        self._ranked.clear()
+        for pool in self.pools.values():
+            self._pump(pool)
+        return added, removed
+
+    def _forget(self, engine: EngineSlots) -> None:
+        """Drop what this dispatcher keeps about a removed engine (see SharedDispatcher)."""
 
     def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
         """Lanes and order; the lanes and weights of the tenants the queue has seen (a

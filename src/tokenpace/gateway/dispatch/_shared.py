@@ -124,6 +124,9 @@ class SharedDispatcher(Dispatcher):
         for pool in self.pools.values():
             pool.queue.lift = False  # the store lifts, over every replica's backlog
 
+    def _forget(self, engine: EngineSlots) -> None:
+        self._full.pop(engine, None)
+
     def _new_queue(self) -> Any:
         queue = super()._new_queue()
         queue.lift = False

@@ -7,9 +7,11 @@ salt, served model, output limit), built by ``for_request`` and written by
 ``engine_body``. ``RateSplitter``: a paced tenant's rate split over the engines its streams
 run on (its book local or in Redis, ``SharedSplitBook``). ``PromptBounds``: each engine's
 chat-template overheads, learned to bound a prompt's tokens without ``/tokenize``. The
-engine's scheduling policy as its ``/health`` reports it.
+engine's scheduling policy as its ``/health`` reports it. ``Discovery``: engines named by DNS
+(``engines[].discovery: dns``), one per address.
 """
 
+from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
 from ._instructions import EngineInstructions, engine_body, for_request, paces_end_users
 from ._policy import UNKNOWN, policy_problem, reported_policy
 from ._prompt_bound import Learned, Overhead, PromptBounds, bound as prompt_bound
@@ -25,6 +27,8 @@ from ._upstream import (
 
 __all__ = [
     "ConnectFailed",
+    "Discovery",
+    "engine_at",
     "engine_body",
     "EngineInstructions",
     "for_request",
@@ -38,6 +42,8 @@ __all__ = [
     "PromptBounds",
     "RateSplitter",
     "reported_policy",
+    "Resolve",
+    "resolve_addresses",
     "SharedSplitBook",
     "split",
     "SplitFailed",

@@ -15,10 +15,10 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 from pathlib import Path
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,6 +45,7 @@ from ..dispatch import (
 )
 from ..engines import (
     UNKNOWN,
+    Discovery,
     RateSplitter,
     SharedSplitBook,
     Upstream,
@@ -58,6 +59,7 @@ from ..ledger import BudgetState, open_ledger
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
 from ..wire import GatewayError, Kind, error_response
+from ._connections import Connections
 from ._proxy import handle
 from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
 
@@ -67,12 +69,6 @@ LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
 START_MODELS_TIMEOUT_S = 3.0
 SNAPSHOT_INTERVAL_S = 1.0
-ENGINE_KEEPALIVE_S = 4.0
-"""Idle connections to an engine are dropped after this long, before vLLM's server closes
-them (after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): bursts a few seconds apart reuse them
-instead of opening one per request. Should an engine close one first (a shorter timeout,
-a proxy in between) as a request is sent on it, the request goes again on a new one
-(``Upstream``)."""
 
 
 _COMPLETION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
@@ -94,6 +90,12 @@ class Gateway:
         self._started = int(time.time())  # the "created" of /v1/models entries
         self._models_problem: dict[str, int] = {}  # engine -> status last warned about
         self._reloading = asyncio.Lock()
+        self.connections = Connections()  # replaced at start-up
+        self._load_tasks: dict[str, asyncio.Task[None]] = {}  # engine url -> its _load_loop
+        self._background: set[asyncio.Task[None]] = set()
+        self._watching = False  # engines' gauge readers started (start-up done)
+        # Engines named by DNS (``engines[].discovery``): None when there are none.
+        self._discovery = Discovery() if any(e.discovery for e in config.engines) else None
         self.app = self  # the ASGI application to serve (``__call__``)
         self._routes = Starlette(
             routes=[
@@ -137,20 +139,13 @@ class Gateway:
         ledger = open_ledger(self.config.ledger)
         try:
             tenants = Tenants(self.config, self.clock, _restore_levels(ledger.load_budgets()))
-            clients = {
-                e.url: httpx.AsyncClient(
-                    base_url=e.url,
-                    timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-                    headers=e.auth_headers(),
-                    limits=httpx.Limits(max_connections=e.max_inflight + 8,
-                                        max_keepalive_connections=e.max_inflight + 8,
-                                        keepalive_expiry=ENGINE_KEEPALIVE_S),
-                )
-                for e in self.config.engines
-            }
-            upstreams = {e.url: Upstream(e.url, e.max_inflight + 8, ENGINE_KEEPALIVE_S,
-                                          headers=e.auth_headers())
-                         for e in self.config.engines}
+            # Connections to the engines named by address now; DNS-named ones and those a
+            # reload adds get theirs as they join (``_apply_engines``).
+            connections = self.connections = Connections()
+            for engine in self.config.engines:
+                if engine.discovery is None:
+                    connections.open(engine)
+            clients, upstreams = connections.clients, connections.upstreams
             # Shared budgets (state: redis://...); None keeps them in this process.
             store = (open_store(self.config.state, workers=self.workers)
                      if self.config.state.shared else None)
@@ -173,6 +168,8 @@ class Gateway:
                 logger.warning("engines without api_key: a paced tenant stays on one engine "
                                "per model, paced there at its whole rate (moving its rate "
                                "between engines needs each engine's key)")
+            if self._discovery is not None:  # the engines DNS names, before any request
+                self._apply_engines(await self._discovery.engines(self.config.engines))
             # Model names first: a request for a model is routed (or refused with 404) by
             # them, so the gateway learns them before it takes requests.
             await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
@@ -190,9 +187,14 @@ class Gateway:
                 metrics.BUDGET_REMAINING.source = shared_levels.samples
                 metrics.APPLICATION_BUDGET_REMAINING.source = shared_levels.application_samples
                 tasks.append(asyncio.create_task(shared_levels.run()))
-            tasks += [asyncio.create_task(self._load_loop(e)) for e in self.rt.dispatcher.engines]
+            for engine in self.rt.dispatcher.engines:
+                self._watch(engine)
+            self._watching = True
+            if self._discovery is not None:
+                tasks.append(asyncio.create_task(self._discovery_loop()))
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
-                        len(self.config.tenants), len(self.config.engines), self.config.ledger)
+                        len(self.config.tenants), len(self.rt.dispatcher.engines),
+                        self.config.ledger)
             # What start-up made (modules, configuration, clients) lives as long as the
             # process: out of the collector's sight, a full collection no longer walks it
             # (one took 29 ms here, a pause every request in flight waits out).
@@ -201,15 +203,14 @@ class Gateway:
             try:
                 yield
             finally:
-                for task in tasks:
+                for task in [*tasks, *self._load_tasks.values(), *self._background]:
                     task.cancel()
+                self._load_tasks.clear()
+                self._watching = False
                 await self.rt.dispatcher.close()
                 if self.rt.rate_split is not None:
                     await self.rt.rate_split.close()
-                for client in clients.values():
-                    await client.aclose()
-                for upstream in upstreams.values():
-                    await upstream.close()
+                await connections.close()
                 if store is not None:
                     await store.close()
                 self._snapshot()
@@ -258,7 +259,9 @@ class Gateway:
                 if not schedule.due(engine.url, engine.healthy, engine.down_since,
                                     clock()):
                     continue
-                upstream = self.rt.upstreams[engine.url]
+                upstream = self.rt.upstreams.get(engine.url)
+                if upstream is None:  # it left the configuration
+                    continue
                 try:
                     status, headers, _ = await upstream.fetch("GET", "/health", HEALTH_TIMEOUT_S)
                     ok = status == 200
@@ -278,6 +281,57 @@ class Gateway:
                 dispatcher.set_health(engine, healthy)
                 schedule.checked(engine.url, engine.healthy, clock())
             await asyncio.sleep(schedule.sleep_s(clock()))
+
+    def _watch(self, engine: EngineSlots) -> None:
+        """Start reading ``engine``'s saturation gauges (``_load_loop``)."""
+        self._load_tasks[engine.url] = asyncio.create_task(self._load_loop(engine))
+
+    def _apply_engines(self, engines: list[EngineConfig]) -> None:
+        """Make ``engines`` the engine list (a reload, DNS discovery): an engine that joins
+        gets connections and its gauge reader before the dispatcher may choose it, and its
+        model names are learned at once when not configured; one that leaves gets no new
+        request, and its connections close once its requests in flight are done."""
+        assert self.rt is not None
+        for config in engines:
+            self.connections.open(config)  # no-op for engines already known
+        added, removed = self.rt.dispatcher.set_engines(engines)
+        for engine in removed:
+            task = self._load_tasks.pop(engine.url, None)
+            if task is not None:
+                task.cancel()
+            self.rt.prompt_bounds.forget(engine.url)
+            self.connections.retire(engine, self.rt.config.request_timeout_s)
+            logger.warning("engine %s left the configuration (%d request(s) in flight finish "
+                           "there)", engine.url, engine.inflight)
+        for engine in added:
+            if self._watching:  # before, start-up starts every engine's reader itself
+                self._watch(engine)
+            if engine.models is None and self._watching:  # start-up learns them all at once
+                self._spawn_learn(engine)
+            logger.warning("engine %s joined%s", engine.url, f" (found under "
+                           f"{engine.config.discovered_from})" if engine.config.discovered_from
+                           else "")
+
+    def _spawn_learn(self, engine: EngineSlots) -> None:
+        self._spawn(self._learn_models(engine, START_MODELS_TIMEOUT_S))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background until it ends or the gateway stops."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _discovery_loop(self) -> None:
+        """Resolve the DNS-named engines every ``discovery_interval`` and apply what
+        changed (``engines.Discovery``)."""
+        assert self.rt is not None and self._discovery is not None
+        while True:
+            await asyncio.sleep(self.rt.config.discovery_interval_s)
+            config = self.rt.config
+            engines = await self._discovery.engines(config.engines)
+            async with self._reloading:  # not between a reload's plan and its commit
+                if self.rt.config is config:
+                    self._apply_engines(engines)
 
     async def _load_loop(self, engine: EngineSlots) -> None:
         """The engine's saturation gauges every 0.5 s, and sooner while the gate holds
@@ -314,9 +368,11 @@ class Gateway:
         its ``/v1/models`` (at start-up, then with every good health check: an engine
         restarted with another model moves to that model's pool)."""
         assert self.rt is not None
+        upstream = self.rt.upstreams.get(engine.url)
+        if upstream is None:  # it left the configuration
+            return
         try:
-            status, _, content = await self.rt.upstreams[engine.url].fetch(
-                "GET", "/v1/models", timeout_s)
+            status, _, content = await upstream.fetch("GET", "/v1/models", timeout_s)
         except (UpstreamError, TimeoutError):
             return
         names = _model_ids(content) if status == 200 else None
@@ -345,31 +401,37 @@ class Gateway:
         of a reload (O(tenants): parsing, validation, lookup tables, new tenants' states),
         in a worker thread while the event loop serves.
 
-        Tenants, lanes, costs, timeouts and admin keys change; engines and the ledger are
-        fixed for the life of the process (moving a tenant's engine would split its
-        engine-side quota), so a file that changes them is refused as a whole.
+        Tenants, lanes, costs, timeouts, admin keys and engines change (engines join and
+        leave: ``_apply_engines``); the ledger and the state store are fixed for the life
+        of the process, so a file that changes them is refused as a whole.
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
         new = keep_engine_keys(load_config(self.config.source), self.config).build_indexes()
-        if new.engines != self.config.engines:
-            raise ConfigError("engines: changing the engine list needs a restart")
         if new.ledger != self.config.ledger:
             raise ConfigError("ledger: changing the ledger needs a restart")
         if new.state != self.config.state:
             raise ConfigError("state: changing the state store needs a restart")
         assert self.rt is not None
+        if self.rt.dispatcher.splits_rates:
+            for i, engine in enumerate(new.engines):
+                if not engine.api_key:
+                    raise ConfigError(
+                        f"engines[{i}].api_key: required here, every engine has a key (paced "
+                        "tenants' rates are split over engines by a control call that needs "
+                        "it); an engine without one needs a restart")
         with paused_gc():  # thousands of new tenants' states: see paused_gc
             return self.rt.tenants.plan(new)
 
-    def _commit_reload(self, plan: ReloadPlan) -> GatewayConfig:
+    def _commit_reload(self, plan: ReloadPlan, engines: list[EngineConfig]) -> GatewayConfig:
         """Swap the new configuration in, on the event loop, between two requests' steps:
-        O(tenants whose configuration changed + tenants the fair queues have seen).
+        O(tenants whose configuration changed + tenants the fair queues have seen + engines).
         Requests in flight keep their tenant's state object, and with it what they were
-        admitted under."""
+        admitted under, and their engine even when it left the list."""
         assert self.rt is not None
         new = plan.config
         self.rt.tenants.commit(plan)
+        self._apply_engines(engines)
         self.rt.dispatcher.configure(new)
         self.rt.config = new
         self.config = new
@@ -380,22 +442,36 @@ class Gateway:
         # only live objects and what older garbage a cycle holds are frozen.
         gc.collect(1)
         gc.freeze()
-        logger.info("tokenpace gateway: reloaded %s: %d tenant(s)", new.source, len(new.tenants))
+        logger.info("tokenpace gateway: reloaded %s: %d tenant(s), %d engine(s)", new.source,
+                    len(new.tenants), len(self.rt.dispatcher.engines))
         return new
 
     def reload(self) -> GatewayConfig:
         """Re-read the configuration file, all on the calling thread (tools, tests);
-        in-flight requests are not touched."""
-        return self._commit_reload(self._load_reload())
+        in-flight requests are not touched. DNS-named engines keep the addresses last
+        resolved (a new name is resolved by the next discovery round)."""
+        plan = self._load_reload()
+        engines = (self._discovery.known(plan.config.engines) if self._discovery is not None
+                   else list(plan.config.engines))
+        return self._commit_reload(plan, engines)
 
     async def reload_async(self) -> GatewayConfig:
         """``reload`` with its slow part in a worker thread (``POST /admin/reload``); one
-        reload at a time, so two never pair against the same live states."""
+        reload at a time, so two never pair against the same live states. DNS-named
+        engines are resolved before the new configuration is applied."""
         async with self._reloading:
             plan = await asyncio.to_thread(self._load_reload)
             if self.rt is None:
                 raise ConfigError("the gateway stopped during the reload")
-            return self._commit_reload(plan)
+            engines = list(plan.config.engines)
+            if any(e.discovery for e in engines):
+                if self._discovery is None:
+                    self._discovery = Discovery()
+                    self._spawn(self._discovery_loop())
+                engines = await self._discovery.engines(engines)
+            if self.rt is None:
+                raise ConfigError("the gateway stopped during the reload")
+            return self._commit_reload(plan, engines)
 
     # -- routes ----------------------------------------------------------------------
 
@@ -426,7 +502,9 @@ class Gateway:
         assert rt is not None
         engines = [{"url": e.url, "healthy": e.healthy, "draining": e.draining,
                     "inflight": e.inflight, "queued": e.waiting(),
-                    "models": sorted(e.models or ()), **self._policy_fields(e.config)}
+                    "models": sorted(e.models or ()), **self._policy_fields(e.config),
+                    **({"discovered_from": e.config.discovered_from}
+                       if e.config.discovered_from else {})}
                    for e in rt.dispatcher.engines]
         ok = any(e.accepts for e in rt.dispatcher.engines)
         body: dict[str, object] = {"status": "ok" if ok else "no engine in dispatch (down or "

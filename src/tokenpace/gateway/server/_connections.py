@@ -1,0 +1,84 @@
+"""The gateway's connections to its engines, opened as engines join and closed as they
+leave.
+
+Two per engine: an ``Upstream`` for completions (the hot path) and an ``httpx`` client for
+background calls (``/tokenize``, rate control). Both live in the dictionaries the runtime
+shares, keyed by engine url, so a request finds its engine's by one lookup. An engine that
+leaves (a reload dropped it, DNS no longer names it) keeps its connections until its
+requests in flight are done: they finish as if nothing had changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from ..config import EngineConfig
+from ..dispatch import EngineSlots
+from ..engines import Upstream
+
+logger = logging.getLogger("tokenpace.gateway")
+
+ENGINE_KEEPALIVE_S = 4.0
+"""Idle connections to an engine are dropped after this long, before vLLM's server closes
+them (after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): bursts a few seconds apart reuse them
+instead of opening one per request. Should an engine close one first (a shorter timeout,
+a proxy in between) as a request is sent on it, the request goes again on a new one
+(``Upstream``)."""
+RETIRE_POLL_S = 1.0
+
+
+class Connections:
+    """Every engine's connections, in the dictionaries the runtime reads."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, httpx.AsyncClient] = {}
+        self.upstreams: dict[str, Upstream] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def open(self, engine: EngineConfig) -> None:
+        """Connections for ``engine`` (none are made until the first call)."""
+        if engine.url in self.upstreams:
+            return
+        self.clients[engine.url] = httpx.AsyncClient(
+            base_url=engine.url,
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+            headers=engine.auth_headers(),
+            limits=httpx.Limits(max_connections=engine.max_inflight + 8,
+                                max_keepalive_connections=engine.max_inflight + 8,
+                                keepalive_expiry=ENGINE_KEEPALIVE_S),
+        )
+        self.upstreams[engine.url] = Upstream(engine.url, engine.max_inflight + 8,
+                                              ENGINE_KEEPALIVE_S, headers=engine.auth_headers())
+
+    def retire(self, engine: EngineSlots, grace_s: float) -> None:
+        """Close ``engine``'s connections once its requests in flight are done (checked
+        every second), or after ``grace_s`` (the request timeout) at the latest."""
+        task = asyncio.create_task(self._retire(engine, grace_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, engine: EngineSlots, grace_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while engine.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(RETIRE_POLL_S)
+        await self._close(engine.url)
+        logger.info("engine %s: connections closed (it left the configuration)", engine.url)
+
+    async def _close(self, url: str) -> None:
+        client = self.clients.pop(url, None)
+        upstream = self.upstreams.pop(url, None)
+        if client is not None:
+            await client.aclose()
+        if upstream is not None:
+            await upstream.close()
+
+    async def close(self) -> None:
+        """Close everything (shutdown)."""
+        for task in list(self._retiring):
+            task.cancel()
+        for url in list(self.upstreams):
+            await self._close(url)
