@@ -65,10 +65,14 @@ class FakeEngine:
     peak: int = 0  # the most at once since the last reset_peak()
     models: tuple[str, ...] = ("fake",)  # the names /v1/models lists (--served-model-name)
     models_status: int = 200  # another status: /v1/models answers it, with no body
-    # Completions answer 503 and are not recorded, /health stays 200: vLLM draining on
-    # SIGTERM (--shutdown-timeout) or scaling elastic EP. Counted in ``unavailable_answers``.
+    # Completions answer 503 and are not recorded, /health stays 200: vLLM at its queue
+    # limits or scaling elastic EP. Counted in ``unavailable_answers``.
     unavailable: bool = False
     unavailable_answers: int = 0
+    # New completions answer what vLLM 0.32's API server answers once SIGTERM started its
+    # shutdown (500, "cannot schedule new futures after shutdown"), not recorded; /health
+    # stays 200 and completions already running go on. Counted in ``unavailable_answers``.
+    shutting_down: bool = False
 
     def reset_peak(self) -> None:
         self.peak = self.active
@@ -149,6 +153,11 @@ class FakeEngine:
         if self.unavailable:
             self.unavailable_answers += 1
             return JSONResponse({"error": "the server is shutting down"}, status_code=503)
+        if self.shutting_down:
+            self.unavailable_answers += 1
+            return JSONResponse({"error": {
+                "message": "cannot schedule new futures after shutdown",
+                "type": "InternalServerError", "param": None, "code": 500}}, status_code=500)
         seen = Seen(request.url.path, body, dict(request.headers))
         self.requests.append(seen)
         self._enter()

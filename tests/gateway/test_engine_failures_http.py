@@ -137,10 +137,10 @@ def test_a_pool_without_a_reachable_engine_answers_503_with_retry_after(
 
 
 def test_an_engine_answering_503_is_left_for_the_others(pair: Any) -> None:
-    """An engine that answers 503 before working on a request (vLLM draining on SIGTERM)
-    did not take it: it goes to the other engine, and the engine is out of dispatch until a
-    probe of its /health answers (which it does: it comes back, and is left again at its
-    next 503)."""
+    """An engine that answers 503 before working on a request (vLLM at its queue limits,
+    elastic EP scaling) did not take it: it goes to the other engine, and the engine is out
+    of dispatch until a probe of its /health answers (which it does: it comes back, and is
+    left again at its next 503)."""
     gw, (draining, live) = pair
     draining.engine.unavailable = True
     answers = burst(gw, 0, 24)
@@ -247,3 +247,63 @@ def test_every_replica_leaves_a_dead_engine_on_its_own(tmp_path: Path) -> None:
         for e in engines:
             e.stop()
         redis.stop()
+
+
+def test_an_engine_shutting_down_is_drained_until_it_is_gone_and_back(pair: Any) -> None:
+    """vLLM on SIGTERM (measured on 0.32 with --shutdown-timeout): its /health answers 200,
+    new completions get 500 "cannot schedule new futures after shutdown", running ones
+    finish, then its port closes. The gateway sends the refused requests elsewhere (all
+    200), shows the engine draining (not down, no refused connection counted) while its
+    request in flight finishes, takes it as down once it is gone, and back once restarted."""
+    gw, engines = pair
+    results: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: results.append(
+        httpx.post(f"{gw.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "chat", "prompt": "SLOW", "max_tokens": 40}, timeout=30)))
+    slow.start()
+    deadline = time.monotonic() + 10
+    while not any(e.engine.active for e in engines):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stopping = next(e for e in engines if e.engine.active)  # the one running it
+    assert stopping.engine.active == 1
+    stopping.engine.shutting_down = True  # SIGTERM
+    seen = len(stopping.engine.requests)
+    answers = burst(gw, 0, 24)
+    assert [a.status_code for a in answers] == [200] * 24, [a.text for a in answers]
+    assert len(stopping.engine.requests) == seen and stopping.engine.unavailable_answers >= 1
+    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    assert health[stopping.url]["healthy"] is True
+    assert health[stopping.url]["draining"] is True and health[stopping.url]["shutting_down"]
+    assert gw.metric("tokenpace_gateway_engine_draining", engine=stopping.url) == 1.0
+    assert gw.metric("tokenpace_gateway_engine_up", engine=stopping.url) == 1.0
+    assert not gw.metric("tokenpace_gateway_engine_refused_connections_total",
+                         engine=stopping.url)
+    assert "is shutting down" in gw.log()
+    # Probes of its /health still answer: it stays out (no request sent to it again).
+    refused = stopping.engine.unavailable_answers
+    time.sleep(HEALTH_INTERVAL_S + 0.5)
+    assert all(a.status_code == 200 for a in burst(gw, 100, 8))
+    assert len(stopping.engine.requests) == seen
+    assert stopping.engine.unavailable_answers == refused
+    slow.join()
+    assert results[0].status_code == 200
+    assert results[0].json()["usage"]["completion_tokens"] == 40  # finished where it ran
+    stopping.stop()  # the process exits: gone
+    deadline = time.monotonic() + HEALTH_INTERVAL_S + 2.0  # one probe, 2 s of margin
+    while engine_health(gw)[stopping.url]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    assert health[stopping.url]["draining"] is False and "shutting_down" not in health[stopping.url]
+    back = EngineServer(FakeEngine(models=("chat",), token_delay_s=0.02),
+                        port=stopping.port).start()
+    try:
+        deadline = time.monotonic() + HEALTH_INTERVAL_S + 2.0
+        while not engine_health(gw)[stopping.url]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert all(a.status_code == 200 for a in burst(gw, 200, 16))
+        assert back.engine.requests
+    finally:
+        back.stop()

@@ -281,3 +281,39 @@ def test_a_drained_engine_does_not_count_as_up_for_the_last_engine_rule() -> Non
     drained, last = dispatcher.pools["chat"].engines
     dispatcher.set_draining(drained, True)
     assert dispatcher.connect_failed(last) is False
+
+
+# -- an engine shutting down: drained until it is gone ------------------------------------
+
+
+def test_an_engine_shutting_down_is_drained_not_failed_until_it_goes_down() -> None:
+    dispatcher, _, clock = setup()
+    stopping, other = dispatcher.pools["chat"].engines
+    assert dispatcher.set_stopping(stopping) is True
+    assert dispatcher.set_stopping(stopping) is False  # said once
+    assert not stopping.accepts and stopping.drained and stopping.healthy
+    assert stopping.connect_failures == 0  # not a failure
+    for tenant in ("a", "b"):  # a tenant pinned to it moves at once, as for a drain
+        assert dispatcher.engine_for(tenant, dispatcher.pools["chat"]) is other
+    # Neither an operator's undrain nor a reload's configuration brings it back ...
+    dispatcher.set_draining(stopping, False)
+    dispatcher.configure(dispatcher._config)
+    assert not stopping.accepts
+    # ... it is the engine going down that ends it; it comes back as any restarted engine.
+    clock.now += 3
+    dispatcher.set_health(stopping, False)
+    assert stopping.stopping_since is None and not stopping.drained
+    dispatcher.set_health(stopping, True)
+    assert stopping.accepts and other.accepts
+
+
+def test_what_an_engine_answers_when_it_did_not_take_a_request() -> None:
+    from tokenpace.gateway.relay import not_taken
+
+    shutdown = (b'{"error":{"message":"cannot schedule new futures after shutdown",'
+                b'"type":"InternalServerError","param":null,"code":500}}')
+    assert not_taken(500, shutdown) == (True, True)  # vLLM 0.32 on SIGTERM
+    assert not_taken(503, b"") == (True, False)  # queue limits, elastic EP: brief
+    assert not_taken(500, b'{"error": {"message": "CUDA error"}}') == (False, False)
+    assert not_taken(200, shutdown) == (False, False)
+    assert not_taken(400, shutdown) == (False, False)

@@ -220,8 +220,8 @@ ENGINE_UP = Gauge(
     ["engine"], registry=REGISTRY,
 )
 ENGINE_DRAINING = Gauge(
-    "tokenpace_gateway_engine_draining", "1 while the engine is drained: no new dispatches, "
-    "its requests in flight finish.", ["engine"], registry=REGISTRY,
+    "tokenpace_gateway_engine_draining", "1 while the engine is drained or shutting down: "
+    "no new dispatches, its requests in flight finish.", ["engine"], registry=REGISTRY,
 )
 ENGINE_REFUSED = Counter(
     "tokenpace_gateway_engine_refused_connections", "Requests whose connection the engine "

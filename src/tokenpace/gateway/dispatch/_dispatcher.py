@@ -91,6 +91,8 @@ class EngineSlots:
         self.connect_failures = 0
         # Drained (``engines[].drain``, ``POST /admin/engines/drain``): no new dispatches.
         self.draining = config.drain
+        # Shutting down (it said so: vLLM on SIGTERM): drained until it goes down; since when.
+        self.stopping_since: float | None = None
         self.up_gauge = metrics.ENGINE_UP.labels(config.url)
         self.draining_gauge = metrics.ENGINE_DRAINING.labels(config.url)
         self.refused_counter = metrics.ENGINE_REFUSED.labels(config.url)
@@ -111,7 +113,7 @@ class EngineSlots:
         """Set the engine's gauges (a new engine: up, nothing in flight)."""
         self.inflight_gauge.set(self.inflight)
         self.up_gauge.set(int(self.healthy))
-        self.draining_gauge.set(int(self.draining))
+        self.draining_gauge.set(int(self.drained))
 
     def unpublish(self) -> None:
         """Remove the engine's series (it left the configuration)."""
@@ -124,8 +126,14 @@ class EngineSlots:
 
     @property
     def accepts(self) -> bool:
-        """Whether new requests may go to it: up and not drained (two attribute reads)."""
-        return self.healthy and not self.draining
+        """Whether new requests may go to it: up, not drained, not shutting down (three
+        attribute reads)."""
+        return self.healthy and not self.draining and self.stopping_since is None
+
+    @property
+    def drained(self) -> bool:
+        """Drained by an operator or shutting down: what ``/health`` and the gauge show."""
+        return self.draining or self.stopping_since is not None
 
     def waiting(self) -> int:
         """Requests waiting in the queues of the pools this engine serves."""
@@ -445,7 +453,7 @@ class Dispatcher:
         order once that one has been down that long."""
         ranked = self._rank(tenant_id, pool)
         first = ranked[0]
-        if first.healthy and first.draining:
+        if first.healthy and first.drained:
             # Drained on purpose: its tenants move at once (a paced tenant's rate with them).
             return next((e for e in ranked[1:] if e.accepts), first)
         if first.healthy or self.repin_after_s is None or first.down_since is None \
@@ -511,6 +519,9 @@ class Dispatcher:
         engine.down_since = None if healthy else self._clock()
         engine.up_gauge.set(int(healthy))
         engine.forget_load()
+        if not healthy and engine.stopping_since is not None:  # it is gone: no longer stopping
+            engine.stopping_since = None
+            engine.draining_gauge.set(int(engine.draining))
         if healthy:
             engine.connect_failures = 0
             engine.held.set()  # read its gauges now, not at the next interval
@@ -522,10 +533,25 @@ class Dispatcher:
         if draining == engine.draining:
             return
         engine.draining = draining
-        engine.draining_gauge.set(int(draining))
+        engine.draining_gauge.set(int(engine.drained))
         self._ranked.clear()
         for pool in engine.pools:  # its waiters may go elsewhere now, or to it again
             self._pump(pool)
+
+    def set_stopping(self, engine: EngineSlots) -> bool:
+        """``engine`` said it is shutting down (vLLM draining on SIGTERM): no new dispatches,
+        its requests in flight finish, as for a drain; not counted as a failure. It stays so
+        while its ``/health`` answers (a draining vLLM answers it), and ends when the engine
+        goes down (``set_health``), to come back as any restarted engine. True when it was
+        not shutting down before."""
+        if engine.stopping_since is not None:
+            return False
+        engine.stopping_since = self._clock()
+        engine.draining_gauge.set(1)
+        self._ranked.clear()
+        for pool in engine.pools:
+            self._pump(pool)
+        return True
 
     def connect_failed(self, engine: EngineSlots) -> bool:
         """A request's connection to ``engine`` was refused (nothing was sent): take the

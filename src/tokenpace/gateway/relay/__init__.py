@@ -5,11 +5,12 @@
 request's time runs out.
 """
 
-from ._relay import NotReached, call, open_stream
+from ._relay import NotReached, call, not_taken, open_stream
 from ._watch import ClientWatch, Guard
 
 __all__ = [
     "NotReached",
+    "not_taken",
     "call",
     "ClientWatch",
     "Guard",

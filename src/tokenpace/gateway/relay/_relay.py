@@ -97,18 +97,35 @@ def _upstream_headers(ex: Exchange) -> dict[str, str]:
 
 
 UNAVAILABLE = 503
-"""An engine's answer that it takes no request now, before any work on this one: vLLM while
-it drains on SIGTERM (``--shutdown-timeout``) or while elastic expert parallelism scales."""
+"""An engine's answer that it takes no request now, before any work on this one: vLLM when
+its own queue limits are reached (``--max-num-queued-reqs``) or while elastic expert
+parallelism scales. Taken as brief: the engine is back at the next probe that answers."""
+SHUTTING_DOWN = b"after shutdown"
+"""In a 500 answer: vLLM's API server shutting down (SIGTERM, draining for
+``--shutdown-timeout``) answers every new request so ("cannot schedule new futures after
+shutdown", its executors are closed) while its ``/health`` still answers 200 and its
+requests in flight finish. Measured on vLLM 0.32 (docs/gateway.md, When engines fail)."""
+
+
+def not_taken(status: int, content: bytes) -> tuple[bool, bool]:
+    """Whether an engine's answer says it did not take the request (so it may go to another
+    engine), and whether the engine is shutting down. One comparison on a 200."""
+    if status == UNAVAILABLE:
+        return True, False
+    if status == 500 and SHUTTING_DOWN in content:
+        return True, True
+    return False, False
 
 
 class NotReached(Exception):
     """The engine did not take the request: it refused the connection (nothing was sent)
-    or answered 503 (``UNAVAILABLE``), so the request may go to another engine. The
-    exchange is left open (not finished) for the caller to retry."""
+    or answered that it takes none now (``not_taken``), so the request may go to another
+    engine. The exchange is left open (not finished) for the caller to retry."""
 
-    def __init__(self, answered: int | None = None) -> None:
+    def __init__(self, answered: int | None = None, stopping: bool = False) -> None:
         super().__init__(answered)
         self.answered = answered  # the engine's status; None: the connection was refused
+        self.stopping = stopping  # the engine said it is shutting down
 
 
 async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
@@ -140,9 +157,10 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
             outcome = Outcome.TIMEOUT
             return _timeout_response(ex)
         assert resp is not None
-        if resp.status == UNAVAILABLE:
+        taken_not, stopping = not_taken(resp.status, content)
+        if taken_not:
             reached, outcome = False, Outcome.UPSTREAM_ERROR  # read whole: the connection is kept
-            raise NotReached(resp.status)
+            raise NotReached(resp.status, stopping)
         if resp.status != 200:
             ex.charge_usage = False
             outcome = Outcome.UPSTREAM_ERROR
@@ -200,8 +218,9 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
                 except UpstreamError:
                     content = b""
                 resp.release()
-                if resp.status == UNAVAILABLE:
-                    raise NotReached(resp.status)
+                taken_not, stopping = not_taken(resp.status, content)
+                if taken_not:
+                    raise NotReached(resp.status, stopping)
                 ex.charge_usage = False
                 outcome = Outcome.UPSTREAM_ERROR
                 ex.finish(outcome)

@@ -256,8 +256,11 @@ class Gateway:
         clock = self.clock  # the dispatcher's: an engine's down_since is on it
         while True:
             for engine in dispatcher.engines:
-                if not schedule.due(engine.url, engine.healthy, engine.down_since,
-                                    clock()):
+                # A shutting-down engine is probed as one that is down (soon, then less
+                # often): its first failed probe is the end of its shutdown.
+                stopping = engine.stopping_since is not None
+                if not schedule.due(engine.url, engine.healthy and not stopping,
+                                    engine.down_since or engine.stopping_since, clock()):
                     continue
                 upstream = self.rt.upstreams.get(engine.url)
                 if upstream is None:  # it left the configuration
@@ -273,13 +276,15 @@ class Gateway:
                         await self._learn_models(engine, HEALTH_TIMEOUT_S)
                 failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
                 # One slow answer from a busy engine is not an outage.
-                healthy = ok or (engine.healthy and failures[engine.url] < DOWN_AFTER_FAILURES)
+                healthy = ok or (engine.healthy and not stopping
+                                 and failures[engine.url] < DOWN_AFTER_FAILURES)
                 if healthy != engine.healthy:
                     logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
                     # Back up, it may serve another model or chat template: learn again.
                     self.rt.prompt_bounds.forget(engine.url)
                 dispatcher.set_health(engine, healthy)
-                schedule.checked(engine.url, engine.healthy, clock())
+                schedule.checked(engine.url, engine.healthy and engine.stopping_since is None,
+                                 clock())
             await asyncio.sleep(schedule.sleep_s(clock()))
 
     def _watch(self, engine: EngineSlots) -> None:
@@ -500,7 +505,8 @@ class Gateway:
     async def _health(self, request: Request) -> Response:
         rt = self.rt
         assert rt is not None
-        engines = [{"url": e.url, "healthy": e.healthy, "draining": e.draining,
+        engines = [{"url": e.url, "healthy": e.healthy, "draining": e.drained,
+                    **({"shutting_down": True} if e.stopping_since is not None else {}),
                     "inflight": e.inflight, "queued": e.waiting(),
                     "models": sorted(e.models or ()), **self._policy_fields(e.config),
                     **({"discovered_from": e.config.discovered_from}

@@ -107,7 +107,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
                 else:
                     answer = await call(ex, upstream, body, watch, deadline)
             except NotReached as exc:
-                _not_reached(ex, pool, engine, dispatches, exc.answered)
+                _not_reached(ex, pool, engine, dispatches, exc)
                 dispatches += 1
                 ex.lease = await _wait_for_slot(ex, pool, admission, watch, again=True)
                 if ex.lease is None:
@@ -173,22 +173,27 @@ async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None,
 
 
 def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
-                 answered: int | None) -> None:
-    """The request's engine did not take it (a refused connection, or a 503 answer: see
-    ``relay.NotReached``): undo what was set up for that engine (its share of a split rate)
-    and take it out of dispatch (``connect_failed``), or raise the 503 when the request may
-    not go again: after ``MAX_DISPATCHES``, or with no engine of its pool up for its
-    tenant."""
+                 why: NotReached) -> None:
+    """The request's engine did not take it (a refused connection, a 503, or an answer that
+    it is shutting down: see ``relay.NotReached``): undo what was set up for that engine (its
+    share of a split rate) and take it out of dispatch (``connect_failed``; a shutting-down
+    engine is drained instead, ``set_stopping``), or raise the 503 when the request may not
+    go again: after ``MAX_DISPATCHES``, or with no engine of its pool up for its tenant."""
     rt, tenant = ex.rt, ex.tenant
     if ex.split_on is not None and rt.rate_split is not None:
         rt.rate_split.end(tenant.id, tenant.config.output_tokens_per_second, ex.split_on)
         ex.split_on = None
-    was_up = engine.healthy
-    out = rt.dispatcher.connect_failed(engine)
-    if was_up and out:
-        logger.warning("engine %s %s (request %s): out of dispatch until its /health "
-                       "answers", engine.url, "refused a connection" if answered is None
-                       else f"answered {answered}", ex.id)
+    if why.stopping:
+        if rt.dispatcher.set_stopping(engine):
+            logger.warning("engine %s is shutting down (request %s): drained until it is gone "
+                           "and back", engine.url, ex.id)
+    else:
+        was_up = engine.healthy
+        out = rt.dispatcher.connect_failed(engine)
+        if was_up and out:
+            logger.warning("engine %s %s (request %s): out of dispatch until its /health "
+                           "answers", engine.url, "refused a connection"
+                           if why.answered is None else f"answered {why.answered}", ex.id)
     if dispatches >= MAX_DISPATCHES or not rt.dispatcher.may_wait(tenant, pool):
         raise GatewayError(
             503, f"no engine serving model {pool.model!r} for tenant {tenant.id!r} could be "
