@@ -227,3 +227,24 @@ def test_a_real_name_resolves_through_the_system_resolver() -> None:
     assert "http://127.0.0.1:8000" in [e.url for e in engines]
     assert all(isinstance(e, EngineConfig) and e.discovered_from == "http://localhost:8000"
                for e in engines)
+
+
+def test_an_engine_back_before_its_requests_ended_counts_them_in_its_slots() -> None:
+    async def main() -> None:
+        dispatcher, tenants = setup(A, B)
+        pool = dispatcher.pools["chat"]
+        running = [await dispatcher.acquire(tenants.get(f"t{i}"), pool, 5.0, 1.0, 1.0)
+                   for i in range(4)]
+        gone = next(e for e in dispatcher.engines if e.url == B)
+        dispatcher.set_engines(config(chat(A)).engines)
+        added, _ = dispatcher.set_engines(config(chat(A), chat(B)).engines)
+        assert added == [gone] and gone.inflight == 2 and not gone.has_room()
+        assert gone in pool.engines
+        for waiter in running:
+            dispatcher.release(waiter)
+        # Gone again with nothing in flight: a later return is a fresh engine.
+        dispatcher.set_engines(config(chat(A)).engines)
+        dispatcher.set_engines(config(chat(A)).engines)
+        added, _ = dispatcher.set_engines(config(chat(A), chat(B)).engines)
+        assert added[0] is not gone and added[0].inflight == 0
+    asyncio.run(main())

@@ -287,6 +287,7 @@ class Dispatcher:
         # The engines named by address; those found by DNS (``engines[].discovery``) join
         # through ``set_engines``, as do engines a reload adds.
         self.engines = [EngineSlots(e) for e in config.engines if e.discovery is None]
+        self._departed: dict[str, EngineSlots] = {}  # removed with requests in flight
         # Whether a paced tenant's rate can be split over engines: the rate-control call
         # that moves the shares needs each engine's key (``engines[].api_key``). Fixed for
         # the life of the process: a reload that adds an engine without a key is refused.
@@ -340,12 +341,19 @@ class Dispatcher:
             engine.pools = []
             self._forget(engine)
             engine.unpublish()
+        # Engines that left with requests in flight: one that comes back before they end
+        # is the same object again, so its slots count them.
+        departed = {url: e for url, e in self._departed.items() if e.inflight > 0}
+        departed.update((e.url, e) for e in removed)
         added: list[EngineSlots] = []
         engines: list[EngineSlots] = []
         for url, cfg in wanted.items():
             engine = current.get(url)
             if engine is None:
-                engine = EngineSlots(cfg)
+                engine = departed.pop(url, None) or EngineSlots(cfg)
+                engine.config = cfg
+                if cfg.models is not None:
+                    engine.models = frozenset(cfg.models)
                 added.append(engine)
                 if engine.models is not None:
                     self._join(engine, engine.models)
@@ -356,6 +364,7 @@ class Dispatcher:
                     self.set_models(engine, frozenset(cfg.models))
             engines.append(engine)
         self.engines = engines
+        self._departed = departed
         self._ranked.clear()
         for pool in self.pools.values():
             self._pump(pool)

@@ -36,10 +36,14 @@ class Connections:
     def __init__(self) -> None:
         self.clients: dict[str, httpx.AsyncClient] = {}
         self.upstreams: dict[str, Upstream] = {}
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._retiring: dict[str, asyncio.Task[None]] = {}  # url -> the wait to close them
 
     def open(self, engine: EngineConfig) -> None:
-        """Connections for ``engine`` (none are made until the first call)."""
+        """Connections for ``engine`` (none are made until the first call); an engine back
+        before its connections were closed keeps them."""
+        retiring = self._retiring.pop(engine.url, None)
+        if retiring is not None:
+            retiring.cancel()
         if engine.url in self.upstreams:
             return
         self.clients[engine.url] = httpx.AsyncClient(
@@ -56,9 +60,11 @@ class Connections:
     def retire(self, engine: EngineSlots, grace_s: float) -> None:
         """Close ``engine``'s connections once its requests in flight are done (checked
         every second), or after ``grace_s`` (the request timeout) at the latest."""
+        url = engine.url
         task = asyncio.create_task(self._retire(engine, grace_s))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retiring[url] = task
+        task.add_done_callback(lambda done: self._retiring.pop(url, None)
+                               if self._retiring.get(url) is done else None)
 
     async def _retire(self, engine: EngineSlots, grace_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -78,7 +84,7 @@ class Connections:
 
     async def close(self) -> None:
         """Close everything (shutdown)."""
-        for task in list(self._retiring):
+        for task in list(self._retiring.values()):
             task.cancel()
         for url in list(self.upstreams):
             await self._close(url)

@@ -100,8 +100,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
                 max_tokens=admission.max_tokens, rate=rate, rate_version=version,
                 priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
                 end_user=end_user))
-            upstream = rt.upstreams[engine.url]
+            upstream = rt.upstreams.get(engine.url)
             try:
+                if upstream is None:  # it left the configuration as the request went to it
+                    raise NotReached()
                 if req.stream:
                     answer = await open_stream(ex, upstream, req, body, watch, deadline)
                 else:
