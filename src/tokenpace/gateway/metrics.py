@@ -8,9 +8,11 @@ small fixed sets in the code. A tenant's series exist while it is active: they a
 its first request and go once it has been idle for ``metrics_idle_after`` (``tenants._series``), or
 when a reload removes it; so a scrape's size follows the traffic, not the configuration.
 
-A scrape reads the live gauges on the event loop (a few values per active tenant) and
-renders the page in a worker thread (``render``): the text of thousands of series takes
-tens of milliseconds to format, which requests in flight must not wait out.
+A scrape renders the page on the event loop in slices (``render``): the text of thousands
+of series takes tens of milliseconds to build and format, which requests in flight must not
+wait out. A worker thread did not help: it held the GIL for its whole switch interval each
+time the loop needed it, and a request (dozens of loop wake-ups) waited that out each time
+(100+ ms at 1,000 active tenants, issue 42).
 Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
 deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
@@ -40,7 +42,7 @@ disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # process_cpu_seconds_total, process_resident_memory_bytes, ...: the gateway's own cost.
-ProcessCollector(registry=REGISTRY)
+_PROCESS = ProcessCollector(registry=REGISTRY)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -173,17 +175,103 @@ class _Page:
         yield from self._live
 
 
+class _Families:
+    """Metric families already collected, in the shape ``generate_latest`` reads."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
 def exposition() -> bytes:
     """The whole page, rendered on the calling thread (tests, tools)."""
     return generate_latest(_Page([gauge.family() for gauge in LIVE]))  # type: ignore[arg-type]
 
 
+SLICE_SAMPLES = 500
+"""Samples built and formatted between two yields to the event loop during a scrape: about
+1 ms of this machine's CPU (docs/benchmarks.md, bench tenants), the longest a request in
+flight waits for a scrape."""
+
+
+class _Slices:
+    """The page as it is written, slice by slice: ``add`` a family's samples, and every
+    ``SLICE_SAMPLES`` the samples so far are formatted and the loop gets a turn."""
+
+    def __init__(self) -> None:
+        self.page: list[bytes] = []
+        self._head: Metric | None = None  # the family being written
+        self._headed = False  # its HELP and TYPE lines are on the page
+        self._samples: list[Any] = []
+        self._since_yield = 0
+
+    def begin(self, head: Metric) -> None:
+        self._head, self._headed, self._samples = head, False, []
+
+    async def add(self, samples: Iterable[Any]) -> None:
+        self._samples.extend(samples)
+        if len(self._samples) >= SLICE_SAMPLES:
+            self._format()
+        if self._since_yield >= SLICE_SAMPLES:
+            self._since_yield = 0
+            await asyncio.sleep(0)
+
+    def end(self) -> None:
+        if self._samples or not self._headed:
+            self._format()
+        self._head = None
+
+    def _format(self) -> None:
+        head = self._head
+        assert head is not None
+        family = Metric(head.name, head.documentation, head.type, head.unit)
+        family.samples = self._samples
+        text = generate_latest(_Families([family]))  # type: ignore[arg-type]
+        if self._headed:  # one HELP and TYPE per family: drop the repeated two lines
+            text = text.split(b"\n", 2)[2]
+        self.page.append(text)
+        self._headed = True
+        self._since_yield += len(self._samples)
+        self._samples = []
+
+
 async def render() -> bytes:
-    """The whole page for a scrape: the live gauges read here, on the event loop (O(active
-    tenants)), the text rendered in a worker thread. The registry's metrics are safe to
-    collect from another thread (each copies its series under its own lock)."""
-    page = _Page([gauge.family() for gauge in LIVE])
-    return await asyncio.to_thread(generate_latest, page)  # type: ignore[arg-type]
+    """The whole page for a scrape, built and formatted on the event loop in slices of
+    ``SLICE_SAMPLES`` samples with a turn for the loop's other work between two, so a
+    request in flight waits at most one slice (about a millisecond), not the page.
+
+    The families without a tenant label (engines, lanes, models, the process, the state
+    store) are few series and go in one piece; the live gauges are read now; the families
+    with a tenant label (O(active tenants) series each) are built child by child from the
+    index of bound children (``child``), which every tenant series goes through. Cost: the
+    same CPU as one ``generate_latest`` of the page, plus one pass over the index.
+    """
+    slices = _Slices()
+    small = [family for collector in (_PROCESS, *_UNSLICED, *_EXTRA)
+             for family in collector.collect()]
+    slices.page.append(generate_latest(_Families(small)))  # type: ignore[arg-type]
+    for gauge in LIVE:
+        family = gauge.family()
+        slices.begin(family)
+        await slices.add(family.samples)
+        slices.end()
+    children: dict[Any, list[tuple[tuple[str, ...], Any]]] = {m: [] for m in _TENANT_AT}
+    for (metric, values), bound in list(_CHILDREN.items()):
+        series = children.get(metric)
+        if series is not None:  # (a family without a tenant label is in ``small``)
+            series.append((values, bound))
+    for metric, series in children.items():
+        names = _LABELS[metric]
+        slices.begin(metric.describe()[0])
+        for values, bound in series:
+            labels = dict(zip(names, values))
+            for family in bound.collect():
+                await slices.add(sample._replace(labels={**labels, **sample.labels})
+                                 for sample in family.samples)
+        slices.end()
+    return b"".join(slices.page)
 FAIRNESS_DEBT = Gauge(
     "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
     "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",
@@ -301,3 +389,16 @@ def publish_output_rate(tenant: str, rate: float | None) -> None:
         keys = _OF_TENANT.get(tenant)
         if keys is not None:
             keys.remove(key)
+
+
+def register(collector: Collector) -> None:
+    """Add a collector to the page (``tokenpace_gateway_state_*``: read at scrape time)."""
+    REGISTRY.register(collector)
+    _EXTRA.append(collector)
+
+
+_EXTRA: list[Collector] = []
+# Every metric declared here without a tenant label: few series, rendered in one piece.
+_UNSLICED: tuple[Counter | Gauge | Histogram, ...] = tuple(
+    m for m in list(globals().values())
+    if isinstance(m, (Counter, Gauge, Histogram)) and m not in _TENANT_AT)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 from collections import deque
 from contextlib import suppress
@@ -427,11 +428,14 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
 
+_LINE_BREAK = re.compile(r"[\r\n\0]")
+
+
 def _header_bytes(headers: Mapping[str, str]) -> bytes:
     """``name: value`` lines; a header that could split the request is refused."""
     out = []
     for name, value in headers.items():
-        if any(c in name or c in value for c in "\r\n\0"):
+        if _LINE_BREAK.search(name) or _LINE_BREAK.search(value):
             raise ValueError(f"header {name!r}: line breaks and NUL are not allowed")
         out.append(f"{name}: {value}\r\n")
     return "".join(out).encode("latin-1")

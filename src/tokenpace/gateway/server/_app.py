@@ -529,8 +529,9 @@ class Gateway:
         return fields
 
     async def _metrics(self, request: Request) -> Response:
-        """The page: live gauges read here (O(active tenants)), text rendered in a worker
-        thread (``metrics.render``), so a scrape never holds the event loop for long."""
+        """The page: the fairness gauges set here (O(active tenants)), the text built and
+        formatted in slices on the loop (``metrics.render``), so a scrape never holds the
+        event loop for long."""
         if self.rt is not None:
             self.rt.dispatcher.publish(s.id for s in self.rt.tenants.series.active())
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -691,5 +692,5 @@ def _register_state_collector(store: StateStore) -> None:
         _state_collector[0].store = store  # type: ignore[attr-defined]
         return
     collector = StateCollector(store)
-    metrics.REGISTRY.register(collector)
+    metrics.register(collector)
     _state_collector.append(collector)

@@ -103,10 +103,9 @@ class ApplicationState(LimitState[ApplicationConfig]):
         super().__init__(config, now, saved)
         self._tenant_id = tenant_id
         self._owner = config.owner(tenant_id)
-
-    @property
-    def id(self) -> str:
-        return self.config.id
+        # An attribute, not a property of ``config``: read a dozen times per request, and a
+        # reload pairs states by id, so it never changes.
+        self.id = config.id
 
     @property
     def tenant_id(self) -> str:
@@ -143,10 +142,9 @@ class TenantState(LimitState[TenantConfig]):
         # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
         # for each other here instead of taking every tokenizer slot of the engine.
         self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
-
-    @property
-    def id(self) -> str:
-        return self.config.id
+        # An attribute, not a property of ``config``: read a dozen times per request, and a
+        # reload pairs states by id, so it never changes.
+        self.id = config.id
 
     @property
     def owner(self) -> str:
