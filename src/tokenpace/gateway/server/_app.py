@@ -69,6 +69,8 @@ LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
 START_MODELS_TIMEOUT_S = 3.0
 SNAPSHOT_INTERVAL_S = 1.0
+PUBLISH_SLICE = 500
+"""Tenants whose fairness gauges a scrape sets between two turns for requests."""
 
 
 _COMPLETION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
@@ -533,7 +535,10 @@ class Gateway:
         formatted in slices on the loop (``metrics.render``), so a scrape never holds the
         event loop for long."""
         if self.rt is not None:
-            self.rt.dispatcher.publish(s.id for s in self.rt.tenants.series.active())
+            active = [s.id for s in self.rt.tenants.series.active()]
+            for i in range(0, len(active), PUBLISH_SLICE):  # a turn for requests between two
+                self.rt.dispatcher.publish(active[i:i + PUBLISH_SLICE])
+                await asyncio.sleep(0)
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def _admin_refusal(self, request: Request) -> Response | None:

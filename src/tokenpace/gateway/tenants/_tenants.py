@@ -101,7 +101,7 @@ class Tenants:
 
     def budget_samples(self) -> Iterator[tuple[tuple[str, str], float]]:
         """``((tenant, budget), level)`` now of the active tenants, for the budget gauge at
-        scrape time."""
+        scrape time (safe to consume across awaits: it walks copies)."""
         now = self._clock()
         for state in self.series.active():
             for key, level in state.budgets.levels(now).items():
@@ -112,7 +112,7 @@ class Tenants:
         applications with budgets of their own, for their gauge at scrape time."""
         now = self._clock()
         for state in self.series.active():
-            for app in state.applications.values():
+            for app in list(state.applications.values()):  # a reload may change it meanwhile
                 for key, level in app.budgets.levels(now).items():
                     yield (state.id, app.config.id, key), level
 
