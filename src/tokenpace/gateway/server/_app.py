@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -69,7 +69,7 @@ LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
 START_MODELS_TIMEOUT_S = 3.0
 SNAPSHOT_INTERVAL_S = 1.0
-PUBLISH_SLICE = 500
+PUBLISH_SLICE = 100
 """Tenants whose fairness gauges a scrape sets between two turns for requests."""
 
 
@@ -539,7 +539,7 @@ class Gateway:
             for i in range(0, len(active), PUBLISH_SLICE):  # a turn for requests between two
                 self.rt.dispatcher.publish(active[i:i + PUBLISH_SLICE])
                 await asyncio.sleep(0)
-        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return StreamingResponse(_page(), media_type=CONTENT_TYPE_LATEST)
 
     def _admin_refusal(self, request: Request) -> Response | None:
         key = bearer_key(request.headers.get("authorization"))
@@ -603,6 +603,15 @@ class Gateway:
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                               code="method_not_allowed")
+
+
+async def _page() -> AsyncIterator[bytes]:
+    """The scrape's page as ``metrics.render_chunks`` makes it, with no cyclic garbage
+    collection meanwhile (``paused_gc``: its millions of short-lived objects would set off
+    a full collection of a heap that holds every series, 170 ms at 10,000 active tenants)."""
+    with paused_gc():
+        async for chunk in metrics.render_chunks():
+            yield chunk
 
 
 _GAUGES = re.compile(
