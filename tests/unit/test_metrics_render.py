@@ -74,3 +74,27 @@ def test_the_loop_gets_a_turn_between_slices(busy_tenants: list[str]) -> None:
     # At least one turn per SLICE_SAMPLES samples of tenant series (the page has more).
     assert samples > 10 * metrics.SLICE_SAMPLES
     assert turns >= samples // metrics.SLICE_SAMPLES - 2, (turns, samples)
+
+
+def test_overlapping_gc_pauses_end_with_the_last() -> None:
+    """A scrape (a task) and a reload (a thread) may pause the collector at once: it comes
+    back when the last of them ends, and stays off if it was off before."""
+    import gc
+
+    from tokenpace.gateway.config import paused_gc
+
+    assert gc.isenabled()
+    first, second = paused_gc(), paused_gc()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second still runs
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # it was off: left off
+    finally:
+        gc.enable()
