@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import _amx
-from .engine import PacingConfig, PacingConfigError
+from .engine import PacingConfig, PacingConfigError, validate_header_name
 from .pacing import LimitsError, limits_file_of, parse_overrides_arg, validate_rate
 
 FLAG_DEFAULT = "--default-user-output-tokens-per-second"
@@ -32,9 +32,16 @@ FLAG_EVENT_LOG = "--output-rate-event-log"
 FLAG_TRUSTED_GATEWAY = "--trusted-gateway"
 FLAG_ALLOW_UNAUTHENTICATED = "--allow-unauthenticated-trusted-gateway"
 FLAG_END_USER = "--end-user-output-tokens-per-second"
-OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG, FLAG_END_USER)
+FLAG_USER_HEADER = "--user-header"
+FLAG_APPLICATION_HEADER = "--application-header"
+FLAG_END_USER_HEADER = "--end-user-header"
+FLAG_REQUIRE_USER_HEADER = "--require-user-header"
+HEADER_FLAGS = {FLAG_USER_HEADER: "user_header", FLAG_APPLICATION_HEADER: "application_header",
+                FLAG_END_USER_HEADER: "end_user_header"}
+"""Each identity-header flag and its key in the ``tokenpace`` section."""
+OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG, FLAG_END_USER, *HEADER_FLAGS)
 """Our flags that take a value."""
-OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED)
+OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED, FLAG_REQUIRE_USER_HEADER)
 """Our flags that take no value."""
 GUARD_MIDDLEWARE = "tokenpace.engine.RequestGuard"
 AUTH_MIDDLEWARE = "tokenpace.engine.EngineAuth"
@@ -46,6 +53,8 @@ usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
                        [{FLAG_OVERRIDES} JSON|@FILE] [{FLAG_END_USER} N]
                        [{FLAG_EVENT_LOG} PATH] [{FLAG_TRUSTED_GATEWAY}]
                        [{FLAG_ALLOW_UNAUTHENTICATED}]
+                       [{FLAG_USER_HEADER} NAME [{FLAG_REQUIRE_USER_HEADER}]]
+                       [{FLAG_APPLICATION_HEADER} NAME] [{FLAG_END_USER_HEADER} NAME]
                        [any vllm serve flag ...]
 
 Start vLLM's OpenAI-compatible server with per-user output-token pacing.
@@ -77,6 +86,16 @@ pacing flags:
         run {FLAG_TRUSTED_GATEWAY} without an API key. Any process that can reach
         the port can then generate outside every budget, act as any user and set
         any user's rate: only for a port nothing untrusted can reach.
+  {FLAG_USER_HEADER} NAME
+        take each request's pacing identity from this header, set by a trusted proxy
+        in front (nginx, Envoy) that overwrites whatever a client sent there; the
+        body's vllm_xargs.output_rate_user is then ignored. A request without the
+        header is paced as "__anonymous__". Only the proxy may reach this port.
+  {FLAG_REQUIRE_USER_HEADER}
+        refuse (HTTP 400) a request without the {FLAG_USER_HEADER} header instead.
+  {FLAG_APPLICATION_HEADER} NAME, {FLAG_END_USER_HEADER} NAME
+        the same for the application and end-user levels
+        (vllm_xargs.output_rate_application, output_rate_end_user).
 
 Every other flag goes to vLLM unchanged (--max-num-seqs, --max-num-active-seqs,
 --async-scheduling, --port, --api-key, ...): see `python -m {VLLM_SERVER_MODULE} --help`.
@@ -198,6 +217,20 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
                 f"argument {FLAG_EVENT_LOG}: directory {str(log.parent)!r} does not exist"
             )
         section["event_log"] = str(log)
+    for flag, key in HEADER_FLAGS.items():
+        if flag in ours:
+            if FLAG_DEFAULT not in ours and not trusted:
+                raise ServeUsageError(f"argument {flag}: needs {FLAG_DEFAULT} or "
+                                      f"{FLAG_TRUSTED_GATEWAY} (without either pacing is off)")
+            try:
+                section[key] = validate_header_name(ours[flag], f"argument {flag}")
+            except PacingConfigError as exc:
+                raise ServeUsageError(str(exc)) from None
+    if FLAG_REQUIRE_USER_HEADER in switches:
+        if FLAG_USER_HEADER not in ours:
+            raise ServeUsageError(f"argument {FLAG_REQUIRE_USER_HEADER}: only with "
+                                  f"{FLAG_USER_HEADER}")
+        section["require_user_header"] = True
     if trusted:
         section["trusted_gateway"] = True
     authenticated = False

@@ -221,3 +221,37 @@ def test_an_end_user_rate_goes_into_the_section() -> None:
     cmd = build_command(["m", RATE, "20", "--end-user-output-tokens-per-second", "4.5"])
     config = json.loads(cmd.vllm_args[cmd.vllm_args.index("--additional-config") + 1])
     assert config["tokenpace"]["end_user_output_tokens_per_second"] == 4.5
+
+
+def test_identity_headers_go_into_the_section() -> None:
+    cmd = build_command(["m", RATE, "20", "--user-header", "X-Tenant-Id",
+                         "--require-user-header", "--application-header=x-app",
+                         "--end_user_header", "x-end-user"])
+    assert _additional(cmd.vllm_args)["tokenpace"] == {
+        "default_user_output_tokens_per_second": 20, "user_header": "x-tenant-id",
+        "application_header": "x-app", "end_user_header": "x-end-user",
+        "require_user_header": True}
+    assert cmd.pacing and cmd.vllm_args[-2:] == ["--middleware", GUARD_MIDDLEWARE]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["m", "--user-header", "x-t"], "argument --user-header: needs --default-user"),
+    (["m", RATE, "5", "--user-header", "x t"], "argument --user-header must be an HTTP header"),
+    (["m", RATE, "5", "--end-user-header", "Authorization"],
+     "argument --end-user-header: 'authorization' carries"),
+    (["m", RATE, "5", "--require-user-header"], "argument --require-user-header: only with"),
+    (["m", RATE, "5", "--user-header"], "argument --user-header: expected a value"),
+    (["m", RATE, "5", "--user-header", "x", "--application-header", "X"],
+     "must be different headers"),
+])
+def test_bad_identity_header_flags_are_refused_by_name(args: list[str], message: str) -> None:
+    with pytest.raises(ServeUsageError, match=message):
+        build_command(args)
+
+
+def test_cli_help_lists_the_identity_header_flags() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tokenpace.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    for flag in ("--user-header", "--require-user-header", "--application-header",
+                 "--end-user-header"):
+        assert flag in proc.stdout

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._auth import EngineAuth
-    from ._config import PacingConfig, PacingConfigError
+    from ._config import PacingConfig, PacingConfigError, validate_header_name
     from ._events import read_charges
     from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
     from ._hooks import configure_pacing, register
@@ -39,6 +39,7 @@ _WHERE = {
     "EngineAuth": "_auth",
     "PacingConfig": "_config",
     "PacingConfigError": "_config",
+    "validate_header_name": "_config",
     "RequestGuard": "_guard",
     "RequestRefused": "_guard",
     "SCHEDULING_POLICY_HEADER": "_guard",

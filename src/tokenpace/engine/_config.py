@@ -6,6 +6,7 @@ starts the engine, and so that tests can exercise every refusal cheaply.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,21 @@ KEY_IDLE_WAIT = "idle_wait"
 KEY_TRUSTED_GATEWAY = "trusted_gateway"
 KEY_METRICS_USERS = "metrics_users"
 KEY_END_USER = "end_user_output_tokens_per_second"
+KEY_USER_HEADER = "user_header"
+KEY_APPLICATION_HEADER = "application_header"
+KEY_END_USER_HEADER = "end_user_header"
+KEY_REQUIRE_USER_HEADER = "require_user_header"
+HEADER_KEYS = (KEY_USER_HEADER, KEY_APPLICATION_HEADER, KEY_END_USER_HEADER)
 KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY,
-              KEY_METRICS_USERS, KEY_END_USER)
+              KEY_METRICS_USERS, KEY_END_USER, *HEADER_KEYS, KEY_REQUIRE_USER_HEADER)
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+RESERVED_HEADERS = frozenset({
+    "authorization", "connection", "content-length", "content-type", "cookie", "host",
+    "keep-alive", "te", "trailer", "transfer-encoding", "upgrade",
+})
+"""Headers that carry the exchange itself (or a key): naming one as an identity would
+make every client of the proxy one user, or a user of whatever the client sent there."""
 
 
 class PacingConfigError(ValueError):
@@ -59,6 +73,20 @@ class PacingConfig:
     # Rate of each end user (``vllm_xargs.output_rate_end_user``) inside its user's rate;
     # None: end users are not paced unless a trusted gateway sends their rate.
     end_user_rate: float | None = None
+    # Headers a trusted proxy in front sets (lower-case names; None: the level comes from
+    # ``vllm_xargs`` as usual). A level with a header takes its name from that header
+    # only: the body's field for it is replaced (``_header_identity``).
+    user_header: str | None = None
+    application_header: str | None = None
+    end_user_header: str | None = None
+    # A request without ``user_header`` is refused (HTTP 400) instead of paced as anonymous.
+    require_user_header: bool = False
+
+    @property
+    def identity_headers(self) -> bool:
+        """Whether some level's identity comes from a proxy's header."""
+        return (self.user_header is not None or self.application_header is not None
+                or self.end_user_header is not None)
 
     @property
     def enabled(self) -> bool:
@@ -101,14 +129,22 @@ class PacingConfig:
                              validate_rate(section[KEY_END_USER], f"{where}[{KEY_END_USER!r}]"))
         except LimitsError as exc:
             raise PacingConfigError(str(exc)) from None
+        headers = _identity_headers(section, where)
+        require = section.get(KEY_REQUIRE_USER_HEADER, False)
+        if not isinstance(require, bool):
+            raise PacingConfigError(f"{where}[{KEY_REQUIRE_USER_HEADER!r}] must be true or false")
+        if require and headers[KEY_USER_HEADER] is None:
+            raise PacingConfigError(f"{where}[{KEY_REQUIRE_USER_HEADER!r}] needs "
+                                    f"{KEY_USER_HEADER!r} (the header that is required)")
         default = section.get(KEY_DEFAULT)
         overrides_value = section.get(KEY_OVERRIDES)
         if default is None and not trusted:
-            if overrides_value is not None:
-                raise PacingConfigError(
-                    f"{where}[{KEY_OVERRIDES!r}] needs {KEY_DEFAULT!r} (or "
-                    f"{KEY_TRUSTED_GATEWAY!r}): without a default rate pacing is off"
-                )
+            for key in (KEY_OVERRIDES, *HEADER_KEYS):
+                if section.get(key) is not None:
+                    raise PacingConfigError(
+                        f"{where}[{key!r}] needs {KEY_DEFAULT!r} (or "
+                        f"{KEY_TRUSTED_GATEWAY!r}): without a default rate pacing is off"
+                    )
             return cls(limits=None, event_log=Path(event_log) if event_log else None)
         try:
             # A trusted gateway sends each user's rate, so a default is optional there:
@@ -128,7 +164,37 @@ class PacingConfig:
             trusted_gateway=trusted,
             metrics_users=metrics_users,
             end_user_rate=end_user_rate,
+            user_header=headers[KEY_USER_HEADER],
+            application_header=headers[KEY_APPLICATION_HEADER],
+            end_user_header=headers[KEY_END_USER_HEADER],
+            require_user_header=require,
         )
+
+
+def validate_header_name(value: Any, where: str) -> str:
+    """A header name an identity may come from, lower-cased (ASGI servers give them so).
+
+    Raises ``PacingConfigError`` for a name that is not an HTTP token or that carries the
+    exchange itself (``RESERVED_HEADERS``)."""
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise PacingConfigError(f"{where} must be an HTTP header name (letters, digits and "
+                                f"!#$%&'*+-.^_`|~), got {value!r}")
+    name = value.lower()
+    if name in RESERVED_HEADERS or name.startswith("proxy-"):
+        raise PacingConfigError(f"{where}: {name!r} carries the HTTP exchange itself and "
+                                "cannot name a user; use a header of its own, e.g. x-tenant-id")
+    return name
+
+
+def _identity_headers(section: Mapping[str, Any], where: str) -> dict[str, str | None]:
+    names: dict[str, str | None] = {}
+    for key in HEADER_KEYS:
+        value = section.get(key)
+        names[key] = None if value is None else validate_header_name(value, f"{where}[{key!r}]")
+    given = [name for name in names.values() if name is not None]
+    if len(set(given)) != len(given):
+        raise PacingConfigError(f"{where}: {', '.join(HEADER_KEYS)} must be different headers")
+    return names
 
 
 def _overrides(value: Any, where: str) -> tuple[dict[str, float], Path | None]:

@@ -20,8 +20,13 @@ It also serves ``POST /tokenpace/v1/rates``, the rate control of a trusted gatew
 server's own configuration), because vLLM 0.32 silently ignores a request's ``priority``
 under ``fcfs`` and a gateway whose lanes rely on it would otherwise never know.
 
-It only looks inside JSON bodies of POST requests and passes everything else through
-untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
+With identity headers configured (``user_header``: a trusted proxy in front names each
+request's user), it reads them from every request, refuses a repeated, malformed or
+(``require_user_header``) missing one on a POST with HTTP 400, and hands the identity to
+the engine's side of the API server for the request's handling (``_header_identity``).
+
+It only looks inside JSON bodies of POST requests (a body without a content type is
+read as JSON, as FastAPI reads it) and passes everything else through untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
 400. The scheduler does not trust this layer: a malformed identity that still arrives
 (for example through the Python API) is paced as anonymous, never a crash.
 """
@@ -35,7 +40,9 @@ from typing import Any
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
 from ._aborted import ABORTED_PATH, handle_aborted
+from ._config import PacingConfig
 from ._control import RATES_PATH, handle_rates
+from ._header_identity import HeaderIdentity, HeaderRefused, enter, leave, read_identity
 from ._metrics import METRICS_PATHS, handle_metrics
 from ._xargs import (
     APPLICATION_END_USER_RATE_EXTRA_ARG,
@@ -95,10 +102,17 @@ def check_request_body(body: Any) -> None:
                 raise RequestRefused(str(exc), param) from None
 
 def _is_json(scope: Scope) -> bool:
+    """Whether FastAPI would read the body as JSON: no content type, ``application/json``
+    or ``application/*+json``."""
     for name, value in scope.get("headers", ()):
         if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return False
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json"))
+    return True
+
+
+_UNREAD: Any = object()
 
 
 class RequestGuard:
@@ -106,8 +120,46 @@ class RequestGuard:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._identity_config: PacingConfig | None = _UNREAD
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        config = self._identity_config
+        if config is _UNREAD:
+            config = self._read_identity_config(scope)
+        if config is None or scope["type"] != "http":
+            await self._guard(scope, receive, send)
+            return
+        try:
+            identity = read_identity(scope.get("headers", ()), config)
+        except HeaderRefused as exc:
+            if scope.get("method") == "POST":
+                await _send_error(send, str(exc), exc.param)
+                return
+            identity = HeaderIdentity()  # a GET generates nothing: no identity needed
+        token = enter(identity)
+        try:
+            await self._guard(scope, receive, send)
+        finally:
+            leave(token)
+
+    def _read_identity_config(self, scope: Scope) -> PacingConfig | None:
+        """The server's pacing configuration if it has identity headers (read once, from
+        the running server's own configuration, like ``scheduling_policy``)."""
+        state = getattr(scope.get("app"), "state", None)
+        vllm_config = getattr(state, "vllm_config", None)
+        if vllm_config is None:
+            return None  # not set up yet (or not vLLM's app): looked for again next time
+        try:
+            config: PacingConfig | None = PacingConfig.from_additional_config(
+                vllm_config.additional_config)
+        except ValueError:
+            config = None  # start-up reported it
+        if config is not None and not (config.enabled and config.identity_headers):
+            config = None
+        self._identity_config = config
+        return config
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == "/health":
             await self.app(scope, receive, _with_policy_header(scope, send))
             return

@@ -30,7 +30,10 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
    (completions, chat, responses, the Python API) and overrides a client's own
    ``X-data-parallel-rank`` header, which would otherwise let a client pick a second rank
    and a second quota.
-5. ``EngineCoreProc.tokenpace_set_rates`` (engine process) is not a wrapper but a method
+5. ``AsyncLLM.add_request`` (API-server process), with identity headers configured
+   (``user_header``): writes the identity the request's headers gave into its sampling
+   parameters, replacing what its body said (``_header_identity``).
+6. ``EngineCoreProc.tokenpace_set_rates`` (engine process) is not a wrapper but a method
    added to the class: vLLM runs a utility call by name on the engine core, and this one
    is the engine side of the rate-control route (``_control``).
 """
@@ -48,6 +51,7 @@ from typing import Any
 from ._config import PacingConfig
 from ._aborted import install_aborted_outputs
 from ._control import install_rate_control
+from ._header_identity import install_header_identity
 from ._metrics import install_pacing_stats
 from ._step_hint import StepHint
 
@@ -104,6 +108,9 @@ def register() -> None:
     client = sys.modules.get("vllm.v1.engine.core_client")
     if client is not None:
         install_rank_pinning(client.DPLBAsyncMPClient)
+    async_llm = sys.modules.get("vllm.v1.engine.async_llm")
+    if async_llm is not None:
+        install_header_identity(async_llm.AsyncLLM, _wrap)
 
 
 def _wrap(cls: type, name: str, make: Any) -> bool:
@@ -138,6 +145,10 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
     refused = unsupported_modes(vllm_config)
     if refused:
         raise ValueError("tokenpace output pacing does not support " + "; ".join(refused))
+    if pacing.identity_headers:
+        import vllm.v1.engine.async_llm as async_llm
+
+        install_header_identity(async_llm.AsyncLLM, _wrap)
     sched = vllm_config.scheduler_config
     if async_requested and not sched.async_scheduling:
         # vLLM's CPU platform turns async scheduling off as "not required"; it works, and

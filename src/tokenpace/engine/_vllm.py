@@ -88,6 +88,7 @@ HOOKED_METHODS = (
     ("vllm.v1.engine.core", "EngineCoreProc", "is_running"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_init_message_queues"),
     ("vllm.v1.engine.core_client", "DPLBAsyncMPClient", "get_core_engine_for_request"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", "add_request"),
 )
 # EngineCoreProc instance attributes: scheduler, input_queue (a queue.Queue of
 # (request_type, request)), batch_queue (None or deque of (future, SchedulerOutput, future)).
@@ -100,6 +101,9 @@ HOOKED_METHODS = (
 # engine_core with call_utility_async(method, *args); EngineCoreProc._handle_client_request
 # runs a UTILITY request as getattr(engine_core, method)(*args) in the engine's busy loop;
 # call_utility_all_async(method, *args) gives one answer per data-parallel rank (_aborted).
+# AsyncLLM.add_request(request_id, prompt, params, ...) (API server): every generating
+# endpoint calls it with the SamplingParams whose extra_args hold the body's vllm_xargs
+# (or an EngineCoreRequest as prompt, whose sampling_params are its own).
 # The API server gives each request an id of its own plus "-" and 8 random characters
 # (InputProcessor.assign_request_id), the id the scheduler's Request has.
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
