@@ -8,13 +8,16 @@ salt, served model, output limit), built by ``for_request`` and written by
 run on (its book local or in Redis, ``SharedSplitBook``). ``PromptBounds``: each engine's
 chat-template overheads, learned to bound a prompt's tokens without ``/tokenize``. The
 engine's scheduling policy as its ``/health`` reports it. ``Discovery``: engines named by DNS
-(``engines[].discovery: dns``), one per address.
+(``engines[].discovery: dns``), one per address. ``RouterHeaders``: the headers a router in
+front of engines (llm-d's inference gateway) reads, rendered per request from an engine's
+``headers`` templates.
 """
 
 from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
 from ._instructions import EngineInstructions, engine_body, for_request, paces_end_users
 from ._policy import UNKNOWN, policy_problem, reported_policy
 from ._prompt_bound import Learned, Overhead, PromptBounds, bound as prompt_bound
+from ._router_headers import RouterHeaders, compile_router_headers, wire_safe
 from ._rate_split import NewerVersion, RateSplitter, SplitFailed, http_send, split
 from ._shared_split import SharedSplitBook
 from ._upstream import (
@@ -26,6 +29,7 @@ from ._upstream import (
 )
 
 __all__ = [
+    "compile_router_headers",
     "ConnectFailed",
     "Discovery",
     "engine_at",
@@ -42,6 +46,7 @@ __all__ = [
     "PromptBounds",
     "RateSplitter",
     "reported_policy",
+    "RouterHeaders",
     "Resolve",
     "resolve_addresses",
     "SharedSplitBook",
@@ -52,4 +57,5 @@ __all__ = [
     "Upstream",
     "UpstreamError",
     "UpstreamResponse",
+    "wire_safe",
 ]

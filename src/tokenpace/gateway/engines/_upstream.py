@@ -40,6 +40,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from ._router_headers import RouterHeaders
+
 logger = logging.getLogger("tokenpace.gateway")
 
 CONNECT_TIMEOUT_S = 5.0
@@ -90,6 +92,10 @@ class Upstream:
         self._open = 0  # connections counted against max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
+        # The headers a router in front of engines reads (``engines[].headers``), rendered
+        # per completion by the proxy; None: none. Set by the connections' owner when they
+        # open and when a reload changes them.
+        self.router_headers: RouterHeaders | None = None
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Send a POST; return once the response head arrived.

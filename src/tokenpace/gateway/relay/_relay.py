@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 
 import anyio
 import httpx
@@ -92,8 +93,13 @@ def _ratelimit_headers(ex: Exchange) -> dict[str, str]:
     return headroom_headers(ex.requests_headroom, ex.tokens_headroom)
 
 
-def _upstream_headers(ex: Exchange) -> dict[str, str]:
-    return {"content-type": "application/json", "x-request-id": ex.id}
+def _upstream_headers(ex: Exchange, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """A completion's headers to its engine; ``extra``: those a router in front of engines
+    reads (``engines.RouterHeaders``, names that never collide with these: ``config``)."""
+    headers = {"content-type": "application/json", "x-request-id": ex.id}
+    if extra:
+        headers.update(extra)
+    return headers
 
 
 UNAVAILABLE = 503
@@ -129,16 +135,17 @@ class NotReached(Exception):
 
 
 async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
-               deadline: float) -> Response:
+               deadline: float, headers: Mapping[str, str] | None = None) -> Response:
     """A non-streaming request: the engine's answer is passed on as it is. Raises
-    ``NotReached`` (the exchange still open) when the engine refused the connection."""
+    ``NotReached`` (the exchange still open) when the engine refused the connection.
+    ``headers``: the router headers of this request on this engine, if any."""
     outcome, detail = Outcome.CANCELLED, None
     resp = None
     reached = True
     try:
         async with watch.guard(deadline) as scope:
             try:
-                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex, headers))
                 content = await resp.read()
             except ConnectFailed:
                 reached = False
@@ -196,15 +203,17 @@ def _timeout_response(ex: Exchange) -> Response:
 
 
 async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body: bytes,
-                      watch: ClientWatch, deadline: float) -> Response | "StreamResponse":
+                      watch: ClientWatch, deadline: float,
+                      headers: Mapping[str, str] | None = None) -> Response | "StreamResponse":
     """Start the engine stream; its status decides between a pass-through error and SSE.
-    Raises ``NotReached`` (the exchange still open) when the engine refused the connection."""
+    Raises ``NotReached`` (the exchange still open) when the engine refused the connection.
+    ``headers``: the router headers of this request on this engine, if any."""
     outcome = Outcome.CANCELLED
     resp: UpstreamResponse | None = None
     try:
         async with watch.guard(deadline) as scope:
             try:
-                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex))
+                resp = await upstream.post(PATHS[ex.kind], body, _upstream_headers(ex, headers))
             except ConnectFailed:
                 raise NotReached() from None
             except UpstreamError as exc:

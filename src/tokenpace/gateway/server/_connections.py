@@ -17,7 +17,7 @@ import httpx
 
 from ..config import EngineConfig
 from ..dispatch import EngineSlots
-from ..engines import Upstream
+from ..engines import Upstream, compile_router_headers
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -40,11 +40,17 @@ class Connections:
 
     def open(self, engine: EngineConfig) -> None:
         """Connections for ``engine`` (none are made until the first call); an engine back
-        before its connections were closed keeps them."""
+        before its connections were closed keeps them. An engine already open takes its
+        (possibly reloaded) router ``headers``: requests sent from now on carry the new
+        ones, those in flight sent theirs already."""
         retiring = self._retiring.pop(engine.url, None)
         if retiring is not None:
             retiring.cancel()
-        if engine.url in self.upstreams:
+        upstream = self.upstreams.get(engine.url)
+        if upstream is not None:
+            current = upstream.router_headers
+            if (current.templates if current is not None else ()) != engine.headers:
+                upstream.router_headers = compile_router_headers(engine.headers)
             return
         self.clients[engine.url] = httpx.AsyncClient(
             base_url=engine.url,
@@ -54,8 +60,10 @@ class Connections:
                                 max_keepalive_connections=engine.max_inflight + 8,
                                 keepalive_expiry=ENGINE_KEEPALIVE_S),
         )
-        self.upstreams[engine.url] = Upstream(engine.url, engine.max_inflight + 8,
-                                              ENGINE_KEEPALIVE_S, headers=engine.auth_headers())
+        upstream = Upstream(engine.url, engine.max_inflight + 8, ENGINE_KEEPALIVE_S,
+                            headers=engine.auth_headers())
+        upstream.router_headers = compile_router_headers(engine.headers)
+        self.upstreams[engine.url] = upstream
 
     def retire(self, engine: EngineSlots, grace_s: float) -> None:
         """Close ``engine``'s connections once its requests in flight are done (checked

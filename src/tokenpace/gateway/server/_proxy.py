@@ -36,7 +36,14 @@ from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
 from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
-from ..wire import GatewayError, Kind, end_user_of, parse_json_body, parse_request
+from ..wire import (
+    GatewayError,
+    Kind,
+    ParsedRequest,
+    end_user_of,
+    parse_json_body,
+    parse_request,
+)
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -104,10 +111,16 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             try:
                 if upstream is None:  # it left the configuration as the request went to it
                     raise NotReached()
+                router = upstream.router_headers  # None: an engine without ``headers``
+                headers = None if router is None else router.render(
+                    tenant.id, app.id if app is not None else None, tenant.config.lane, model,
+                    end_user if end_user is not None or not router.needs_end_user
+                    else _named_end_user(req))
                 if req.stream:
-                    answer = await open_stream(ex, upstream, req, body, watch, deadline)
+                    answer = await open_stream(ex, upstream, req, body, watch, deadline,
+                                               headers)
                 else:
-                    answer = await call(ex, upstream, body, watch, deadline)
+                    answer = await call(ex, upstream, body, watch, deadline, headers)
             except NotReached as exc:
                 _not_reached(ex, pool, engine, dispatches, exc)
                 dispatches += 1
@@ -145,6 +158,16 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         if watch is not None:
             watch.stop()
         raise
+
+
+def _named_end_user(req: ParsedRequest) -> str | None:
+    """The end user ``req`` names, for an engine's router headers (``{end_user}``) where
+    the tenant does not pace end users: None when it names none or an unusable one (the
+    header is then left out; a request is refused for it only where it would be paced)."""
+    try:
+        return end_user_of(req)
+    except GatewayError:
+        return None
 
 
 async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None, int | None]:
