@@ -74,15 +74,15 @@ VENV_PY ?= $(PY)
 test-upstream: $(STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VENV_PY) tests/upstream/run_upstream.py --json upstream-suite.json
 
-# The real servers the tests start on free ports (prometheus + promtool, redis-server, a
+# The real servers the tests start on free ports (prometheus + promtool, redis-server, nginx, a
 # throwaway PostgreSQL): Debian's packages, installed in one apt call when missing and we are
 # root; quick when all are there. Without root a missing one is named and its tests skip
 # (in CI, CI=true, they fail instead).
-SERVICE_BINARIES := prometheus:prometheus promtool:prometheus redis-server:redis-server initdb:postgresql
+SERVICE_BINARIES := prometheus:prometheus promtool:prometheus redis-server:redis-server initdb:postgresql nginx:nginx
 services:
 	@missing=""; \
 	for pair in $(SERVICE_BINARIES); do bin=$${pair%%:*}; pkg=$${pair##*:}; \
-		command -v $$bin >/dev/null || ls /usr/lib/postgresql/*/bin/$$bin >/dev/null 2>&1 \
+		command -v $$bin >/dev/null || test -x /usr/sbin/$$bin || ls /usr/lib/postgresql/*/bin/$$bin >/dev/null 2>&1 \
 			|| missing="$$missing $$pkg"; \
 	done; \
 	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \

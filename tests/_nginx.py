@@ -24,7 +24,7 @@ def nginx_binary() -> str:
     path = shutil.which("nginx") or next(
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
     if path is None:
-        message = "nginx is not installed: apt-get install nginx-light (make services does)"
+        message = "nginx is not installed: apt-get install nginx (make services does)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
