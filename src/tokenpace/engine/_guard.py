@@ -151,7 +151,7 @@ class RequestGuard:
             return None  # not set up yet (or not vLLM's app): looked for again next time
         try:
             config: PacingConfig | None = PacingConfig.from_additional_config(
-                vllm_config.additional_config)
+                getattr(vllm_config, "additional_config", None))
         except ValueError:
             config = None  # start-up reported it
         if config is not None and not (config.enabled and config.identity_headers):
