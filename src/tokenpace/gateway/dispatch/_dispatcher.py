@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -210,6 +211,9 @@ class Waiter:
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     granted: bool = False
     released: bool = False
+    # The conversation it continues (``wire.conversation_key``): its engine is the one that
+    # key hashes to, within the load bound (``Dispatcher.choose``). None: by tenant and load.
+    affinity: bytes | None = None
 
 
 class Lease:
@@ -224,9 +228,11 @@ class Lease:
 
     def __init__(self, dispatcher: Dispatcher, tenant: TenantState, pool: Pool,
                  timeout_s: float, prompt_cost: float, estimate: float,
-                 application: ApplicationState | None = None) -> None:
+                 application: ApplicationState | None = None,
+                 affinity: bytes | None = None) -> None:
         self._dispatcher = dispatcher
         self.tenant, self.pool, self.application = tenant, pool, application
+        self.affinity = affinity
         self._wait = (timeout_s, prompt_cost, estimate)
         self.waiter: Waiter | None = None  # set once granted
 
@@ -241,7 +247,8 @@ class Lease:
         timeout (see ``Dispatcher.acquire``)."""
         timeout_s, prompt_cost, estimate = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
-                                                     prompt_cost, estimate, self.application)
+                                                     prompt_cost, estimate, self.application,
+                                                     affinity=self.affinity)
         return self
 
     async def again(self) -> Lease:
@@ -254,7 +261,8 @@ class Lease:
             self.waiter = None
         timeout_s, _, _ = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s, 0.0, 0.0,
-                                                     self.application, ahead=True)
+                                                     self.application, ahead=True,
+                                                     affinity=self.affinity)
         return self
 
     def charge(self, cost: float) -> None:
@@ -488,10 +496,17 @@ class Dispatcher:
         """Whether some engine the tenant may use in ``pool`` is up (else: refuse at once)."""
         return self.preferred(tenant, pool) is not None
 
-    def choose(self, tenant: TenantState, pool: Pool) -> EngineSlots | None:
+    def choose(self, tenant: TenantState, pool: Pool,
+               affinity: bytes | None = None) -> EngineSlots | None:
         """The engine of ``pool`` the tenant's next request goes to now; None: none has room.
 
-        Cost: O(engines in the pool) comparisons on cached rendezvous ranks.
+        ``affinity``: the conversation the request continues (``wire.conversation_key``),
+        with ``locality: conversation``: see ``_conversation_engine``. Paced and pinned
+        tenants keep their own order (one engine until it is full: a paced tenant's
+        conversations stay together where its rate split allows).
+
+        Cost: O(engines in the pool) comparisons on cached rendezvous ranks; with an
+        affinity, one BLAKE2b per engine of the pool more (about 0.5 us each).
         """
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
@@ -502,6 +517,8 @@ class Dispatcher:
             # engine more is a share to move by control call as streams start and end.
             return next((e for e in self._rank(tenant.id, pool)
                          if e.accepts and self._open(e)), None)
+        if affinity is not None and self._config.locality == "conversation":
+            return self._conversation_engine(pool, affinity)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
         for engine in self._rank(tenant.id, pool):
@@ -514,6 +531,36 @@ class Dispatcher:
         if first is None or best is None:
             return None
         return first if first.inflight <= best.inflight + self._config.pool_affinity else best
+
+    def _conversation_engine(self, pool: Pool, affinity: bytes) -> EngineSlots | None:
+        """The engine a conversation's turn goes to: the first, in the conversation's
+        rendezvous order, that has room and stays within the load bound, else the least
+        loaded engine with room.
+
+        The bound is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
+        2018): with m of the gateway's requests in flight on the n engines that take
+        requests, an engine takes a turn for locality only while it has fewer than
+        ``ceil((1 + locality_slack) (m + 1) / n)`` in flight, so no engine runs more than
+        ``1 + locality_slack`` times an even share (plus one) because of locality, and a
+        conversation moves only when its engine is that far ahead of the others. The order
+        depends only on the key and the engines' urls, so every replica sends a
+        conversation to the same engine while that engine is within the bound.
+        """
+        candidates = [e for e in pool.engines if e.accepts]
+        if not candidates:
+            return None
+        inflight = sum(e.inflight for e in candidates)
+        bound = math.ceil((1 + self._config.locality_slack) * (inflight + 1) / len(candidates))
+        least: EngineSlots | None = None
+        for engine in sorted(candidates, key=lambda e: _affinity_score(e.url, affinity),
+                             reverse=True):
+            if not self._open(engine):
+                continue
+            if engine.inflight < bound:
+                return engine
+            if least is None or engine.inflight < least.inflight:
+                least = engine
+        return least
 
     def _open(self, engine: EngineSlots) -> bool:
         """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
@@ -605,14 +652,15 @@ class Dispatcher:
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
                       application: ApplicationState | None = None,
-                      ahead: bool = False) -> Waiter:
+                      ahead: bool = False, affinity: bytes | None = None) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
-        ``ahead``: a request sent back by a failed engine (``Lease.again``).
+        ``ahead``: a request sent back by a failed engine (``Lease.again``); ``affinity``:
+        the conversation it continues (``choose``).
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
         """
-        waiter = Waiter(tenant, pool, application)
+        waiter = Waiter(tenant, pool, application, affinity=affinity)
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         pool.queue.push(waiter, tenant.id, prompt_cost, estimate,
@@ -644,10 +692,12 @@ class Dispatcher:
 
     def lease(self, tenant: TenantState, pool: Pool, timeout_s: float,
               prompt_cost: float, estimate: float,
-              application: ApplicationState | None = None) -> Lease:
+              application: ApplicationState | None = None,
+              affinity: bytes | None = None) -> Lease:
         """A slot on an engine of ``pool`` for one request of ``tenant`` (and of its
-        ``application``), not yet waited for."""
-        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate, application)
+        ``application``, continuing conversation ``affinity``), not yet waited for."""
+        return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate, application,
+                     affinity)
 
     def charge(self, waiter: Waiter, cost: float) -> None:
         """Service a dispatched request received (output tokens as the stream reports them)."""
@@ -717,7 +767,10 @@ class Dispatcher:
             if waiter is None:
                 break
             tenant = waiter.tenant
-            engine = placed.get(tenant.id) or self.choose(tenant, pool)
+            # The eligibility test placed the tenant by tenant and load; a turn of a
+            # conversation is placed again by its own key (O(engines)).
+            engine = (self.choose(tenant, pool, waiter.affinity) if waiter.affinity is not None
+                      else None) or placed.get(tenant.id) or self.choose(tenant, pool)
             assert engine is not None
             waiter.engine = engine
             waiter.granted = True
@@ -764,6 +817,11 @@ class Dispatcher:
 
 def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
     return [LaneSpec(lane.name, lane.priority, lane.min_share) for lane in config.lanes]
+
+
+def _affinity_score(url: str, key: bytes) -> bytes:
+    """The rendezvous score of engine ``url`` for a conversation key (higher first)."""
+    return hashlib.blake2b(url.encode() + b"\0" + key, digest_size=8).digest()
 
 
 def _score(url: str, tenant_id: str) -> int:

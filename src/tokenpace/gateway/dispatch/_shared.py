@@ -179,18 +179,18 @@ class SharedDispatcher(Dispatcher):
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
                       application: ApplicationState | None = None,
-                      ahead: bool = False) -> Waiter:
+                      ahead: bool = False, affinity: bytes | None = None) -> Waiter:
         """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
         ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed).
         ``ahead``: a request sent back by a failed engine (``Lease.again``): first in its
         tenant's order, and not held to ``max_queued`` (it was admitted)."""
-        waiter = SharedWaiter(tenant, pool, application, prompt_cost=prompt_cost,
-                              estimate=estimate)
+        waiter = SharedWaiter(tenant, pool, application, affinity=affinity,
+                              prompt_cost=prompt_cost, estimate=estimate)
         app_id = None if application is None else application.id
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         with anyio.fail_after(timeout_s):
-            engine = (self.choose(tenant, pool)
+            engine = (self.choose(tenant, pool, affinity)
                       if not len(pool.queue) and self._may_dispatch(tenant.id)
                       and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
                       else None)
@@ -393,7 +393,8 @@ class SharedDispatcher(Dispatcher):
                 break
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
             tenant = waiter.tenant
-            engine = placed.get(tenant.id) or self.choose(tenant, pool)
+            engine = (self.choose(tenant, pool, waiter.affinity) if waiter.affinity is not None
+                      else None) or placed.get(tenant.id) or self.choose(tenant, pool)
             assert engine is not None
             try:
                 result = await self.store.dispatch(

@@ -40,6 +40,7 @@ from ..wire import (
     GatewayError,
     Kind,
     ParsedRequest,
+    conversation_key,
     end_user_of,
     parse_json_body,
     parse_request,
@@ -88,7 +89,13 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         end_user = end_user_of(req) if paces_end_users(tenant.config, app) else None
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
         admitted = rt.clock()
-        ex.lease = await _wait_for_slot(ex, pool, admission, watch)
+        # The conversation's key (only where it can decide an engine: a pool of several,
+        # an unpaced tenant; see wire.conversation_key for its cost).
+        affinity = (conversation_key(req, tenant.id)
+                    if len(pool.engines) > 1 and rt.config.locality == "conversation"
+                    and rt.config.routing == "pool"
+                    and tenant.config.output_tokens_per_second is None else None)
+        ex.lease = await _wait_for_slot(ex, pool, admission, watch, affinity=affinity)
         if ex.lease is None:
             ex.charge_usage = False
             ex.finish(Outcome.CANCELLED)
@@ -227,7 +234,8 @@ def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
 
 
 async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
-                         watch: ClientWatch, again: bool = False) -> Lease | None:
+                         watch: ClientWatch, again: bool = False,
+                         affinity: bytes | None = None) -> Lease | None:
     """A granted slot on an engine of ``pool``, or None when the client left while waiting;
     a full queue or the queue timeout is a ``GatewayError``. ``again``: the request's
     engine refused it; the slot is given back and one on another engine waited for, first
@@ -240,7 +248,7 @@ async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
         acquire = rt.dispatcher.lease(
             tenant, pool, tenant.config.queue_timeout_s,
             prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
-            application=ex.application).acquire
+            application=ex.application, affinity=affinity).acquire
     async with watch.guard():
         try:
             return await acquire()

@@ -8,6 +8,7 @@ events passed through (``EventSplitter``, ``ChunkRewriter``), the usage the answ
 reads requests and answers through this package; it imports nothing of the gateway.
 """
 
+from ._conversation import conversation_key
 from ._errors import (
     GatewayError,
     anthropic_error_body,
@@ -34,6 +35,7 @@ from ._usage import EventScanner, answer_usage
 
 __all__ = [
     "answer_usage",
+    "conversation_key",
     "anthropic_error_body",
     "ChunkRewriter",
     "count_calls",

@@ -1,0 +1,234 @@
+"""Cache-local engine choice (issue 41, part 1), in process: the conversation key and the
+real Dispatcher's choice with it (rendezvous per conversation within the load bound), and
+what it leaves alone (the fair queue's order, paced and pinned tenants)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from tokenpace.gateway import ConfigError, parse_config
+from tokenpace.gateway.dispatch import Dispatcher, Waiter
+from tokenpace.gateway.tenants import Tenants
+from tokenpace.gateway.wire import conversation_key, parse_request
+
+URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+# -- the key ------------------------------------------------------------------------------
+
+
+def chat(*turns: str, system: str = "You are helpful.") -> Any:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return parse_request("chat", {"model": "m", "messages": messages})
+
+
+def test_every_turn_of_a_conversation_has_its_key() -> None:
+    first = conversation_key(chat("plan a trip"), "t")
+    later = conversation_key(chat("plan a trip", "sure: where?", "Lisbon", "ok", "and back"), "t")
+    assert first is not None and len(first) == 16 and first == later
+
+
+def test_conversations_and_tenants_have_keys_of_their_own() -> None:
+    base = conversation_key(chat("plan a trip"), "t")
+    assert conversation_key(chat("write a poem"), "t") != base  # same system prompt
+    assert conversation_key(chat("plan a trip", system="Be terse."), "t") != base
+    assert conversation_key(chat("plan a trip"), "u") != base  # tenants' caches are apart
+
+
+def test_a_re_encoded_body_keeps_its_key() -> None:
+    a = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    b = parse_request("chat", {"messages": [{"content": "x", "role": "user"}], "model": "m"})
+    assert conversation_key(a, "t") == conversation_key(b, "t")
+
+
+def test_completions_responses_and_messages() -> None:
+    long = "word " * 1000
+    one = parse_request("completion", {"model": "m", "prompt": long + "turn one"})
+    two = parse_request("completion", {"model": "m", "prompt": long + "turn one, turn two"})
+    assert conversation_key(one, "t") == conversation_key(two, "t")  # the first 1024 chars
+    ids = parse_request("completion", {"model": "m", "prompt": list(range(300))})
+    assert conversation_key(ids, "t") == conversation_key(
+        parse_request("completion", {"model": "m", "prompt": list(range(256)) + [7]}), "t")
+    batch = parse_request("completion", {"model": "m", "prompt": ["abc", "def"]})
+    assert conversation_key(batch, "t") == conversation_key(
+        parse_request("completion", {"model": "m", "prompt": "abc"}), "t")
+    r1 = parse_request("responses", {"model": "m", "instructions": "be brief", "input": [
+        {"role": "user", "content": "hi"}]})
+    r2 = parse_request("responses", {"model": "m", "instructions": "be brief", "input": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "more"}]})
+    assert conversation_key(r1, "t") == conversation_key(r2, "t")
+    m1 = parse_request("messages", {"model": "m", "max_tokens": 5, "system": "s", "messages": [
+        {"role": "user", "content": "a"}]})
+    m2 = parse_request("messages", {"model": "m", "max_tokens": 5, "system": "other",
+                                    "messages": [{"role": "user", "content": "a"}]})
+    assert conversation_key(m1, "t") != conversation_key(m2, "t")
+
+
+# -- the choice ---------------------------------------------------------------------------
+
+
+def setup(tenants: list[dict[str, Any]] | None = None, max_inflight: int = 16,
+          **top: Any) -> tuple[Dispatcher, Tenants]:
+    config = parse_config({
+        "engines": [{"url": u, "max_inflight": max_inflight, "models": ["chat"],
+                     "api_key": "sk-engine"} for u in URLS],
+        "tenants": tenants or [{"id": "a", "api_keys": ["ka"]}, {"id": "b", "api_keys": ["kb"]}],
+        "ledger": "sqlite:///unused.db", **top,
+    })
+    clock = lambda: 0.0  # noqa: E731
+    return Dispatcher(config, clock), Tenants(config, clock)
+
+
+def key(i: int, tenant: str = "a") -> bytes:
+    found = conversation_key(chat(f"conversation {i}"), tenant)
+    assert found is not None
+    return found
+
+
+def acquire(dispatcher: Dispatcher, tenants: Tenants, tenant: str,
+            affinity: bytes | None) -> asyncio.Task[Waiter]:
+    return asyncio.ensure_future(dispatcher.acquire(
+        tenants.get(tenant), dispatcher.pools["chat"], 60.0, 1.0, 1.0, affinity=affinity))
+
+
+def test_a_conversations_turns_stay_on_one_engine_while_it_has_room() -> None:
+    """Twelve conversations, 32 slots: each conversation's eight turns (each turn one
+    request, released before the next) land on one engine, and both engines get some."""
+    async def main() -> None:
+        dispatcher, tenants = setup()
+        seen: dict[int, set[str]] = {i: set() for i in range(12)}
+        for _ in range(8):
+            turns = [acquire(dispatcher, tenants, "a", key(i)) for i in range(12)]
+            await asyncio.sleep(0)
+            for i, task in enumerate(turns):
+                waiter = task.result()
+                assert waiter.engine is not None
+                seen[i].add(waiter.engine.url)
+            for task in turns:
+                dispatcher.release(task.result())
+        assert all(len(urls) == 1 for urls in seen.values()), seen
+        per_engine = [sum(URLS[j] in urls for urls in seen.values()) for j in range(2)]
+        assert min(per_engine) >= 3, per_engine  # 12 keys over 2 engines, bound 1.25
+    asyncio.run(main())
+
+
+def test_no_engine_takes_more_than_the_bound_for_locality() -> None:
+    """Conversations that all prefer one engine: it takes turns while it has fewer than
+    ceil(1.25 (m + 1) / 2), the rest go to the other engine."""
+    async def main() -> None:
+        dispatcher, tenants = setup()
+        pool = dispatcher.pools["chat"]
+        first = dispatcher._conversation_engine(pool, key(0))
+        assert first is not None
+        same = [k for k in (key(i) for i in range(200))
+                if dispatcher._conversation_engine(pool, k) is first][:20]
+        tasks = []
+        for k in same:
+            inflight = sum(e.inflight for e in pool.engines)
+            tasks.append(acquire(dispatcher, tenants, "a", k))
+            await asyncio.sleep(0)
+            bound = math.ceil(1.25 * (inflight + 1) / 2)
+            assert first.inflight <= bound, (first.inflight, inflight)
+        assert sum(e.inflight for e in pool.engines) == 20
+        assert first.inflight == math.ceil(1.25 * 20 / 2)  # 13: the bound when the last came
+        for task in tasks:
+            task.cancel()
+    asyncio.run(main())
+
+
+def test_every_replica_makes_the_same_choice() -> None:
+    """The order depends only on the key and the urls: two dispatchers (two replicas)
+    send each conversation to the same engine at the same load."""
+    one, _ = setup()
+    two, _ = setup()
+    for i in range(50):
+        a = one._conversation_engine(one.pools["chat"], key(i))
+        b = two._conversation_engine(two.pools["chat"], key(i))
+        assert a is not None and b is not None and a.url == b.url
+
+
+def test_a_down_engine_moves_only_its_conversations() -> None:
+    dispatcher, _ = setup()
+    pool = dispatcher.pools["chat"]
+    before = {i: dispatcher._conversation_engine(pool, key(i)) for i in range(40)}
+    down = pool.engines[0]
+    dispatcher.set_health(down, False)
+    for i, engine in before.items():
+        now = dispatcher._conversation_engine(pool, key(i))
+        assert now is not None and now is not down
+        if engine is not down:
+            assert now is engine
+
+
+def test_tenant_locality_is_the_previous_choice() -> None:
+    """``locality: tenant``: the key is ignored, the tenant's engine and pool_affinity
+    decide (as test_pool_dispatch shows without a key)."""
+    async def main() -> None:
+        dispatcher, tenants = setup(locality="tenant", pool_affinity=2)
+        pool = dispatcher.pools["chat"]
+        first = dispatcher.preferred(tenants.get("a"), pool)
+        tasks = [acquire(dispatcher, tenants, "a", key(i)) for i in range(6)]
+        await asyncio.sleep(0)
+        other = next(e for e in pool.engines if e is not first)
+        assert first is not None and (first.inflight, other.inflight) == (4, 2)
+        for task in tasks:
+            task.cancel()
+    asyncio.run(main())
+
+
+def test_a_paced_tenant_keeps_its_engine_order() -> None:
+    """A paced tenant fills its first engine whatever its conversations: all its
+    conversations stay on one engine until it is full (its rate split moves no share)."""
+    async def main() -> None:
+        dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"],
+                                      "output_tokens_per_second": 50}], max_inflight=8)
+        first = dispatcher.engine_for("a", dispatcher.pools["chat"])
+        tasks = [acquire(dispatcher, tenants, "a", key(i)) for i in range(8)]
+        await asyncio.sleep(0)
+        assert first.inflight == 8
+        for task in tasks:
+            task.cancel()
+    asyncio.run(main())
+
+
+def test_the_fair_queue_still_shares_by_weight() -> None:
+    """Two backlogged tenants of weights 1 and 3, each request its own conversation: the
+    engine choice comes after the fair queue's, so the slots still go 1:3."""
+    async def main() -> None:
+        dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"], "weight": 1},
+                                     {"id": "b", "api_keys": ["kb"], "weight": 3}],
+                                    max_inflight=2)
+        waiting = [acquire(dispatcher, tenants, t, key(i, t)) for i in range(60) for t in "ab"]
+        await asyncio.sleep(0)
+        granted: dict[str, int] = {"a": 0, "b": 0}
+        done: set[int] = set()
+        for _ in range(40):
+            for j, task in enumerate(waiting):
+                if task.done() and j not in done:
+                    done.add(j)
+                    waiter = task.result()
+                    granted[waiter.tenant.id] += 1
+                    dispatcher.release(waiter)
+                    break
+            await asyncio.sleep(0)
+        assert 0.18 <= granted["a"] / sum(granted.values()) <= 0.32, granted
+        for task in waiting:
+            task.cancel()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("top", "message"), [
+    ({"locality": "prefix"}, "locality: expected 'conversation'"),
+    ({"locality_slack": -1}, "locality_slack: expected a number from 0 to 10"),
+    ({"locality_slack": True}, "locality_slack"),
+])
+def test_bad_locality_settings_are_refused(top: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        setup(**top)
