@@ -21,7 +21,9 @@ includes the tenant (``salt``): the engines separate tenants' caches (``cache_sa
 two tenants' identical conversations share nothing on an engine.
 
 Cost per request: serializing the opening (sorted keys, so a client that re-encodes its
-messages keeps its key) and one BLAKE2b: 3-25 us for openings of 0.1-4 KB on this machine.
+messages keeps its key) and one BLAKE2b: 4.7, 7.6 and 17 us for openings of 0.1, 1 and
+4 KB (timeit, this machine); the engine choice then hashes the key once per engine of the
+pool (0.5 us each).
 """
 
 from __future__ import annotations
