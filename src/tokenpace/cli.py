@@ -148,8 +148,18 @@ def _cmd_bench_fairness(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
-    from .bench import fleet
+    from .bench import conversations, fleet
 
+    if args.workload == "conversations":
+        if args.quick:
+            result = conversations.run(_bench_model(args), duration=12.0, warmup=2.0, rounds=1,
+                                       slack=args.locality_slack)
+        else:
+            if args.warmup >= args.duration:
+                raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
+            result = conversations.run(_bench_model(args), args.duration, args.warmup,
+                                       args.rounds, slack=args.locality_slack)
+        return _bench_outputs(args, conversations, result)
     if args.quick:
         result = fleet.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
                            streams=args.streams, max_inflight=args.max_inflight,
@@ -406,6 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the paced tenant's output_tokens_per_second (default 80)")
     flt.add_argument("--paced-seconds", type=_positive_float, default=10.0,
                      help="about how long each paced scenario's streams run (default 10)")
+    flt.add_argument("--workload", choices=("streams", "conversations"), default="streams",
+                     help="streams: the measurements above (default); conversations: "
+                     "multi-turn conversations over 2 engines with prefix caching, each sent "
+                     "straight to one engine against the gateway's locality: tenant and "
+                     "locality: conversation (prefix-cache hit rate, TTFT, turns/s), two "
+                     "tenants' shares, the choice's cost per request")
+    flt.add_argument("--locality-slack", type=float, default=1.0,
+                     help="with --workload conversations: the gateway's locality_slack "
+                     "(default 1.0, the gateway's default)")
     flt.set_defaults(func=_cmd_bench_fleet)
 
     fov = bench_sub.add_parser(

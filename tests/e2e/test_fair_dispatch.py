@@ -1,4 +1,5 @@
-"""Fair dispatch end to end: a real gateway in front of two real ``tokenpace serve`` engines.
+"""Fair dispatch end to end: a real gateway in front of two real ``tokenpace serve`` engines
+(and, last, a conversation's turns kept on the engine that caches it: issue 41).
 
 One tenant floods its engine with long generations while another tenant, pinned to the
 same engine, sends short requests: none of them waits in the gateway for a slot (the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import threading
 import time
@@ -22,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._servers import Server, free_port, start_all, tokenpace_serve_argv, vllm_counter
 from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess, pinned_engine
 from tokenpace.bench._load import percentile, stream_completion
@@ -62,6 +64,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
              "max_concurrency": 6, "max_queued": 100},
             {"id": short, "api_keys": ["sk-short"], "output_tokens_per_second": FAST},
             {"id": other, "api_keys": ["sk-other"], "output_tokens_per_second": FAST},
+            {"id": "chat", "api_keys": ["sk-chat"]},  # unpaced: its conversations choose
         ],
     }
     gateway = GatewayProcess(home, config)
@@ -177,3 +180,43 @@ def test_short_tenant_keeps_its_ttft_next_to_a_flood_and_tenants_stay_pinned(set
     other_engine = next(u for u in setup["urls"] if u != setup["flood_engine"])
     assert on_flood_engine == {"flood", setup["short"]}
     assert users[other_engine] == {setup["other"]}
+
+
+def test_a_conversations_turns_stay_on_the_engine_that_caches_it(setup: dict[str, Any]) -> None:
+    """Issue 41: an unpaced tenant's multi-turn conversations through the gateway (the
+    whole conversation sent every turn, engines with room): every turn of a conversation
+    lands on one engine (read from which engine's prefix-cache query counter moved), and
+    from the second turn on that engine serves the earlier turns' prompt from its cache
+    (its hit counter moves by at least the last prompt less one block: 128 tokens on the
+    CPU)."""
+    gw: GatewayProcess = setup["gateway"]
+    engines: list[Server] = setup["engines"]
+    rng = random.Random(41)
+    words = ("river", "stone", "cloud", "amber", "quiet", "signal", "orbit", "maple")
+    where: dict[int, set[int]] = {}
+    for conversation in range(6):
+        prompt = " ".join(rng.choice(words) for _ in range(128))
+        last_prompt_tokens = 0
+        for turn in range(4):
+            queries = [vllm_counter(e, "vllm:prefix_cache_queries_total") for e in engines]
+            hits = [vllm_counter(e, "vllm:prefix_cache_hits_total") for e in engines]
+            resp = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                              headers={"authorization": "Bearer sk-chat"},
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                    "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            moved = [i for i, e in enumerate(engines)
+                     if vllm_counter(e, "vllm:prefix_cache_queries_total") > queries[i]]
+            assert len(moved) == 1, moved
+            engine = moved[0]
+            where.setdefault(conversation, set()).add(engine)
+            if turn:
+                cached = vllm_counter(engines[engine], "vllm:prefix_cache_hits_total") \
+                    - hits[engine]
+                assert cached >= last_prompt_tokens - 128, (conversation, turn, cached,
+                                                          last_prompt_tokens)
+            body = resp.json()
+            last_prompt_tokens = body["usage"]["prompt_tokens"]
+            prompt += body["choices"][0]["text"] + " " + " ".join(
+                rng.choice(words) for _ in range(10))
+    assert all(len(engines_used) == 1 for engines_used in where.values()), where

@@ -223,7 +223,7 @@ class GatewayConfig:
     # pool's requests in flight, so its turns find their cached prefix there
     # (``dispatch.Dispatcher.choose``); "tenant": by tenant and load (``pool_affinity``).
     locality: str = "conversation"
-    locality_slack: float = 0.25
+    locality_slack: float = 1.0
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
     # How often engines with ``discovery: dns`` are resolved again.
@@ -502,7 +502,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         routing=_routing(root.get("routing", "pool")),
         pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
         locality=_locality(root.get("locality", "conversation")),
-        locality_slack=_slack(root.get("locality_slack", 0.25)),
+        locality_slack=_slack(root.get("locality_slack", 1.0)),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
         source=source,

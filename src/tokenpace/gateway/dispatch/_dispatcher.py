@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -308,6 +309,9 @@ class Dispatcher:
         # them in engine_for, so health changes need not (but do) clear it; reloads and a
         # pool's membership changing clear it, so a removed tenant's entry goes.
         self._ranked: dict[tuple[str, str | None], list[EngineSlots]] = {}
+        # Conversation key -> the engine its last turn went to (``_conversation_engine``),
+        # least recently used first, at most CONVERSATION_HOMES of them.
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
         for engine in self.engines:
             if engine.models is not None:
                 self._join(engine, engine.models)
@@ -533,34 +537,53 @@ class Dispatcher:
         return first if first.inflight <= best.inflight + self._config.pool_affinity else best
 
     def _conversation_engine(self, pool: Pool, affinity: bytes) -> EngineSlots | None:
-        """The engine a conversation's turn goes to: the first, in the conversation's
-        rendezvous order, that has room and stays within the load bound, else the least
-        loaded engine with room.
+        """The engine a conversation's turn goes to: its home (the engine its last turn went
+        to, if this gateway saw it), then the others in the conversation's rendezvous order;
+        the first that has room and stays within the load bound, else the least loaded
+        engine with room. The engine chosen becomes the conversation's home.
 
         The bound is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
         2018): with m of the gateway's requests in flight on the n engines that take
         requests, an engine takes a turn for locality only while it has fewer than
         ``ceil((1 + locality_slack) (m + 1) / n)`` in flight, so no engine runs more than
-        ``1 + locality_slack`` times an even share (plus one) because of locality, and a
-        conversation moves only when its engine is that far ahead of the others. The order
-        depends only on the key and the engines' urls, so every replica sends a
-        conversation to the same engine while that engine is within the bound.
+        ``1 + locality_slack`` times an even share (plus one) because of locality. A
+        conversation that spills over the bound stays where it went (its prefix is cached
+        there now): an engine that hashing gave more conversations than its share sheds
+        them for good instead of one turn at a time. A new conversation's first choice
+        depends only on its key and the engines' urls, so every replica starts it on the
+        same engine.
+
+        Cost: one dict lookup and move for the home, a BLAKE2b per engine of the pool
+        (0.5 us each) to rank them, O(engines) comparisons.
         """
         candidates = [e for e in pool.engines if e.accepts]
         if not candidates:
             return None
         inflight = sum(e.inflight for e in candidates)
         bound = math.ceil((1 + self._config.locality_slack) * (inflight + 1) / len(candidates))
+        homes = self._homes
+        home_url = homes.get(affinity)
+        ranked = sorted(candidates, key=lambda e: (e.url == home_url,
+                                                   _affinity_score(e.url, affinity)),
+                        reverse=True)
+        chosen: EngineSlots | None = None
         least: EngineSlots | None = None
-        for engine in sorted(candidates, key=lambda e: _affinity_score(e.url, affinity),
-                             reverse=True):
+        for engine in ranked:
             if not self._open(engine):
                 continue
             if engine.inflight < bound:
-                return engine
+                chosen = engine
+                break
             if least is None or engine.inflight < least.inflight:
                 least = engine
-        return least
+        chosen = chosen or least
+        if chosen is not None:
+            if home_url is not None:
+                homes.move_to_end(affinity)
+            homes[affinity] = chosen.url
+            if len(homes) > CONVERSATION_HOMES:
+                homes.popitem(last=False)  # the conversation unheard of longest
+        return chosen
 
     def _open(self, engine: EngineSlots) -> bool:
         """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
@@ -817,6 +840,11 @@ class Dispatcher:
 
 def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
     return [LaneSpec(lane.name, lane.priority, lane.min_share) for lane in config.lanes]
+
+
+CONVERSATION_HOMES = 100_000
+"""Conversations whose engine the dispatcher remembers (about 150 bytes each: 15 MB at
+most); one forgotten goes back to its rendezvous order, where it most likely started."""
 
 
 def _affinity_score(url: str, key: bytes) -> bytes:
