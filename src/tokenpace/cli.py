@@ -152,13 +152,12 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
 
     if args.workload == "conversations":
         if args.quick:
-            result = conversations.run(_bench_model(args), duration=12.0, warmup=2.0, rounds=1,
-                                       slack=args.locality_slack)
+            result = conversations.run(_bench_model(args), duration=12.0, warmup=2.0, rounds=1)
         else:
             if args.warmup >= args.duration:
                 raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
             result = conversations.run(_bench_model(args), args.duration, args.warmup,
-                                       args.rounds, slack=args.locality_slack)
+                                       args.rounds)
         return _bench_outputs(args, conversations, result)
     if args.quick:
         result = fleet.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
@@ -422,9 +421,6 @@ def build_parser() -> argparse.ArgumentParser:
                      "straight to one engine against the gateway's locality: tenant and "
                      "locality: conversation (prefix-cache hit rate, TTFT, turns/s), two "
                      "tenants' shares, the choice's cost per request")
-    flt.add_argument("--locality-slack", type=float, default=1.0,
-                     help="with --workload conversations: the gateway's locality_slack "
-                     "(default 1.0, the gateway's default)")
     flt.set_defaults(func=_cmd_bench_fleet)
 
     fov = bench_sub.add_parser(

@@ -1,11 +1,11 @@
 """Cache-local engine choice (issue 41, part 1), in process: the conversation key and the
-real Dispatcher's choice with it (rendezvous per conversation within the load bound), and
-what it leaves alone (the fair queue's order, paced and pinned tenants)."""
+real Dispatcher's choice with it (a conversation's home, else its rendezvous engine, within
+``pool_affinity`` of the least loaded), and what it leaves alone (the fair queue's order,
+paced and pinned tenants)."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any
 
 import pytest
@@ -119,25 +119,26 @@ def test_a_conversations_turns_stay_on_one_engine_while_it_has_room() -> None:
     asyncio.run(main())
 
 
-def test_no_engine_takes_more_than_the_bound_for_locality() -> None:
-    """Conversations that all prefer one engine: it takes turns while it has fewer than
-    ceil(1.25 (m + 1) / 2), the rest go to the other engine."""
+def test_no_engine_runs_more_than_pool_affinity_ahead_for_locality() -> None:
+    """Conversations that all hash to one engine: it takes their turns while it is at most
+    ``pool_affinity`` (2) ahead of the other, the rest go to the other engine."""
     async def main() -> None:
-        dispatcher, tenants = setup(locality_slack=0.25)
+        dispatcher, tenants = setup(pool_affinity=2)
         pool = dispatcher.pools["chat"]
-        first = dispatcher._conversation_engine(pool, key(0))
+        probe = Dispatcher(dispatcher._config, lambda: 0.0)
+        first = probe._conversation_engine(probe.pools["chat"], key(0))
         assert first is not None
         same = [k for k in (key(i) for i in range(200))
-                if dispatcher._conversation_engine(pool, k) is first][:20]
+                if Dispatcher(dispatcher._config, lambda: 0.0)._conversation_engine(
+                    pool, k).url == first.url][:20]
+        mine = next(e for e in pool.engines if e.url == first.url)
+        other = next(e for e in pool.engines if e is not mine)
         tasks = []
         for k in same:
-            inflight = sum(e.inflight for e in pool.engines)
             tasks.append(acquire(dispatcher, tenants, "a", k))
             await asyncio.sleep(0)
-            bound = math.ceil(1.25 * (inflight + 1) / 2)
-            assert first.inflight <= bound, (first.inflight, inflight)
-        assert sum(e.inflight for e in pool.engines) == 20
-        assert first.inflight == math.ceil(1.25 * 20 / 2)  # 13: the bound when the last came
+            assert mine.inflight <= other.inflight + 2 + 1, (mine.inflight, other.inflight)
+        assert (mine.inflight, other.inflight) == (11, 9)
         for task in tasks:
             task.cancel()
     asyncio.run(main())
@@ -226,8 +227,7 @@ def test_the_fair_queue_still_shares_by_weight() -> None:
 
 @pytest.mark.parametrize(("top", "message"), [
     ({"locality": "prefix"}, "locality: expected 'conversation'"),
-    ({"locality_slack": -1}, "locality_slack: expected a number from 0 to 10"),
-    ({"locality_slack": True}, "locality_slack"),
+    ({"locality": None}, "locality: expected 'conversation'"),
 ])
 def test_bad_locality_settings_are_refused(top: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -238,7 +238,7 @@ def test_a_conversation_that_spilled_stays_where_it_went() -> None:
     """Its prefix is cached on the engine it spilled to: its next turns go there while
     that engine is within the bound, even once its first engine has room again."""
     async def main() -> None:
-        dispatcher, tenants = setup(locality_slack=0.0)
+        dispatcher, tenants = setup(pool_affinity=0)
         pool = dispatcher.pools["chat"]
         first = dispatcher._conversation_engine(pool, key(0))
         assert first is not None
@@ -247,7 +247,7 @@ def test_a_conversation_that_spilled_stays_where_it_went() -> None:
                     pool, k) is first][:3]
         held = [acquire(dispatcher, tenants, "a", key(0))]  # one turn in flight on `first`
         await asyncio.sleep(0)
-        spilled = acquire(dispatcher, tenants, "a", same[0])  # bound ceil(2/2) = 1: spills
+        spilled = acquire(dispatcher, tenants, "a", same[0])  # 1 ahead of 0: spills
         await asyncio.sleep(0)
         assert spilled.result().engine is not first
         for task in (*held, spilled):

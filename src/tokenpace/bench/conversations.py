@@ -15,7 +15,8 @@ an earlier run helps a later one; the engines' prefix caches are also reset betw
 - ``tenant``: through a gateway with ``locality: tenant`` (the tenant's engine while it is
   at most ``pool_affinity`` ahead, else the least loaded: the choice before issue 41);
 - ``conversation``: through a gateway with ``locality: conversation`` (each conversation
-  on the engine its opening hashes to, within the load bound).
+  on the engine that served its last turn, else the one its opening hashes to, within the
+  same load bound).
 
 For each: the engines' prefix-cache hit rate (their ``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries`` during the run), time to first token (p50, p99) and turns
@@ -147,14 +148,12 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
-def _gateway_config(engines: list[str], locality: str, ledger: Path, slots: int,
-                    slack: float) -> str:
+def _gateway_config(engines: list[str], locality: str, ledger: Path, slots: int) -> str:
     import yaml
 
     return yaml.safe_dump({
         "engines": [{"url": url, "models": ["tiny"], "max_inflight": slots} for url in engines],
         "locality": locality,
-        "locality_slack": slack,
         "ledger": f"sqlite:///{ledger}",
         "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"}
                     for t in ("solo", "t1", "t2")],
@@ -189,8 +188,7 @@ def choice_cost(opening_words: int, engines: int) -> float:
 def run(model: Path, duration: float = 40.0, warmup: float = 5.0, rounds: int = 3,
         conversations: int = 12, slots: int = 16, opening_words: int = 128, turns: int = 8,
         turn_words: int = 10, max_tokens: int = 16, pause_s: float = 0.2,
-        kv_bytes: int = 8 * 1024 * 1024, slack: float = 1.0,
-        workdir: Path | None = None) -> dict[str, Any]:
+        kv_bytes: int = 8 * 1024 * 1024, workdir: Path | None = None) -> dict[str, Any]:
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-conversations-"))
     ports = [free_port() for _ in range(2)]
     binds = cpu_binds(2, sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
@@ -204,8 +202,7 @@ def run(model: Path, duration: float = 40.0, warmup: float = 5.0, rounds: int = 
     gateways: dict[str, Server] = {}
     for locality in ("tenant", "conversation"):
         config = home / f"gateway-{locality}.yaml"
-        config.write_text(_gateway_config(urls, locality, home / f"usage-{locality}.db", slots,
-                                          slack))
+        config.write_text(_gateway_config(urls, locality, home / f"usage-{locality}.db", slots))
         port = free_port()
         gateways[locality] = Server(
             [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
@@ -246,8 +243,7 @@ def run(model: Path, duration: float = 40.0, warmup: float = 5.0, rounds: int = 
                        "conversations": conversations, "slots_per_engine": slots,
                        "opening_words": opening_words, "turns": turns,
                        "turn_words": turn_words, "max_tokens": max_tokens, "pause_s": pause_s,
-                       "kv_cache_bytes": kv_bytes, "locality_slack": slack,
-                       "engines": "2 x tiny"},
+                       "kv_cache_bytes": kv_bytes, "engines": "2 x tiny"},
         "paths": metric,
         "conversation_over_direct": {
             "hit_rate": ratio_summary(metric["conversation"]["hit_rate"],

@@ -218,12 +218,11 @@ class GatewayConfig:
     # A tenant's preferred engine keeps its requests while it has at most this many more
     # in flight than the least loaded engine of the pool (prefix-cache locality).
     pool_affinity: int = 2
-    # "conversation": an unpaced tenant's request goes to the engine its conversation's
-    # opening hashes to (rendezvous), within ``locality_slack`` of an even share of the
-    # pool's requests in flight, so its turns find their cached prefix there
-    # (``dispatch.Dispatcher.choose``); "tenant": by tenant and load (``pool_affinity``).
+    # "conversation": an unpaced tenant's request goes to the engine that served its
+    # conversation's last turn (else the one its opening hashes to), within
+    # ``pool_affinity`` of the least loaded, so its turns find their cached prefix there
+    # (``dispatch.Dispatcher.choose``); "tenant": the tenant's engine within that bound.
     locality: str = "conversation"
-    locality_slack: float = 1.0
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
     # How often engines with ``discovery: dns`` are resolved again.
@@ -441,7 +440,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
                       "routing", "pool_affinity", "metrics_idle_after",
-                      "discovery_interval", "locality", "locality_slack"))
+                      "discovery_interval", "locality"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -502,7 +501,6 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         routing=_routing(root.get("routing", "pool")),
         pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
         locality=_locality(root.get("locality", "conversation")),
-        locality_slack=_slack(root.get("locality_slack", 1.0)),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
         source=source,
@@ -512,17 +510,9 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
 def _locality(value: Any) -> str:
     if value not in ("conversation", "tenant"):
         raise ConfigError(f"locality: expected 'conversation' (each conversation on the engine "
-                          f"that holds its prefix, within locality_slack of an even load) or "
+                          f"that holds its prefix, within pool_affinity of the least loaded) or "
                           f"'tenant' (a tenant's engine while it has room), got {value!r}")
     return str(value)
-
-
-def _slack(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= 10 or value != value:
-        raise ConfigError(f"locality_slack: expected a number from 0 to 10 (the share of an "
-                          f"even load an engine may take beyond it for locality), got {value!r}")
-    return float(value)
 
 
 def _routing(value: Any) -> str:

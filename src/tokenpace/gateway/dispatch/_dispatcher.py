@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -538,51 +537,38 @@ class Dispatcher:
 
     def _conversation_engine(self, pool: Pool, affinity: bytes) -> EngineSlots | None:
         """The engine a conversation's turn goes to: its home (the engine its last turn went
-        to, if this gateway saw it), then the others in the conversation's rendezvous order;
-        the first that has room and stays within the load bound, else the least loaded
-        engine with room. The engine chosen becomes the conversation's home.
+        to, if this gateway saw it), else the first in the conversation's rendezvous order,
+        while that engine has room and at most ``pool_affinity`` more of the gateway's
+        requests in flight than the least loaded engine with room; otherwise the least
+        loaded. The engine chosen becomes the conversation's home.
 
-        The bound is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
-        2018): with m of the gateway's requests in flight on the n engines that take
-        requests, an engine takes a turn for locality only while it has fewer than
-        ``ceil((1 + locality_slack) (m + 1) / n)`` in flight, so no engine runs more than
-        ``1 + locality_slack`` times an even share (plus one) because of locality. A
-        conversation that spills over the bound stays where it went (its prefix is cached
-        there now): an engine that hashing gave more conversations than its share sheds
-        them for good instead of one turn at a time. A new conversation's first choice
-        depends only on its key and the engines' urls, so every replica starts it on the
-        same engine.
+        The bound is the one a tenant's own engine has (``locality: tenant``), per
+        conversation instead of per tenant: no engine is more than ``pool_affinity``
+        requests ahead of another because of locality, so engines stay as evenly loaded as
+        before while each conversation's turns meet their cached prefix. A conversation that
+        spills stays where it went (its prefix is cached there now): an engine that hashing
+        gave more conversations than its share sheds them for good instead of one turn at a
+        time. A new conversation's first choice depends only on its key and the engines'
+        urls, so every replica starts it on the same engine.
 
         Cost: one dict lookup and move for the home, a BLAKE2b per engine of the pool
         (0.5 us each) to rank them, O(engines) comparisons.
         """
-        candidates = [e for e in pool.engines if e.accepts]
-        if not candidates:
+        open_engines = [e for e in pool.engines if e.accepts and self._open(e)]
+        if not open_engines:
             return None
-        inflight = sum(e.inflight for e in candidates)
-        bound = math.ceil((1 + self._config.locality_slack) * (inflight + 1) / len(candidates))
+        least = min(open_engines, key=lambda e: e.inflight)
         homes = self._homes
         home_url = homes.get(affinity)
-        ranked = sorted(candidates, key=lambda e: (e.url == home_url,
-                                                   _affinity_score(e.url, affinity)),
-                        reverse=True)
-        chosen: EngineSlots | None = None
-        least: EngineSlots | None = None
-        for engine in ranked:
-            if not self._open(engine):
-                continue
-            if engine.inflight < bound:
-                chosen = engine
-                break
-            if least is None or engine.inflight < least.inflight:
-                least = engine
-        chosen = chosen or least
-        if chosen is not None:
-            if home_url is not None:
-                homes.move_to_end(affinity)
-            homes[affinity] = chosen.url
-            if len(homes) > CONVERSATION_HOMES:
-                homes.popitem(last=False)  # the conversation unheard of longest
+        home = next((e for e in open_engines if e.url == home_url), None)
+        preferred = home or max(open_engines, key=lambda e: _affinity_score(e.url, affinity))
+        chosen = preferred if preferred.inflight <= least.inflight + self._config.pool_affinity \
+            else least
+        if home_url is not None:
+            homes.move_to_end(affinity)
+        homes[affinity] = chosen.url
+        if len(homes) > CONVERSATION_HOMES:
+            homes.popitem(last=False)  # the conversation unheard of longest
         return chosen
 
     def _open(self, engine: EngineSlots) -> bool:
