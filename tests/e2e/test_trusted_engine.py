@@ -5,9 +5,9 @@ the engine's key (vLLM's own ``--api-key`` would leave ``/tokenize``, ``/metrics
 rest open), the gateway gets through with the key from its configuration, two tenants
 sending the same prompt do not share cached prefix blocks unless configured to (vLLM's
 ``prompt_tokens_details.cached_tokens``), a prompt sent again is charged its cached tokens at
-``cost.cached_prompt`` (budget and ledger; completions and Anthropic Messages, streamed and
-not), and a gateway whose lanes need ``--scheduling-policy priority`` sees that this engine
-runs ``fcfs``.
+``cost.cached_prompt`` (budget and ledger; completions, Responses and Anthropic Messages,
+streamed and not), and a gateway whose lanes need ``--scheduling-policy priority`` sees
+that this engine runs ``fcfs``.
 """
 
 from __future__ import annotations
@@ -225,7 +225,9 @@ def _charged(gw: GatewayProcess, path: str, body: dict[str, Any]) -> tuple[Any, 
 @pytest.mark.parametrize("path, stream", [("/v1/completions", False),
                                           ("/v1/completions", True),
                                           ("/v1/messages", True),
-                                          ("/v1/messages", False)])
+                                          ("/v1/messages", False),
+                                          ("/v1/responses", True),
+                                          ("/v1/responses", False)])
 def test_a_prompt_sent_again_is_charged_its_cached_tokens_at_the_cached_price(
         gateway: GatewayProcess, path: str, stream: bool) -> None:
     """The engine runs with --enable-prompt-tokens-details: the second time a tenant sends
@@ -237,6 +239,8 @@ def test_a_prompt_sent_again_is_charged_its_cached_tokens_at_the_cached_price(
     if path == "/v1/messages":
         body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "stream": stream,
                                 "messages": [{"role": "user", "content": prompt}]}
+    elif path == "/v1/responses":
+        body = {"model": "tiny", "input": prompt, "max_output_tokens": 2, "stream": stream}
     else:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
         if stream:
