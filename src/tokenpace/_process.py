@@ -155,6 +155,24 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+PROMPT_TOKENS_DETAILS = "--enable-prompt-tokens-details"
+"""The vLLM flag that makes an engine report cached prompt tokens in its usage
+(``prompt_tokens_details.cached_tokens``; Messages: ``cache_read_input_tokens``), which the
+gateway prices at ``cost.cached_prompt``. Without it the count is absent and the gateway
+charges the whole prompt at ``cost.prompt``."""
+
+
+def with_prompt_tokens_details(flags: Sequence[str]) -> list[str]:
+    """``flags`` (vLLM flags for an engine behind the gateway) with
+    ``--enable-prompt-tokens-details`` added, unless the operator already said either way
+    (``--enable-prompt-tokens-details``, ``--no-enable-prompt-tokens-details``, with
+    underscores or ``=value``, as vLLM's parser accepts them)."""
+    said = {flag.split("=", 1)[0].replace("_", "-") for flag in flags if flag.startswith("--")}
+    if said & {PROMPT_TOKENS_DETAILS, "--no-" + PROMPT_TOKENS_DETAILS[2:]}:
+        return list(flags)
+    return [*flags, PROMPT_TOKENS_DETAILS]
+
+
 def vllm_server_argv(model: Path, port: int, *extra: str) -> list[str]:
     """Plain vLLM's OpenAI server on the CPU (the tiny model's usual flags, its float32 as
     ``tokenpace serve`` picks it, so that both run the same kernels on any host)."""

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ._process import with_prompt_tokens_details
 from .gateway.config import GatewayConfig
 
 ENGINE_WATCH_INTERVAL_S = 1.0
@@ -52,11 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_argv(model: str, port: int, served_names: list[str], extra: list[str],
                 policy: str = "fcfs") -> list[str]:
+    """``tokenpace serve`` for one local engine. The engine reports cached prompt tokens
+    (``--enable-prompt-tokens-details``, unless ``extra`` already says either way) so the
+    gateway can charge them at ``cost.cached_prompt``."""
     argv = [sys.executable, "-m", "tokenpace.cli", "serve", model, "--trusted-gateway",
             "--host", "127.0.0.1", "--port", str(port), "--scheduling-policy", policy]
     if served_names:
         argv += ["--served-model-name", *served_names]
-    return argv + extra
+    return argv + with_prompt_tokens_details(extra)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ What only a real vLLM server can show: every route that does work refuses a call
 the engine's key (vLLM's own ``--api-key`` would leave ``/tokenize``, ``/metrics`` and the
 rest open), the gateway gets through with the key from its configuration, two tenants
 sending the same prompt do not share cached prefix blocks unless configured to (vLLM's
-``prompt_tokens_details.cached_tokens``), and a gateway whose lanes need
-``--scheduling-policy priority`` sees that this engine runs ``fcfs``.
+``prompt_tokens_details.cached_tokens``), a prompt sent again is charged its cached tokens at
+``cost.cached_prompt`` (budget and ledger; completions, Responses and Anthropic Messages,
+streamed and not), and a gateway whose lanes need ``--scheduling-policy priority`` sees
+that this engine runs ``fcfs``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from tests.gateway.conftest import GatewayProcess
 pytestmark = pytest.mark.vllm
 
 ENGINE_KEY = "sk-engine-" + uuid.uuid4().hex
-KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "d": "sk-d"}
+KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "d": "sk-d", "e": "sk-e"}
+# Cached prompt tokens cost a tenth of a computed one (issue 41); team-e has a budget that
+# barely refills (100 000 a year: 0.003 per second) to read its charges from.
+COST = {"prompt": 1.0, "cached_prompt": 0.1, "completion": 1.0}
+BUDGET = {"tokens": 100_000, "per": "365d"}
 
 # Routes of vLLM 0.32's OpenAI server that do work or reveal something, and made-up ones
 # (the middleware refuses by default, not by list).
@@ -125,7 +131,9 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "engines": [{"url": engine.base_url, "api_key_env": "TOKENPACE_TEST_ENGINE_KEY",
                      "scheduling_policy": "priority"}],
         "ledger": f"sqlite:///{home / 'usage.db'}",
-        "tenants": [{"id": f"team-{t}", "api_keys": [key], "share_prefix_cache": t in "cd"}
+        "cost": COST,
+        "tenants": [{"id": f"team-{t}", "api_keys": [key], "share_prefix_cache": t in "cd",
+                     **({"budgets": [BUDGET]} if t == "e" else {})}
                     for t, key in KEYS.items()],
     }
     mp = pytest.MonkeyPatch()
@@ -194,3 +202,60 @@ def test_tenants_count_and_decode_through_the_gateway(gateway: GatewayProcess) -
     assert "hello world" in back.json()["prompt"]
     assert httpx.post(f"{gateway.url}/tokenize", timeout=30,
                       json={"model": "tiny", "prompt": "hi"}).status_code == 401
+
+
+def _charged(gw: GatewayProcess, path: str, body: dict[str, Any]) -> tuple[Any, float]:
+    """Send ``body`` for team-e; its ledger row, and what its budget was charged (the
+    budget's level before less after, read once the row, written after the settlement,
+    is there)."""
+    before = gw.metric("tokenpace_gateway_budget_remaining_tokens", tenant="team-e")
+    resp = httpx.post(f"{gw.url}{path}", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {KEYS['e']}"})
+    assert resp.status_code == 200, resp.text
+    rid = resp.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while not (rows := [r for r in gw.rows(0, timeout_s=0) if r.request_id == rid]):
+        assert time.monotonic() < deadline, "no ledger row"
+        time.sleep(0.1)
+    after = gw.metric("tokenpace_gateway_budget_remaining_tokens", tenant="team-e")
+    assert after is not None
+    return rows[0], (BUDGET["tokens"] if before is None else before) - after
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False),
+                                          ("/v1/completions", True),
+                                          ("/v1/messages", True),
+                                          ("/v1/messages", False),
+                                          ("/v1/responses", True),
+                                          ("/v1/responses", False)])
+def test_a_prompt_sent_again_is_charged_its_cached_tokens_at_the_cached_price(
+        gateway: GatewayProcess, path: str, stream: bool) -> None:
+    """The engine runs with --enable-prompt-tokens-details: the second time a tenant sends
+    the same long prompt, the engine reports most of it cached, and the gateway charges
+    those tokens at cost.cached_prompt in its budget and ledger row (the reservation took
+    the whole prompt at cost.prompt first). Messages: vLLM reports ``input_tokens`` less
+    the cached tokens; the gateway still records the whole prompt."""
+    prompt = _prompt()
+    if path == "/v1/messages":
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "stream": stream,
+                                "messages": [{"role": "user", "content": prompt}]}
+    elif path == "/v1/responses":
+        body = {"model": "tiny", "input": prompt, "max_output_tokens": 2, "stream": stream}
+    else:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+    first, first_charge = _charged(gateway, path, body)
+    second, second_charge = _charged(gateway, path, body)
+    assert first.cached_prompt_tokens == 0 and first.prompt_tokens > 250
+    assert second.prompt_tokens == first.prompt_tokens  # the whole prompt, cached or not
+    assert 0 < second.cached_prompt_tokens <= second.prompt_tokens
+    full = COST["prompt"] * second.prompt_tokens + COST["completion"] * second.completion_tokens
+    cached = second.cached_prompt_tokens
+    assert second.cost == pytest.approx(full - (COST["prompt"] - COST["cached_prompt"]) * cached)
+    assert first.cost == pytest.approx(
+        COST["prompt"] * first.prompt_tokens + COST["completion"] * first.completion_tokens)
+    # The budget was charged the ledger's cost (refill over the test: well under 0.5).
+    assert first_charge == pytest.approx(first.cost, abs=0.5)
+    assert second_charge == pytest.approx(second.cost, abs=0.5)
+    assert second_charge < full - 100

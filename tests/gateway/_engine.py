@@ -13,7 +13,10 @@ the engine's. Its "tokenizer" counts bytes; prompts steer it:
   written in two pieces cut inside a multi-byte character.
 
 Like vLLM, continuous usage (``continuous_usage_stats``) counts the tokens of the chunk's
-own choice; the final usage chunk counts all choices.
+own choice; the final usage chunk counts all choices. With ``cached_tokens`` set it reports
+that many of the prompt's tokens (at most the prompt) as found in its prefix cache, as vLLM
+does with ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``
+in a non-streamed answer and in the final usage chunk only.
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ class FakeEngine:
     # shutdown (500, "cannot schedule new futures after shutdown"), not recorded; /health
     # stays 200 and completions already running go on. Counted in ``unavailable_answers``.
     shutting_down: bool = False
+    # Prompt tokens reported as cached (prompt_tokens_details); None: no details, as vLLM
+    # without --enable-prompt-tokens-details.
+    cached_tokens: int | None = None
+
+    def usage_details(self, prompt_tokens: int) -> dict[str, Any]:
+        """The ``prompt_tokens_details`` part of a final usage, as vLLM 0.32 writes it."""
+        if self.cached_tokens is None:
+            return {}
+        return {"prompt_tokens_details": {"cached_tokens": min(self.cached_tokens, prompt_tokens),
+                                          "created_cache_tokens": None,
+                                          "multimodal_tokens": None}}
 
     def reset_peak(self) -> None:
         self.peak = self.active
@@ -201,7 +215,8 @@ class FakeEngine:
             return JSONResponse({
                 "id": "cmpl-fake", "object": kind, "model": body["model"], "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens * n,
-                          "total_tokens": prompt_tokens + max_tokens * n},
+                          "total_tokens": prompt_tokens + max_tokens * n,
+                          **self.usage_details(prompt_tokens)},
             })
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage"))
@@ -242,7 +257,8 @@ class FakeEngine:
                             yield event
                 if include_usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": seen.streamed,
-                             "total_tokens": prompt_tokens + seen.streamed}
+                             "total_tokens": prompt_tokens + seen.streamed,
+                             **self.usage_details(prompt_tokens)}
                     final = {"id": "cmpl-fake", "choices": [], "usage": usage}
                     yield f"data: {json.dumps(final, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"

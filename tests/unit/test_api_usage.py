@@ -13,6 +13,7 @@ from tokenpace.gateway.wire import (
     EventScanner,
     EventSplitter,
     GatewayError,
+    answer_cached,
     answer_usage,
     count_calls,
     parse_request,
@@ -302,3 +303,103 @@ def test_an_applications_own_end_user_rate_goes_with_the_end_user() -> None:
     sent = json.loads(engine_body(req, EngineInstructions(user="t", rate=None, priority=0, max_tokens=2,
                                   application="bot", application_end_user_rate=3.0)))["vllm_xargs"]
     assert not any("end_user" in key for key in sent)
+
+
+# -- cached prompt tokens (cost.cached_prompt) ---------------------------------------------
+# The layouts vLLM 0.32 writes with --enable-prompt-tokens-details (its pydantic models,
+# dumped with exclude_unset): chat and completions carry prompt_tokens_details in the final
+# usage chunk only; Messages carries cache_read_input_tokens in message_delta only, with
+# input_tokens the prompt *less* its cached tokens; Responses always reports them.
+
+CHAT_STREAM_CACHED = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],'
+    b'"usage":{"prompt_tokens":40,"total_tokens":40,"completion_tokens":0}}\n\n'
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"content":"ab"},"finish_reason":"length"}],'
+    b'"usage":{"prompt_tokens":40,"total_tokens":42,"completion_tokens":2}}\n\n'
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny",'
+    b'"choices":[],"usage":{"prompt_tokens":40,"total_tokens":42,"completion_tokens":2,'
+    b'"prompt_tokens_details":{"cached_tokens":32,"created_cache_tokens":null,'
+    b'"multimodal_tokens":null}}}\n\n'
+    b'data: [DONE]\n\n'
+)
+
+
+@pytest.mark.parametrize("wants_usage", [False, True])
+@pytest.mark.parametrize("cut", [1, 17, 100_000])
+def test_a_chat_stream_reads_cached_tokens_from_the_final_usage(cut: int,
+                                                                 wants_usage: bool) -> None:
+    rewriter, splitter, out = ChunkRewriter(wants_usage, False), EventSplitter(), []
+    seen = []
+    for at in range(0, len(CHAT_STREAM_CACHED), cut):
+        for payload in splitter.feed(CHAT_STREAM_CACHED[at:at + cut]):
+            event = rewriter.event(payload)
+            seen.append(rewriter.progress.cached_tokens)
+            if event is not None:
+                out.append(event)
+    assert seen == [None, None, 32, 32]  # known from the final usage chunk on
+    p = rewriter.progress
+    assert (p.prompt_tokens, p.cached_tokens, p.completion_tokens, p.done) == (40, 32, 2, True)
+    # The final usage chunk goes to the client whole when it asked for usage, else not at all.
+    assert any(b'"cached_tokens":32' in e for e in out) == wants_usage
+
+
+def test_a_chat_stream_without_details_reports_no_cached_count() -> None:
+    rewriter = ChunkRewriter(False, False)
+    rewriter.event(b'{"choices":[],"usage":{"prompt_tokens":40,"total_tokens":42,'
+                   b'"completion_tokens":2}}')
+    assert rewriter.progress.prompt_tokens == 40 and rewriter.progress.cached_tokens is None
+
+
+MESSAGES_STREAM_CACHED = MESSAGES_STREAM.replace(
+    b'"usage":{"input_tokens":23,"output_tokens":4}',
+    b'"usage":{"input_tokens":7,"output_tokens":4,"cache_read_input_tokens":16}')
+
+
+@pytest.mark.parametrize("cut", [1, 13, 100_000])
+def test_a_messages_stream_adds_the_cache_read_back_to_the_prompt(cut: int) -> None:
+    scanner, splitter = EventScanner(), EventSplitter()
+    for at in range(0, len(MESSAGES_STREAM_CACHED), cut):
+        for payload in splitter.feed(MESSAGES_STREAM_CACHED[at:at + cut]):
+            scanner.event(payload)
+    p = scanner.progress
+    # input_tokens (7) is what was not cached: the prompt is 7 + 16, as message_start said.
+    assert (p.prompt_tokens, p.cached_tokens, p.completion_tokens, p.done) == (23, 16, 4, True)
+
+
+RESPONSES_STREAM_CACHED = RESPONSES_STREAM.replace(b'{"cached_tokens":0}', b'{"cached_tokens":16}')
+
+
+@pytest.mark.parametrize("cut", [1, 100_000])
+def test_a_responses_stream_reads_input_tokens_details(cut: int) -> None:
+    scanner, splitter = EventScanner(), EventSplitter()
+    for at in range(0, len(RESPONSES_STREAM_CACHED), cut):
+        for payload in splitter.feed(RESPONSES_STREAM_CACHED[at:at + cut]):
+            scanner.event(payload)
+    p = scanner.progress
+    assert (p.prompt_tokens, p.cached_tokens, p.completion_tokens) == (23, 16, 5)
+    scanner = EventScanner()
+    for payload in EventSplitter().feed(RESPONSES_STREAM):
+        scanner.event(payload)
+    assert scanner.progress.cached_tokens == 0  # Responses report a miss as 0
+
+
+def test_non_streamed_answers_report_their_cached_tokens() -> None:
+    chat = {"choices": [{"finish_reason": "stop"}], "usage": {
+        "prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32, "created_cache_tokens": None}}}
+    assert answer_usage("chat", chat) == (40, 2, "stop")
+    assert answer_cached("chat", chat) == 32
+    assert answer_cached("completion", chat) == 32
+    del chat["usage"]["prompt_tokens_details"]  # type: ignore[attr-defined]
+    assert answer_cached("chat", chat) is None  # the engine runs without the flag
+    messages = {"stop_reason": "end_turn", "usage": {
+        "input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 16,
+        "cache_creation_input_tokens": 1}}
+    assert answer_usage("messages", messages) == (24, 2, "stop")
+    assert answer_cached("messages", messages) == 16
+    responses = {"status": "completed", "usage": {
+        "input_tokens": 23, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 16}}}
+    assert answer_cached("responses", responses) == 16
+    assert answer_cached("responses", {"usage": None}) is None

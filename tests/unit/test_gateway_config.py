@@ -115,6 +115,8 @@ def test_limits_in_observe_mode_are_kept_apart_from_enforced_ones() -> None:
     ("engines", KeyError, "engines: required"),
     ("tenants", KeyError, "tenants: required"),
     ("cost.prompt", -1, "cost.prompt"),
+    ("cost.cached_prompt", -0.5, "cost.cached_prompt"),
+    ("cost.cached_prompt", "cheap", "cost.cached_prompt"),
     ("lanes.1.name", "interactive", "lane names must be unique"),
     ("lanes.0.priority", "high", "lanes[0].priority"),
     ("request_timeout", "soon", "request_timeout"),
@@ -132,6 +134,7 @@ def test_limits_in_observe_mode_are_kept_apart_from_enforced_ones() -> None:
     ("models", [{"aliases": ["x"]}], "models[0].name: required"),
     ("models", [{"name": "a", "colour": 1}], "models[0].colour: unknown key"),
     ("models", [{"name": "a", "cost": {"prompt": -1}}], "models[0].cost.prompt"),
+    ("models", [{"name": "a", "cost": {"cached_prompt": True}}], "models[0].cost.cached_prompt"),
     ("models", [{"name": "a"}, {"name": "b", "aliases": ["a"]}], "'a' is already given at models[0].name"),
     ("tenants.0.models", [], "tenants[0].models: at least one model"),
 ])
@@ -249,6 +252,9 @@ def test_models_aliases_costs_and_allow_lists() -> None:
     assert parsed.served_name("gpt-4o") == "llama-70b" and parsed.served_name("coder") == "coder"
     assert parsed.cost_of("llama-70b").of(10, 10) == 80
     assert parsed.cost_of("coder") == parsed.cost  # the top-level coefficients
+    # cached_prompt absent: cached prompt tokens cost what the model's prompt tokens cost.
+    assert parsed.cost_of("llama-70b").cached_prompt == 2
+    assert parsed.cost_of("llama-70b").of(10, 10, cached_tokens=10) == 80
     assert parsed.tenants[0].may_use("llama-70b") and not parsed.tenants[0].may_use("coder")
     assert parsed.tenants[1].models is None and parsed.tenants[1].may_use("coder")
     assert parsed.routing == "pool" and parsed.pool_affinity == 2
@@ -261,3 +267,20 @@ def test_models_aliases_costs_and_allow_lists() -> None:
     config["models"][0]["aliases"] = ["coder"]
     with pytest.raises(ConfigError, match="alias 'coder'"):
         parse_config(config)
+
+
+def test_cached_prompt_coefficient_top_level_and_per_model() -> None:
+    config = copy.deepcopy(GOOD)
+    config["cost"] = {"prompt": 1.0, "cached_prompt": 0.25, "completion": 2.0}
+    config["engines"] = [{"url": "http://127.0.0.1:8001", "models": ["big", "small"]}]
+    config["models"] = [{"name": "big", "cost": {"prompt": 2, "cached_prompt": 0,
+                                                  "completion": 6}}]
+    parsed = parse_config(config)
+    assert parsed.cost.cached_prompt == 0.25
+    # 100 prompt tokens, 60 of them cached, 10 generated: 40 x 1 + 60 x 0.25 + 10 x 2.
+    assert parsed.cost_of("small").of(100, 10, cached_tokens=60) == 75.0
+    assert parsed.cost_of("big").of(100, 10, cached_tokens=60) == 40 * 2 + 10 * 6
+    # A model's own cost section does not inherit the top level's cached_prompt: absent
+    # there, it is that model's prompt coefficient.
+    config["models"] = [{"name": "big", "cost": {"prompt": 2, "completion": 6}}]
+    assert parse_config(config).cost_of("big").cached_prompt == 2

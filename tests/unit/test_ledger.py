@@ -84,7 +84,8 @@ def check_round_trip(url: str) -> None:
     recs = mixed_records()
     recs.append(
         UsageRecord("req-ü", "tenant ü", "m/ö", "lane", 2**40, 3, 1.5e-7, 0.0, None, 1e-3,
-                    "stop", T0 - 100.123456789, T0 - 99.987654321, application="app/ü 1")
+                    "stop", T0 - 100.123456789, T0 - 99.987654321, application="app/ü 1",
+                    cached_prompt_tokens=2**39)
     )
     ledger = open_ledger(url, flush_interval_s=60)
     for rec in reversed(recs):
@@ -322,6 +323,52 @@ def check_a_ledger_without_application_is_migrated(
         reader.close()
 
 
+APPLICATIONS_REQUESTS_TABLE = PREVIOUS_REQUESTS_TABLE.replace(
+    "route TEXT NOT NULL DEFAULT '')",
+    "route TEXT NOT NULL DEFAULT '', application TEXT NOT NULL DEFAULT '')")
+"""The ``requests`` table of the version before cached prompt tokens were kept."""
+
+
+def check_a_ledger_without_cached_tokens_is_migrated(
+    url: str, execute: Any, integer: str, real: str
+) -> None:
+    """A ledger of the version before ``cached_prompt_tokens`` opens: the column is added
+    with 0 for the old rows (charged in full), an insert of the previous version (which
+    does not name the column) still works, and the totals count cached tokens of served
+    rows only."""
+    execute(APPLICATIONS_REQUESTS_TABLE.format(integer=integer, real=real))
+    execute("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
+    old = "INSERT INTO requests (request_id, tenant, model, lane, prompt_tokens, " \
+          "completion_tokens, cost, queue_ms, ttft_ms, e2e_ms, finish_reason, started_at, " \
+          "ended_at, served, route, application) VALUES ('{id}', 'acme', 'tiny', 'lane', " \
+          "10, 5, 20.0, NULL, NULL, 1.0, 'stop', {t}, {t}, 1, '/v1/chat/completions', '')"
+    execute(old.format(id="a", t=T0))
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        assert [(r.request_id, r.cached_prompt_tokens) for r in ledger.rows()] == [("a", 0)]
+        execute(old.format(id="b", t=T0 + 1))  # the previous version's insert
+        cached = UsageRecord("c", "acme", "tiny", "lane", 100, 2, 30.0, 1.0, 2.0, 3.0,
+                             "stop", T0 + 2, T0 + 2, cached_prompt_tokens=80)
+        refused = UsageRecord("d", "acme", "tiny", "lane", 100, 0, 0.0, None, None, 1.0,
+                              "rejected:budget", T0 + 3, T0 + 3, served=False,
+                              cached_prompt_tokens=7)  # not served: not in the total
+        ledger.record(cached)
+        ledger.record(refused)
+        ledger.flush()
+        assert [(r.request_id, r.cached_prompt_tokens) for r in ledger.rows()] == [
+            ("a", 0), ("b", 0), ("c", 80), ("d", 7)]
+        assert ledger.usage() == [UsageTotal("acme", 4, 120, 12, 70.0, 1, 100,
+                                             cached_prompt_tokens=80)]
+    finally:
+        ledger.close()
+    open_ledger(url).close()  # migrating again is a no-op
+    reader = open_ledger(url)
+    try:
+        assert len(reader.rows()) == 4
+    finally:
+        reader.close()
+
+
 # -- SQLite ------------------------------------------------------------------------------
 
 
@@ -379,6 +426,20 @@ def test_a_ledger_without_application_is_migrated(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         column = [c for c in conn.execute("PRAGMA table_info(requests)") if c[1] == "application"]
     assert [(c[2], c[3], c[4]) for c in column] == [("TEXT", 1, "''")]  # NOT NULL DEFAULT ''
+
+
+def test_a_ledger_without_cached_tokens_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+
+    def execute(sql: str) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_cached_tokens_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    with sqlite3.connect(path) as conn:
+        column = [c for c in conn.execute("PRAGMA table_info(requests)")
+                  if c[1] == "cached_prompt_tokens"]
+    assert [(c[2], c[3], c[4]) for c in column] == [("INTEGER", 1, "0")]  # NOT NULL DEFAULT 0
 
 
 def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:

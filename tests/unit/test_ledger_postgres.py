@@ -30,6 +30,7 @@ from tokenpace.gateway.ledger import LedgerError, open_ledger
 from .test_ledger import (
     T0,
     check_a_ledger_without_application_is_migrated,
+    check_a_ledger_without_cached_tokens_is_migrated,
     check_an_old_ledger_is_migrated,
     check_budgets_survive_restart,
     check_rewritten_rows_are_recorded_once,
@@ -188,6 +189,7 @@ def test_schema_types_and_idempotent_creation(pg_url: str) -> None:
     assert types["ended_at"] == "double precision"
     assert types["request_id"] == "text"
     assert types["application"] == "text"
+    assert types["cached_prompt_tokens"] == "bigint"
     assert {"requests_ended_at", "requests_tenant"} <= indexes
 
 
@@ -262,3 +264,12 @@ def test_a_ledger_without_application_is_migrated(pg_url: str) -> None:
             conn.execute(sql)
 
     check_a_ledger_without_application_is_migrated(pg_url, execute, "BIGINT", "DOUBLE PRECISION")
+
+
+def test_a_ledger_without_cached_tokens_is_migrated(pg_url: str) -> None:
+    def execute(sql: str) -> None:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_cached_tokens_is_migrated(pg_url, execute, "BIGINT",
+                                                     "DOUBLE PRECISION")

@@ -65,3 +65,18 @@ def test_cpu_engines_side_by_side_get_cores_of_their_own() -> None:
     assert cpu_binds(1, [0, 1], True, {}) == [None]  # vLLM's own choice
     assert cpu_binds(2, [0, 1], False, {}) == [None, None]  # the GPU package
     assert cpu_binds(2, [0, 1], True, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == [None, None]
+
+
+def test_engines_report_cached_prompt_tokens_unless_the_operator_said_otherwise() -> None:
+    """The gateway prices cached prompt tokens (cost.cached_prompt) only where the engine
+    reports them: `tokenpace up` asks each engine it starts to, and keeps the operator's
+    own word either way."""
+    from tokenpace.up import engine_argv
+
+    flag = "--enable-prompt-tokens-details"
+    assert engine_argv("m", 8001, [], []).count(flag) == 1
+    assert engine_argv("m", 8001, [], ["--max-num-seqs", "4"])[-1] == flag
+    for said in ([flag], ["--enable_prompt_tokens_details"], ["--no-enable-prompt-tokens-details"],
+                 [f"{flag}=true"]):
+        argv = engine_argv("m", 8001, ["tiny"], said)
+        assert argv[-len(said):] == said and argv.count(flag) == said.count(flag)

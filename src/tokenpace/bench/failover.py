@@ -41,7 +41,13 @@ from typing import Any
 import aiohttp
 import httpx
 
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import (
+    PROMPT_TOKENS_DETAILS,
+    Server,
+    free_port,
+    start_all,
+    tokenpace_serve_argv,
+)
 from ..gateway.ledger import open_ledger
 from ..up import CPU_BIND_ENV, cpu_binds
 from ._environment import environment
@@ -179,7 +185,8 @@ def run(model: Path, kill_after: float = 10.0, down_for: float = 10.0,
 
     def engine(port: int, bind: str | None, start: int) -> Server:
         return Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
-                                           "--max-num-seqs", str(2 * max_inflight)),
+                                           "--max-num-seqs", str(2 * max_inflight),
+                                           PROMPT_TOKENS_DETAILS),
                       port, home / f"engine-{port}-{start}.log",
                       env={CPU_BIND_ENV: bind or "", "VLLM_API_KEY": ENGINE_KEY})
 

@@ -46,7 +46,13 @@ import httpx
 from ._environment import environment
 from ._load import StreamRecord, percentile, stream_completion
 from ._redis_server import RedisServer
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import (
+    PROMPT_TOKENS_DETAILS,
+    Server,
+    free_port,
+    start_all,
+    tokenpace_serve_argv,
+)
 from ._service import Request, service_difference, service_windows
 
 PROMPT_COST, COMPLETION_COST = 1.0, 2.0
@@ -388,7 +394,8 @@ def run(model: Path, duration: float = 90.0, period_s: float = 15.0, window_s: f
     engine_port = free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
                                          "--allow-unauthenticated-trusted-gateway",
-                                         "--max-num-seqs", str(max(max_inflight, 16))),
+                                         "--max-num-seqs", str(max(max_inflight, 16)),
+                                         PROMPT_TOKENS_DETAILS),
                     engine_port, home / "engine.log")
     gateways: dict[tuple[int, str], list[Server]] = {}
     try:

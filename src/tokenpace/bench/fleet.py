@@ -56,7 +56,13 @@ from typing import Any
 
 import aiohttp
 
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import (
+    PROMPT_TOKENS_DETAILS,
+    Server,
+    free_port,
+    start_all,
+    tokenpace_serve_argv,
+)
 from ..engine import read_charges
 from ..up import CPU_BIND_ENV, cpu_binds
 from ._environment import environment
@@ -214,7 +220,8 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
     event_logs = [home / f"events-{port}.jsonl" for port in ports]
     engines = [Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
                                            "--max-num-seqs", str(2 * max_inflight),
-                                           "--output-rate-event-log", str(log)),
+                                           "--output-rate-event-log", str(log),
+                                           PROMPT_TOKENS_DETAILS),
                       port, home / f"engine-{port}.log",
                       env={CPU_BIND_ENV: bind or "", "VLLM_API_KEY": ENGINE_KEY})
                for port, bind, log in zip(ports, binds, event_logs)]

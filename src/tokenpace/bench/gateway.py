@@ -65,7 +65,13 @@ from typing import Any
 import aiohttp
 import httpx
 
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import (
+    PROMPT_TOKENS_DETAILS,
+    Server,
+    free_port,
+    start_all,
+    tokenpace_serve_argv,
+)
 from ..gateway.state import StateConfig
 from . import _control
 from ._environment import environment
@@ -401,7 +407,8 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
     nonce = f"{random.getrandbits(32):08x}"
     engine_port, fast_port = free_port(), free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
-                                         "--allow-unauthenticated-trusted-gateway"), engine_port,
+                                         "--allow-unauthenticated-trusted-gateway",
+                                         PROMPT_TOKENS_DETAILS), engine_port,
                     home / "engine.log")
     fast = Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(fast_port)],
                   fast_port, home / "fast-upstream.log")

@@ -14,13 +14,14 @@ from ._budget import (
     parse_duration,
     tightest,
 )
-from ._cost import CostModel
+from ._cost import CostModel, cached_part
 from ._vtc import FairQueue, LaneSpec
 
 __all__ = [
     "BudgetRefusal",
     "BudgetSpec",
     "CostModel",
+    "cached_part",
     "FairQueue",
     "Headroom",
     "LaneSpec",

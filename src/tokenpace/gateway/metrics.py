@@ -85,6 +85,12 @@ PROMPT_TOKENS = Counter(
     "tokenpace_gateway_prompt_tokens", "Prompt tokens of requests that reached an engine.",
     ["tenant", "lane"], registry=REGISTRY,
 )
+CACHED_PROMPT_TOKENS = Counter(
+    "tokenpace_gateway_cached_prompt_tokens", "Of the prompt tokens of requests that reached "
+    "an engine, those the engine found in its prefix cache (charged at cost.cached_prompt; "
+    "counted only where the engine reports them: --enable-prompt-tokens-details).",
+    ["tenant", "lane"], registry=REGISTRY,
+)
 PROMPT_BOUND_VIOLATIONS = Counter(
     "tokenpace_gateway_prompt_bound_violations", "Prompts with more tokens than the byte bound "
     "they were admitted on (the bound is then off for that engine and model).",
@@ -95,8 +101,9 @@ COMPLETION_TOKENS = Counter(
     ["tenant", "lane"], registry=REGISTRY,
 )
 SERVICE = Counter(
-    "tokenpace_gateway_service_cost", "Service cost charged (cost.prompt x prompt + "
-    "cost.completion x completion).", ["tenant", "lane"], registry=REGISTRY,
+    "tokenpace_gateway_service_cost", "Service cost charged (cost.prompt x uncached prompt + "
+    "cost.cached_prompt x cached prompt + cost.completion x completion).",
+    ["tenant", "lane"], registry=REGISTRY,
 )
 QUEUE_SECONDS = Histogram(
     "tokenpace_gateway_queue_seconds", "Time from admission to dispatch to an engine.",
@@ -368,6 +375,7 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     APPLICATION_REQUESTS: ("tenant", "application", "outcome"),
     APPLICATION_TOKENS: ("tenant", "application", "kind"),
     PROMPT_TOKENS: ("tenant", "lane"),
+    CACHED_PROMPT_TOKENS: ("tenant", "lane"),
     COMPLETION_TOKENS: ("tenant", "lane"),
     SERVICE: ("tenant", "lane"),
     QUEUE_SECONDS: ("tenant",),

@@ -785,9 +785,10 @@ def _cost(value: Any, where: str = "cost") -> CostModel:
     if value is None:
         return CostModel()
     m = _mapping(value, where)
-    _known(m, where, ("prompt", "completion"))
+    _known(m, where, ("prompt", "cached_prompt", "completion"))
     try:
-        return CostModel(m.get("prompt", 1.0), m.get("completion", 1.0))
+        # cached_prompt absent: the prompt coefficient (CostModel's default).
+        return CostModel(m.get("prompt", 1.0), m.get("completion", 1.0), m.get("cached_prompt"))
     except ValueError as exc:
         raise ConfigError(str(exc).replace("cost.", f"{where}.", 1)) from None
 

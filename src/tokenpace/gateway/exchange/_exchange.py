@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ...fairness import CostModel, Headroom
+from ...fairness import CostModel, Headroom, cached_part
 from .. import metrics
 from ..dispatch import Lease
 from ..engines import Learned
@@ -67,6 +67,9 @@ class Exchange:
     cost: CostModel = field(default_factory=CostModel)  # the model's coefficients
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Of the prompt, the tokens the engine found in its prefix cache, once its final usage
+    # said so (0: none, or not reported); priced by ``cost.cached_prompt`` at settlement.
+    cached_prompt_tokens: int = 0
     reserved: float = 0.0
     reservation: Reservation | None = None  # taken in the shared store (state: redis://)
     # What else it reserved: its application's budgets, limits in observe mode.
@@ -80,6 +83,7 @@ class Exchange:
     charged_tokens: int = 0  # completion tokens already charged to the fair queue
     charge_usage: bool = True
     prompt_counted: bool = False  # the prompt's cost is in the fair queue's counter
+    cache_credited: bool = False  # the cached discount is in the fair queue's counter
     # Admitted on the prompt's byte bound (no /tokenize): the bound, until the engine's
     # usage brings the exact count; and where the bound came from, to report a violation.
     prompt_bound: int | None = None
@@ -120,15 +124,30 @@ class Exchange:
             if hold.reservation is None and hold.reserved:
                 hold.settle_local(corrected, self.rt.clock())
 
+    def learn_cached(self, tokens: int | None) -> None:
+        """The engine's count of the prompt's tokens it found in its prefix cache (None:
+        not reported, e.g. an engine without ``--enable-prompt-tokens-details``; the prompt
+        is then charged in full). Read from the final usage, so it is known only after the
+        prompt ran: admission reserved the whole prompt at ``cost.prompt`` and the fair
+        queue charged it so at dispatch; ``charge_progress`` and ``finish`` apply the
+        discount."""
+        if tokens is not None and not self.finished:
+            self.cached_prompt_tokens = max(tokens, 0)
+
     def charge_progress(self) -> None:
         """Grow the tenant's fair-queue counter by the tokens generated since last time
-        (and by the prompt, once the engine's usage gave its size if it was not counted)."""
+        (and by the prompt, once the engine's usage gave its size if it was not counted);
+        once the cached count is known, take the cached discount off the prompt charged in
+        full (a negative charge of ``cost.cache_credit``, once)."""
         if self.lease is None or not self.charge_usage:
             return
         cost = 0.0
         if not self.prompt_counted and self.prompt_tokens:
             cost += self.prompt_tokens * self.cost.prompt
             self.prompt_counted = True
+        if self.cached_prompt_tokens and self.prompt_counted and not self.cache_credited:
+            cost -= self.cost.cache_credit(self.prompt_tokens, self.cached_prompt_tokens)
+            self.cache_credited = True
         delta = self.completion_tokens - self.charged_tokens
         if delta > 0:
             cost += delta * self.cost.completion
@@ -148,7 +167,9 @@ class Exchange:
             # time ran out before the first usage): its bound is charged, as the output's
             # reservation is for a non-streamed request that timed out.
             self.prompt_tokens, self.prompt_bound = self.prompt_bound, None
-        actual = (self.cost.of(self.prompt_tokens, self.completion_tokens)
+        # The settlement: the cached discount applies to the reservation made in full.
+        actual = (self.cost.of(self.prompt_tokens, self.completion_tokens,
+                               self.cached_prompt_tokens)
                   if self.charge_usage else 0.0)
         settled = False
         if self.split_on is not None and rt.rate_split is not None:
@@ -197,6 +218,10 @@ class Exchange:
                               "completion").inc(self.completion_tokens)
         if self.charge_usage and self.lease is not None:
             metrics.child(metrics.PROMPT_TOKENS, tenant, lane).inc(self.prompt_tokens)
+            if self.cached_prompt_tokens:
+                # The clamped count, the one that was priced (a cached child lookup).
+                metrics.child(metrics.CACHED_PROMPT_TOKENS, tenant, lane).inc(
+                    cached_part(self.prompt_tokens, self.cached_prompt_tokens))
             metrics.child(metrics.COMPLETION_TOKENS, tenant, lane).inc(self.completion_tokens)
             metrics.child(metrics.SERVICE, tenant, lane).inc(actual)
             metrics.child(metrics.MODEL_TOKENS, model, "prompt").inc(self.prompt_tokens)
@@ -215,6 +240,8 @@ class Exchange:
             started_at=self.started_at, ended_at=time.time(),
             served=self.charge_usage and self.lease is not None,
             route=ROUTES[self.kind], application=application,
+            cached_prompt_tokens=(cached_part(self.prompt_tokens, self.cached_prompt_tokens)
+                                  if self.charge_usage else 0),
         ))
 
 

@@ -3,6 +3,8 @@
 ``prompt_tokens`` counts served requests only, as the gateway's metrics do;
 ``unserved_prompt_tokens`` is the counted prompt size of requests that never ran (refused,
 cancelled while queued, engine error), kept apart so neither total hides in the other.
+``cached_prompt_tokens`` is the part of ``prompt_tokens`` the engines found in their prefix
+cache (charged at ``cost.cached_prompt``; 0 where the engine did not report it).
 
 Reads the same ledger the gateway writes (SQLite in WAL mode can be read while the gateway
 runs). Given the gateway's config file it uses that file's ``ledger:`` key and nothing
@@ -148,8 +150,8 @@ def _labels(t: UsageTotal) -> list[str]:
 
 def _table(totals: list[UsageTotal], by: str) -> str:
     labels = _label_columns(by)
-    header = [*labels, "requests", "rejected", "prompt_tokens", "completion_tokens", "cost",
-              "unserved_prompt_tokens"]
+    header = [*labels, "requests", "rejected", "prompt_tokens", "cached_prompt_tokens",
+              "completion_tokens", "cost", "unserved_prompt_tokens"]
     lines: list[list[str]] = []
     for t in totals:
         lines.append(
@@ -159,6 +161,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
                 str(t.requests),
                 str(t.rejected),
                 str(t.prompt_tokens),
+                str(t.cached_prompt_tokens),
                 str(t.completion_tokens),
                 _number(t.cost),
                 str(t.unserved_prompt_tokens),
@@ -170,6 +173,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
         str(sum(t.requests for t in totals)),
         str(sum(t.rejected for t in totals)),
         str(sum(t.prompt_tokens for t in totals)),
+        str(sum(t.cached_prompt_tokens for t in totals)),
         str(sum(t.completion_tokens for t in totals)),
         _number(sum(t.cost for t in totals)),
         str(sum(t.unserved_prompt_tokens for t in totals)),
@@ -219,6 +223,7 @@ def main(argv: list[str]) -> int:
                 "requests": t.requests,
                 "rejected": t.rejected,
                 "prompt_tokens": t.prompt_tokens,
+                "cached_prompt_tokens": t.cached_prompt_tokens,
                 "completion_tokens": t.completion_tokens,
                 "cost": t.cost,
                 "unserved_prompt_tokens": t.unserved_prompt_tokens,

@@ -50,6 +50,8 @@ class PostgresBackend:
                     add_served="ALTER TABLE requests ADD COLUMN served BIGINT NOT NULL DEFAULT 1",
                     has_route="route" in columns,
                     has_application="application" in columns,
+                    has_cached="cached_prompt_tokens" in columns,
+                    integer="BIGINT",
                 ):
                     conn.execute(statement)
         except psycopg.Error as exc:

@@ -38,6 +38,9 @@ class UsageRecord:
     # The application whose key the request came with; "" for a tenant-level key, or a
     # request refused before authentication. Unique only inside its tenant.
     application: str = ""
+    # Of ``prompt_tokens``, those the engine found in its prefix cache and that were
+    # charged at ``cost.cached_prompt`` (0: none, or the engine did not report them).
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class UsageTotal:
     with ``rejected:``. ``prompt_tokens`` are those of served requests only (what the
     gateway's ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens``
     those counted for requests that never ran (refused, cancelled while queued, engine
-    error).
+    error). ``cached_prompt_tokens``: the part of ``prompt_tokens`` the engines found in
+    their prefix cache (priced by ``cost.cached_prompt``).
 
     Grouped by application, ``key`` is the application id (``""``: the tenant's own keys)
     and ``tenant`` its tenant, in a field of its own: an application id is unique only
@@ -72,3 +76,4 @@ class UsageTotal:
     rejected: int
     unserved_prompt_tokens: int = 0
     tenant: str | None = None
+    cached_prompt_tokens: int = 0  # of ``prompt_tokens``: those served from the prefix cache

@@ -29,6 +29,7 @@ RECORD_COLUMNS = (
     "served",
     "route",
     "application",
+    "cached_prompt_tokens",
 )
 
 
@@ -51,7 +52,8 @@ def schema(text: str, integer: str, real: str) -> list[str]:
             ended_at {real} NOT NULL,
             served {integer} NOT NULL DEFAULT 1,
             route {text} NOT NULL DEFAULT '',
-            application {text} NOT NULL DEFAULT ''
+            application {text} NOT NULL DEFAULT '',
+            cached_prompt_tokens {integer} NOT NULL DEFAULT 0
         )""",
         "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
         "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
@@ -82,8 +84,15 @@ _ADD_APPLICATION = "ALTER TABLE requests ADD COLUMN application TEXT NOT NULL DE
 key (or were refused before authentication), which is what ``''`` means in new rows too."""
 
 
+def _add_cached(integer: str) -> str:
+    """Rows written before cached prompt tokens were kept have 0: their prompts were
+    charged in full, which is what 0 cached tokens means in new rows too."""
+    return f"ALTER TABLE requests ADD COLUMN cached_prompt_tokens {integer} NOT NULL DEFAULT 0"
+
+
 def migrations(has_served: bool, dedupe: str, add_served: str,
-               has_route: bool = True, has_application: bool = True) -> list[str]:
+               has_route: bool = True, has_application: bool = True,
+               has_cached: bool = True, integer: str = "INTEGER") -> list[str]:
     """Statements that bring a ledger of an older version up to this schema.
 
     ``requests.request_id`` became unique, so that a batch written again after its commit
@@ -95,6 +104,8 @@ def migrations(has_served: bool, dedupe: str, add_served: str,
         out.append(_ADD_ROUTE)
     if not has_application:
         out.append(_ADD_APPLICATION)
+    if not has_cached:
+        out.append(_add_cached(integer))
     return out + [dedupe, _UNIQUE_ID_INDEX]
 
 
@@ -135,6 +146,7 @@ def record_row(rec: UsageRecord) -> tuple[Any, ...]:
         int(bool(rec.served)),
         rec.route,
         rec.application,
+        int(rec.cached_prompt_tokens),
     )
 
 
@@ -158,4 +170,5 @@ def record_from_row(r: tuple[Any, ...]) -> UsageRecord:
         served=bool(r[13]),
         route=r[14],
         application=r[15],
+        cached_prompt_tokens=int(r[16]),
     )

@@ -51,6 +51,8 @@ class SqliteBackend:
                 add_served="ALTER TABLE requests ADD COLUMN served INTEGER NOT NULL DEFAULT 1",
                 has_route="route" in columns,
                 has_application="application" in columns,
+                has_cached="cached_prompt_tokens" in columns,
+                integer="INTEGER",
             ):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")

@@ -27,6 +27,7 @@ from ..wire import (
     EventSplitter,
     GatewayError,
     ParsedRequest,
+    answer_cached,
     answer_usage,
     anthropic_error_body,
     error_body,
@@ -175,9 +176,12 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                             media_type=resp.headers.get("content-type"),
                             headers={"x-request-id": ex.id})
         try:
-            reported, ex.completion_tokens, reason = answer_usage(ex.kind, json.loads(content))
+            answer = json.loads(content)
+            reported, ex.completion_tokens, reason = answer_usage(ex.kind, answer)
             if reported:
                 ex.learn_prompt(int(reported))
+            # Cached prompt tokens: a few dict lookups on the answer already parsed.
+            ex.learn_cached(answer_cached(ex.kind, answer))
             outcome, detail = Outcome.FINISHED, reason
         except (ValueError, AttributeError, TypeError):
             outcome = Outcome.UPSTREAM_ERROR
@@ -317,6 +321,8 @@ class StreamResponse:
                     self.batch and progress.prompt_tokens < ex.prompt_tokens):
                 # (A batch cut short reported only some prompts: the admission's count stands.)
                 ex.learn_prompt(progress.prompt_tokens)
+            # Read with the final usage (wire: nothing per token); None when not reported.
+            ex.learn_cached(progress.cached_tokens)
             if self.scanner is not None and not progress.final and ex.lease is not None \
                     and ex.charge_usage:
                 # A Responses or Messages stream cut short: only the engine knows its count.

@@ -31,9 +31,10 @@ from ._request import (
     responses_as_chat,
 )
 from ._stream import ChunkRewriter, EventSplitter, StreamProgress
-from ._usage import EventScanner, answer_usage
+from ._usage import EventScanner, answer_cached, answer_usage
 
 __all__ = [
+    "answer_cached",
     "answer_usage",
     "conversation_key",
     "anthropic_error_body",
