@@ -49,7 +49,7 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         argv = tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
                                     "--allow-unauthenticated-trusted-gateway",
                                     "--output-rate-event-log", str(home / f"events-{i}.jsonl"),
-                                    "--max-num-seqs", "16")
+                                    "--max-num-seqs", "16", "--enable-prompt-tokens-details")
         engines.append(Server(argv, port, home / f"vllm-{i}.log"))
     start_all(engines)
     urls = [e.base_url for e in engines]
@@ -188,8 +188,11 @@ def test_a_conversations_turns_stay_on_the_engine_that_caches_it(setup: dict[str
     lands on one engine (read from which engine's prefix-cache query counter moved), and
     from the second turn on that engine serves the earlier turns' prompt from its cache
     (its hit counter moves by at least the last prompt less one block: 128 tokens on the
-    CPU)."""
+    CPU). The ledger row of each such turn holds the cached tokens the engine reported, and
+    the tenant is charged for them at ``cost.cached_prompt`` (the default: the prompt's)."""
     gw: GatewayProcess = setup["gateway"]
+    since = time.time()
+    expected_cached: list[int] = []
     engines: list[Server] = setup["engines"]
     rng = random.Random(41)
     words = ("river", "stone", "cloud", "amber", "quiet", "signal", "orbit", "maple")
@@ -216,7 +219,13 @@ def test_a_conversations_turns_stay_on_the_engine_that_caches_it(setup: dict[str
                 assert cached >= last_prompt_tokens - 128, (conversation, turn, cached,
                                                           last_prompt_tokens)
             body = resp.json()
+            reported = body["usage"].get("prompt_tokens_details") or {}
+            expected_cached.append(int(reported.get("cached_tokens") or 0))
+            if turn:
+                assert expected_cached[-1] >= last_prompt_tokens - 128, body["usage"]
             last_prompt_tokens = body["usage"]["prompt_tokens"]
             prompt += body["choices"][0]["text"] + " " + " ".join(
                 rng.choice(words) for _ in range(10))
     assert all(len(engines_used) == 1 for engines_used in where.values()), where
+    rows = sorted(_rows_of(gw, "chat", since, len(expected_cached)), key=lambda r: r.started_at)
+    assert [r.cached_prompt_tokens for r in rows] == expected_cached
