@@ -48,13 +48,15 @@ def test_a_re_encoded_body_keeps_its_key() -> None:
 
 
 def test_completions_responses_and_messages() -> None:
-    long = "word " * 1000
-    one = parse_request("completion", {"model": "m", "prompt": long + "turn one"})
-    two = parse_request("completion", {"model": "m", "prompt": long + "turn one, turn two"})
-    assert conversation_key(one, "t") == conversation_key(two, "t")  # the first 1024 chars
-    ids = parse_request("completion", {"model": "m", "prompt": list(range(300))})
+    opening = "a system prompt and a first question, " * 8  # 304 characters
+    one = parse_request("completion", {"model": "m", "prompt": opening})
+    two = parse_request("completion", {"model": "m", "prompt": opening + "an answer. more"})
+    assert conversation_key(one, "t") == conversation_key(two, "t")  # the first 256 chars
+    other = parse_request("completion", {"model": "m", "prompt": "another " + opening})
+    assert conversation_key(other, "t") != conversation_key(one, "t")
+    ids = parse_request("completion", {"model": "m", "prompt": list(range(100))})
     assert conversation_key(ids, "t") == conversation_key(
-        parse_request("completion", {"model": "m", "prompt": list(range(256)) + [7]}), "t")
+        parse_request("completion", {"model": "m", "prompt": list(range(64)) + [7]}), "t")
     batch = parse_request("completion", {"model": "m", "prompt": ["abc", "def"]})
     assert conversation_key(batch, "t") == conversation_key(
         parse_request("completion", {"model": "m", "prompt": "abc"}), "t")

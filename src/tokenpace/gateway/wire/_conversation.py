@@ -13,7 +13,11 @@ conversations:
   input: its first ``OPENING_CHARS`` characters);
 - completions: the first ``OPENING_CHARS`` characters of the prompt (the first
   ``OPENING_TOKENS`` token ids of a token prompt; a batch's first prompt): a plain prompt
-  has no turn structure, and a prefix shorter than any turn is what all turns share.
+  has no turn structure, and only a prefix no longer than the first turn is the same in
+  every turn. Short, so that it is (a longer one changed between the first turns of a
+  conversation whose opening was shorter, and sent them to different engines); the price:
+  completions conversations that share their first 256 characters (a long common
+  preamble) share a key, and an engine.
 
 Conversations that share their opening (the same system prompt and first question) get the
 same key and the same engine, which is also where their common prefix is cached. The key
@@ -34,8 +38,8 @@ from typing import Any
 
 from ._request import ParsedRequest
 
-OPENING_CHARS = 1024
-OPENING_TOKENS = 256
+OPENING_CHARS = 256
+OPENING_TOKENS = 64
 
 
 def conversation_key(req: ParsedRequest, salt: str) -> bytes | None:
