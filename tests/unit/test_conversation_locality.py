@@ -6,6 +6,7 @@ paced and pinned tenants)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -101,8 +102,10 @@ def acquire(dispatcher: Dispatcher, tenants: Tenants, tenant: str,
 
 
 def test_a_conversations_turns_stay_on_one_engine_while_it_has_room() -> None:
-    """Twelve conversations, 32 slots: each conversation's eight turns (each turn one
-    request, released before the next) land on one engine, and both engines get some."""
+    """Twelve conversations, 32 slots: each conversation's eight turns land on one engine,
+    and both engines get some. First all at once (each turn released before the next
+    round), then one turn at a time in a different order each round (where a choice by
+    tenant and load alone sends everything to the tenant's engine)."""
     async def main() -> None:
         dispatcher, tenants = setup()
         seen: dict[int, set[str]] = {i: set() for i in range(12)}
@@ -115,6 +118,16 @@ def test_a_conversations_turns_stay_on_one_engine_while_it_has_room() -> None:
                 seen[i].add(waiter.engine.url)
             for task in turns:
                 dispatcher.release(task.result())
+        order = list(range(12))
+        for round_ in range(8):
+            random.Random(round_).shuffle(order)
+            for i in order:
+                task = acquire(dispatcher, tenants, "a", key(i))
+                await asyncio.sleep(0)
+                waiter = task.result()
+                assert waiter.engine is not None
+                seen[i].add(waiter.engine.url)
+                dispatcher.release(waiter)
         assert all(len(urls) == 1 for urls in seen.values()), seen
         per_engine = [sum(URLS[j] in urls for urls in seen.values()) for j in range(2)]
         assert min(per_engine) >= 2, per_engine  # 12 keys over 2 engines
