@@ -6,6 +6,7 @@ Nothing here runs a request: every stage reads these values, and a reload swaps 
 """
 
 from ._config import (
+    BatchConfig,
     APPLICATION_SEPARATOR,
     ApplicationConfig,
     ConfigError,
@@ -24,6 +25,7 @@ from ._config import (
 )
 
 __all__ = [
+    "BatchConfig",
     "APPLICATION_SEPARATOR",
     "ApplicationConfig",
     "ConfigError",

@@ -160,6 +160,8 @@ class TenantConfig:
     # Applications inside the tenant (``applications``): keys of their own, limits nested
     # in the tenant's, a weighted share of the tenant's dispatches.
     applications: tuple[ApplicationConfig, ...] = ()
+    # Its batch lines' cost coefficient (times the model's); None: ``batch.cost``.
+    batch_cost: float | None = None
 
     def application(self, application_id: str) -> ApplicationConfig | None:
         """The application with this id (O(applications): a handful per tenant)."""
@@ -190,6 +192,25 @@ class TenantConfig:
         secret = b"".join(sorted(self.all_key_hashes))
         return hmac.new(secret, b"tokenpace-prefix-cache:" + self.id.encode(),
                         hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The Batch API (``/v1/files``, ``/v1/batches``): where its lines run, what they
+    cost, and the bounds on what a tenant may store and run (docs/gateway.md "Batch API")."""
+
+    # The lane batch lines run in (ledger, metrics, the engine's priority); None: the
+    # lowest configured lane, resolved by ``GatewayConfig.batch_lane``.
+    lane: str | None = None
+    cost: float = 1.0  # times the model's coefficients, for batch lines (a discount < 1)
+    max_file_bytes: int = 100 * 1024 * 1024
+    max_lines: int = 50_000
+    max_files: int = 1000  # stored files per tenant (inputs and outputs)
+    max_batches: int = 10  # unfinished batches per tenant
+    expire_after_s: float = 24 * 3600.0  # the "24h" completion window, as run
+    headroom: int = 1  # slots per engine left free for live requests
+    concurrency: int = 64  # lines in flight per gateway process, all batches together
+    store: str | None = None  # the store's URL; None: beside the ledger
 
 
 @dataclass(frozen=True)
@@ -227,7 +248,25 @@ class GatewayConfig:
     metrics_idle_after_s: float = 900.0
     # How often engines with ``discovery: dns`` are resolved again.
     discovery_interval_s: float = 10.0
+    batch: BatchConfig = field(default_factory=BatchConfig)
     source: Path | None = None
+
+    @property
+    def batch_lane(self) -> str:
+        """The lane batch lines run in: ``batch.lane``, else the lowest configured."""
+        if self.batch.lane is not None:
+            return self.batch.lane
+        return max(self.lanes, key=lambda lane: lane.priority).name
+
+    def batch_cost_of(self, model: str, tenant: TenantConfig) -> CostModel:
+        """The cost coefficients of a batch line: the model's, times the tenant's
+        ``batch_cost`` (else ``batch.cost``)."""
+        factor = tenant.batch_cost if tenant.batch_cost is not None else self.batch.cost
+        cost = self.cost_of(model)
+        if factor == 1.0:
+            return cost
+        return CostModel(cost.prompt * factor, cost.completion * factor,
+                         cost.cached_price * factor)
 
     def served_name(self, model: str) -> str:
         """The served name of ``model`` as a client sent it (an alias resolved)."""
@@ -440,7 +479,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
                       "routing", "pool_affinity", "metrics_idle_after",
-                      "discovery_interval", "locality"))
+                      "discovery_interval", "locality", "batch"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -503,8 +542,52 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         locality=_locality(root.get("locality", "conversation")),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
+        batch=_batch(root.get("batch"), lanes, base_dir),
         source=source,
     )
+
+
+def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> BatchConfig:
+    if value is None:
+        return BatchConfig()
+    m = _mapping(value, "batch")
+    where = "batch"
+    _known(m, where, ("lane", "cost", "max_file_bytes", "max_lines", "max_files",
+                      "max_batches", "expire_after", "headroom", "concurrency", "store"))
+    lane = m.get("lane")
+    if lane is not None and lane not in {x.name for x in lanes}:
+        raise ConfigError(f"batch.lane: unknown lane {lane!r}; lanes are "
+                          f"{', '.join(x.name for x in lanes)}")
+    cost = m.get("cost", 1.0)
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) \
+            or not math.isfinite(cost) or cost < 0:
+        raise ConfigError(f"batch.cost: expected a number >= 0 (times the model's cost; "
+                          f"0.5 halves it), got {cost!r}")
+    store = m.get("store")
+    if store is not None:
+        if not isinstance(store, str) or not store:
+            raise ConfigError("batch.store: expected a URL such as 'sqlite:///batches.db' "
+                              "or 'postgresql://...'")
+        from ..ledger import LedgerError, parse_ledger_url, resolve_ledger_url
+
+        try:
+            parse_ledger_url(store)
+        except LedgerError as exc:
+            raise ConfigError(f"batch.store: {exc}") from None
+        if base_dir is not None:
+            store = resolve_ledger_url(store, base_dir)
+    defaults = BatchConfig()
+    return BatchConfig(
+        lane=lane, cost=float(cost),
+        max_file_bytes=_int(m, "max_file_bytes", where, defaults.max_file_bytes, minimum=1)
+        or 0,
+        max_lines=_int(m, "max_lines", where, defaults.max_lines, minimum=1) or 0,
+        max_files=_int(m, "max_files", where, defaults.max_files, minimum=1) or 0,
+        max_batches=_int(m, "max_batches", where, defaults.max_batches, minimum=1) or 0,
+        expire_after_s=_duration(m, "expire_after", where, defaults.expire_after_s),
+        headroom=_int(m, "headroom", where, defaults.headroom, minimum=0) or 0,
+        concurrency=_int(m, "concurrency", where, defaults.concurrency, minimum=1) or 0,
+        store=store)
 
 
 def _locality(value: Any) -> str:
@@ -801,7 +884,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
                       "end_user_output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
                       "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
-                      "models", "applications"))
+                      "models", "applications", "batch_cost"))
     tenant_id = m.get("id")
     try:
         validate_user_id(tenant_id, f"{where}.id")
@@ -831,9 +914,21 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         share_prefix_cache=_bool(m, "share_prefix_cache", where, False),
         models=_allowed_models(m, where, aliases or {}, served),
         applications=applications,
+        batch_cost=_batch_cost(m, where),
         max_queued=_int(m, "max_queued", where, None, minimum=0),
         **_limits(m, where),
     )
+
+
+def _batch_cost(m: Mapping[str, Any], where: str) -> float | None:
+    value = m.get("batch_cost")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{where}.batch_cost: expected a number >= 0 (times the model's "
+                          f"cost for this tenant's batch lines), got {value!r}")
+    return float(value)
 
 
 def _limits(m: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -576,6 +576,17 @@ class Dispatcher:
         other replicas hold)."""
         return engine.has_room()
 
+    def spare(self, pool: Pool, keep: int) -> int:
+        """Slots of ``pool`` that work which must never delay live requests (batch lines)
+        may take now: none while any request waits in the pool's queue; else, summed over
+        the engines that take requests and have room, the free slots beyond ``keep`` per
+        engine. O(engines in the pool). With several replicas the counts are this
+        replica's (another replica's slots show only as an engine without room)."""
+        if len(pool.queue):
+            return 0
+        return sum(max(0, engine.config.max_inflight - keep - engine.inflight)
+                   for engine in pool.engines if engine.accepts and self._open(engine))
+
     def set_health(self, engine: EngineSlots, healthy: bool) -> None:
         if healthy == engine.healthy:
             return

@@ -93,10 +93,14 @@ class Exchange:
     lease: Lease | None = None  # set once an engine slot was granted
     split_on: str | None = None  # the engine whose share of a split rate this stream holds
     finished: bool = field(default=False)
+    # A line of a batch (``/v1/batches``): its batch's id, and the lane it runs in (the
+    # ledger's and the metrics' lane, the engine's priority); "" and None for a live request.
+    batch_id: str = ""
+    batch_lane: str | None = None
 
     @property
     def lane(self) -> str:
-        return self.tenant.config.lane
+        return self.batch_lane or self.tenant.config.lane
 
     def learn_prompt(self, tokens: int) -> None:
         """The engine's own count of the prompt, from its usage (once per request).
@@ -242,6 +246,7 @@ class Exchange:
             route=ROUTES[self.kind], application=application,
             cached_prompt_tokens=(cached_part(self.prompt_tokens, self.cached_prompt_tokens)
                                   if self.charge_usage else 0),
+            batch_id=self.batch_id,
         ))
 
 

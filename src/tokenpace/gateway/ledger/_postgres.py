@@ -51,6 +51,7 @@ class PostgresBackend:
                     has_route="route" in columns,
                     has_application="application" in columns,
                     has_cached="cached_prompt_tokens" in columns,
+                    has_batch="batch_id" in columns,
                     integer="BIGINT",
                 ):
                     conn.execute(statement)

@@ -41,6 +41,8 @@ class UsageRecord:
     # Of ``prompt_tokens``, those the engine found in its prefix cache and that were
     # charged at ``cost.cached_prompt`` (0: none, or the engine did not report them).
     cached_prompt_tokens: int = 0
+    # The batch (``/v1/batches``) whose input line this request was; "" for a live request.
+    batch_id: str = ""
 
 
 @dataclass(frozen=True)

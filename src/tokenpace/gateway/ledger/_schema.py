@@ -30,6 +30,7 @@ RECORD_COLUMNS = (
     "route",
     "application",
     "cached_prompt_tokens",
+    "batch_id",
 )
 
 
@@ -53,7 +54,8 @@ def schema(text: str, integer: str, real: str) -> list[str]:
             served {integer} NOT NULL DEFAULT 1,
             route {text} NOT NULL DEFAULT '',
             application {text} NOT NULL DEFAULT '',
-            cached_prompt_tokens {integer} NOT NULL DEFAULT 0
+            cached_prompt_tokens {integer} NOT NULL DEFAULT 0,
+            batch_id {text} NOT NULL DEFAULT ''
         )""",
         "CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at)",
         "CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant)",
@@ -90,9 +92,15 @@ def _add_cached(integer: str) -> str:
     return f"ALTER TABLE requests ADD COLUMN cached_prompt_tokens {integer} NOT NULL DEFAULT 0"
 
 
+_ADD_BATCH = "ALTER TABLE requests ADD COLUMN batch_id TEXT NOT NULL DEFAULT ''"
+"""Rows written before the Batch API existed have ``''``: they were all live requests,
+which is what ``''`` means in new rows too."""
+
+
 def migrations(has_served: bool, dedupe: str, add_served: str,
                has_route: bool = True, has_application: bool = True,
-               has_cached: bool = True, integer: str = "INTEGER") -> list[str]:
+               has_cached: bool = True, integer: str = "INTEGER",
+               has_batch: bool = True) -> list[str]:
     """Statements that bring a ledger of an older version up to this schema.
 
     ``requests.request_id`` became unique, so that a batch written again after its commit
@@ -106,6 +114,8 @@ def migrations(has_served: bool, dedupe: str, add_served: str,
         out.append(_ADD_APPLICATION)
     if not has_cached:
         out.append(_add_cached(integer))
+    if not has_batch:
+        out.append(_ADD_BATCH)
     return out + [dedupe, _UNIQUE_ID_INDEX]
 
 
@@ -147,6 +157,7 @@ def record_row(rec: UsageRecord) -> tuple[Any, ...]:
         rec.route,
         rec.application,
         int(rec.cached_prompt_tokens),
+        rec.batch_id,
     )
 
 
@@ -171,4 +182,5 @@ def record_from_row(r: tuple[Any, ...]) -> UsageRecord:
         route=r[14],
         application=r[15],
         cached_prompt_tokens=int(r[16]),
+        batch_id=r[17],
     )

@@ -52,6 +52,7 @@ class SqliteBackend:
                 has_route="route" in columns,
                 has_application="application" in columns,
                 has_cached="cached_prompt_tokens" in columns,
+                has_batch="batch_id" in columns,
                 integer="INTEGER",
             ):
                 self._conn.execute(statement)

@@ -59,6 +59,7 @@ from ..ledger import BudgetState, open_ledger
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
 from ..wire import GatewayError, Kind, error_response
+from ._batches import BatchService
 from ._connections import Connections
 from ._proxy import handle
 from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
@@ -99,6 +100,8 @@ class Gateway:
         # Engines named by DNS (``engines[].discovery``): None when there are none.
         self._discovery = Discovery() if any(e.discovery for e in config.engines) else None
         self.app = self  # the ASGI application to serve (``__call__``)
+        self.batches = BatchService(lambda: self.rt)
+        b = self.batches
         self._routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._not_started, methods=["POST"]),
@@ -106,6 +109,15 @@ class Gateway:
                 Route("/v1/responses", self._not_started, methods=["POST"]),
                 Route("/v1/messages", self._not_started, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/files", b.create_file, methods=["POST"]),
+                Route("/v1/files", b.list_files, methods=["GET"]),
+                Route("/v1/files/{file_id}", b.get_file, methods=["GET"]),
+                Route("/v1/files/{file_id}", b.delete_file, methods=["DELETE"]),
+                Route("/v1/files/{file_id}/content", b.file_content, methods=["GET"]),
+                Route("/v1/batches", b.create_batch, methods=["POST"]),
+                Route("/v1/batches", b.list_batches, methods=["GET"]),
+                Route("/v1/batches/{batch_id}", b.get_batch, methods=["GET"]),
+                Route("/v1/batches/{batch_id}/cancel", b.cancel_batch, methods=["POST"]),
                 *(Route(path, self._tokenize, methods=["POST"]) for path in TOKENIZE_PATHS),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
@@ -192,6 +204,7 @@ class Gateway:
             for engine in self.rt.dispatcher.engines:
                 self._watch(engine)
             self._watching = True
+            await self.batches.start()  # after the pools: a resumed batch's lines may run
             if self._discovery is not None:
                 tasks.append(asyncio.create_task(self._discovery_loop()))
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
@@ -205,6 +218,7 @@ class Gateway:
             try:
                 yield
             finally:
+                await self.batches.close()
                 for task in [*tasks, *self._load_tasks.values(), *self._background]:
                     task.cancel()
                 self._load_tasks.clear()

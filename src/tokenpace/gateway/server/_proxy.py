@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 import asyncio
+from dataclasses import dataclass
+
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope
@@ -36,6 +38,7 @@ from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
 from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
+from ..tenants import ApplicationState, TenantState
 from ..wire import (
     GatewayError,
     Kind,
@@ -54,10 +57,22 @@ first and two more), all within its ``request_timeout``, each wait for a slot wi
 ``queue_timeout``. A request an engine accepted is never sent again."""
 
 
-async def handle(rt: Runtime, kind: Kind, scope: Scope,
-                 receive: Receive) -> Response | Callable[..., Awaitable[None]]:
+@dataclass(frozen=True)
+class BatchLine:
+    """A request that is one line of a batch (``/v1/batches``), run by the batch runner
+    for the batch's tenant: it runs in the batch lane at the batch cost, its ledger row
+    names the batch, and ``on_slot`` is called once it holds an engine slot."""
+
+    batch_id: str
+    on_slot: Callable[[], None]
+
+
+async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
+                 principal: tuple[TenantState, ApplicationState | None] | None = None,
+                 line: BatchLine | None = None) -> Response | Callable[..., Awaitable[None]]:
     """One completion request, given as its ASGI ``scope`` and ``receive`` channel; the
-    returned ASGI response is the caller's to send."""
+    returned ASGI response is the caller's to send. ``principal``: the tenant (and
+    application) it comes from, already known (a batch line), instead of its API key."""
     request_id = "tpg-" + os.urandom(16).hex()  # 128 random bits; uuid4() costs 4x as much
     arrived = rt.clock()
     # Cost: one pass over the request's header list (uvicorn gives names in lower case).
@@ -71,10 +86,12 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             # How the anthropic SDK sends its key; a Bearer header, if any, comes first.
             authorization = "Bearer " + value.decode("latin-1")
     try:
-        tenant, application = identify(rt, authorization)
+        tenant, application = identify(rt, authorization) if principal is None else principal
     except GatewayError as exc:
         return exc.response(request_id, kind)
     ex = Exchange(rt, request_id, kind, tenant, arrived, time.time(), application=application)
+    if line is not None:
+        ex.batch_id, ex.batch_lane = line.batch_id, rt.config.batch_lane
     watch: ClientWatch | None = None
     try:
         req = parse_request(kind, parse_json_body(
@@ -84,7 +101,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
         model, pool, counting = route(rt, tenant, req.model)
         req.model = ex.model = model  # an alias resolved: what the engine serves
         ex.routed = True
-        ex.cost = rt.config.cost_of(model)
+        ex.cost = (rt.config.cost_of(model) if line is None
+                   else rt.config.batch_cost_of(model, tenant.config))
         app = application.config if application is not None else None
         end_user = end_user_of(req) if paces_end_users(tenant.config, app) else None
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
@@ -102,8 +120,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope,
             watch.stop()
             return Response(status_code=499)
         ex.queue_s = rt.clock() - admitted  # the wait for a slot, as the metric says
+        if line is not None:
+            line.on_slot()
         metrics.child(metrics.QUEUE_SECONDS, tenant.id).observe(ex.queue_s)
-        lane = rt.config.lane(tenant.config.lane)
+        lane = rt.config.lane(ex.lane)
         deadline = asyncio.get_running_loop().time() + rt.config.request_timeout_s
         dispatches = 1
         while True:

@@ -1,0 +1,390 @@
+"""Where files, batches and their lines' results live: beside the ledger, durably.
+
+SQLite (a file next to the ledger's, ``usage.db`` -> ``usage.batches.db``: input files
+are payloads of up to ``batch.max_file_bytes``, which do not belong in the table the usage
+queries scan) or the ledger's own Postgres database (three tables of their own). Nothing
+of a batch is kept only in memory: a gateway killed at any point finds every batch, its
+input and the result of every line that ended before the kill.
+
+Exactly once per line: a line's result is one row keyed by (batch, line number), written
+with ``ON CONFLICT DO NOTHING`` the moment the line ends. A line that was in flight when a
+gateway died runs again after the restart (it has no row yet); if two runs of a line both
+end (two replicas during a lease hand-over), the first row written stays and the second
+changes nothing, so the output file holds each ``custom_id`` once. The output and error
+files are written from these rows in the same transaction that moves the batch out of
+``finalizing`` (or ``cancelling``): a crash in between leaves the batch to finalize again.
+
+Every method is blocking (one short transaction); the gateway calls them in a worker
+thread (``asyncio.to_thread``) so its event loop never waits on the disk. One connection,
+behind a lock: the work is a few statements per line, far below what one connection does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..ledger import LedgerError, parse_ledger_url
+from ._objects import (
+    STAMPS,
+    UNFINISHED,
+    BatchRecord,
+    FileRecord,
+    LineResult,
+    Usage,
+    check_move,
+)
+
+_SQLITE_BUSY_TIMEOUT_S = 30.0
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS batch_files (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL,
+        filename TEXT NOT NULL, bytes {integer} NOT NULL, created_at {integer} NOT NULL,
+        content {blob} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS batch_files_tenant ON batch_files (tenant, created_at)",
+    """CREATE TABLE IF NOT EXISTS batches (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, application TEXT NOT NULL,
+        endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+        completion_window TEXT NOT NULL, status TEXT NOT NULL,
+        created_at {integer} NOT NULL, expires_at {integer} NOT NULL,
+        total {integer} NOT NULL DEFAULT 0, metadata TEXT, errors TEXT,
+        output_file_id TEXT, error_file_id TEXT, stamps TEXT NOT NULL DEFAULT '{{}}',
+        model TEXT, seq {serial})""",
+    "CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, created_at)",
+    "CREATE INDEX IF NOT EXISTS batches_status ON batches (status)",
+    """CREATE TABLE IF NOT EXISTS batch_results (
+        batch_id TEXT NOT NULL, line {integer} NOT NULL, custom_id TEXT NOT NULL,
+        ok {integer} NOT NULL, text TEXT NOT NULL,
+        prompt_tokens {integer} NOT NULL DEFAULT 0,
+        cached_tokens {integer} NOT NULL DEFAULT 0,
+        completion_tokens {integer} NOT NULL DEFAULT 0,
+        PRIMARY KEY (batch_id, line))""",
+)
+
+_BATCH_COLUMNS = ("id, tenant, application, endpoint, input_file_id, completion_window, "
+                  "status, created_at, expires_at, total, metadata, errors, output_file_id, "
+                  "error_file_id, stamps, model")
+_FILE_COLUMNS = "id, tenant, purpose, filename, bytes, created_at"
+
+
+def batch_store_url(ledger_url: str) -> str:
+    """Where a gateway whose ledger is ``ledger_url`` keeps its batches: a SQLite file
+    beside the ledger's (``x.db`` -> ``x.batches.db``), or the ledger's Postgres."""
+    kind, where = parse_ledger_url(ledger_url)
+    if kind == "postgres" or where == ":memory:":
+        return ledger_url
+    path = Path(where)
+    return "sqlite:///" + str(path.with_name(path.stem + ".batches" + (path.suffix or ".db")))
+
+
+def new_id(prefix: str) -> str:
+    """``file-...`` / ``batch_...``: 96 random bits, as unguessable as OpenAI's."""
+    return prefix + os.urandom(12).hex()
+
+
+class BatchStore:
+    """The files, batches and results of every tenant (each read names its tenant: an id
+    of another tenant's object is not found)."""
+
+    def __init__(self, url: str) -> None:
+        kind, where = parse_ledger_url(url)
+        self.url = url
+        self._lock = threading.Lock()
+        if kind == "sqlite":
+            import sqlite3
+
+            self._errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+            if where != ":memory:":
+                Path(where).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._conn: Any = sqlite3.connect(where, timeout=_SQLITE_BUSY_TIMEOUT_S,
+                                                  isolation_level=None,
+                                                  check_same_thread=False)
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                # NORMAL under WAL: a process crash loses nothing (a power loss may lose
+                # the last results, which then run again: still once in the output).
+                self._conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.Error as exc:
+                raise LedgerError(f"cannot open the batch store {where}: {exc}") from exc
+            self._mark, blob, serial = "?", "BLOB", "INTEGER"
+        else:
+            try:
+                import psycopg
+            except ImportError as exc:
+                raise LedgerError("the batch store in Postgres needs psycopg 3: "
+                                  "pip install 'psycopg[binary]>=3.1'") from exc
+            self._errors = (psycopg.Error,)
+            try:
+                self._conn = psycopg.connect(where, autocommit=True, connect_timeout=10)
+            except psycopg.Error as exc:
+                raise LedgerError(f"cannot open the batch store in Postgres: {exc}") from exc
+            self._mark, blob, serial = "%s", "BYTEA", "BIGSERIAL"
+        try:
+            with self._transaction():
+                for statement in _SCHEMA:
+                    self._execute(statement.format(
+                        integer="BIGINT" if self._mark == "%s" else "INTEGER", blob=blob,
+                        serial=serial))
+        except self._errors as exc:
+            raise LedgerError(f"cannot create the batch tables: {exc}") from exc
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        if self._mark != "?":
+            sql = sql.replace("?", self._mark)
+        return self._conn.execute(sql, tuple(params))
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._execute(sql, params).fetchall())
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction, holding the connection's lock (SQLite: ``BEGIN IMMEDIATE``, the
+        write lock taken at once, so two replicas on one file serialize here)."""
+        with self._lock:
+            if self._mark == "?":
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            else:
+                with self._conn.transaction():
+                    yield
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- files -------------------------------------------------------------------------
+
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes,
+                 file_id: str | None = None) -> FileRecord:
+        record = FileRecord(file_id or new_id("file-"), tenant, purpose, filename,
+                            len(content), int(time.time()))
+        with self._transaction():
+            self._insert_file(record, content)
+        return record
+
+    def _insert_file(self, record: FileRecord, content: bytes) -> None:
+        self._execute(f"INSERT INTO batch_files ({_FILE_COLUMNS}, content) VALUES "
+                      "(?, ?, ?, ?, ?, ?, ?)",
+                      (record.id, record.tenant, record.purpose, record.filename,
+                       record.bytes, record.created_at, content))
+
+    def file(self, tenant: str, file_id: str) -> FileRecord | None:
+        rows = self._rows(f"SELECT {_FILE_COLUMNS} FROM batch_files WHERE id = ? AND "
+                          "tenant = ?", (file_id, tenant))
+        return FileRecord(*rows[0]) if rows else None
+
+    def file_content(self, tenant: str, file_id: str) -> bytes | None:
+        rows = self._rows("SELECT content FROM batch_files WHERE id = ? AND tenant = ?",
+                          (file_id, tenant))
+        return bytes(rows[0][0]) if rows else None
+
+    def files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
+              ascending: bool) -> tuple[list[FileRecord], bool]:
+        """A page of the tenant's files (newest first unless ``ascending``), and whether
+        more follow."""
+        return self._page("batch_files", _FILE_COLUMNS, FileRecord, tenant, limit, after,
+                          ascending, ("purpose", purpose) if purpose else None)
+
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        with self._transaction():
+            cur = self._execute("DELETE FROM batch_files WHERE id = ? AND tenant = ?",
+                                (file_id, tenant))
+            return bool(cur.rowcount)
+
+    def count_files(self, tenant: str) -> int:
+        return int(self._rows("SELECT COUNT(*) FROM batch_files WHERE tenant = ?",
+                              (tenant,))[0][0])
+
+    def file_in_use(self, tenant: str, file_id: str) -> bool:
+        """Whether an unfinished batch of ``tenant`` reads ``file_id``."""
+        marks = ", ".join("?" * len(UNFINISHED))
+        return bool(self._rows(f"SELECT 1 FROM batches WHERE tenant = ? AND input_file_id "
+                               f"= ? AND status IN ({marks})",
+                               (tenant, file_id, *UNFINISHED)))
+
+    # -- batches -----------------------------------------------------------------------
+
+    def add_batch(self, batch: BatchRecord) -> None:
+        with self._transaction():
+            self._execute(f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES "
+                          "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", _batch_row(batch))
+
+    def batch(self, batch_id: str, tenant: str | None = None) -> BatchRecord | None:
+        """The batch ``batch_id`` (of ``tenant``, when given: another's is not found)."""
+        if tenant is None:
+            rows = self._rows(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?",
+                              (batch_id,))
+        else:
+            rows = self._rows(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ? AND "
+                              "tenant = ?", (batch_id, tenant))
+        return _batch_from_row(rows[0]) if rows else None
+
+    def batches(self, tenant: str, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
+        """A page of the tenant's batches, newest first, and whether more follow."""
+        return self._page("batches", _BATCH_COLUMNS, None, tenant, limit, after, False, None)
+
+    def unfinished(self) -> list[BatchRecord]:
+        """Every batch with work left, oldest first (all tenants: the runners' list)."""
+        marks = ", ".join("?" * len(UNFINISHED))
+        rows = self._rows(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE status IN ({marks}) "
+                          "ORDER BY created_at, seq", UNFINISHED)
+        return [_batch_from_row(r) for r in rows]
+
+    def count_unfinished(self, tenant: str) -> int:
+        marks = ", ".join("?" * len(UNFINISHED))
+        return int(self._rows(f"SELECT COUNT(*) FROM batches WHERE tenant = ? AND status IN "
+                              f"({marks})", (tenant, *UNFINISHED))[0][0])
+
+    def move(self, batch_id: str, old: str, new: str, **fields: Any) -> BatchRecord | None:
+        """Move the batch from ``old`` to ``new`` (stamping the time it entered ``new``) and
+        set ``fields`` (total, errors, model), only if it is still in ``old``: None when
+        another replica or a cancel moved it first. ``check_move`` guards the machine."""
+        check_move(old, new)
+        with self._transaction():
+            return self._move(batch_id, old, new, fields)
+
+    def _move(self, batch_id: str, old: str, new: str,
+              fields: dict[str, Any]) -> BatchRecord | None:
+        rows = self._execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?",
+                             (batch_id,)).fetchall()
+        if not rows or rows[0][6] != old:
+            return None
+        current = _batch_from_row(rows[0])
+        stamps = dict(current.stamps)
+        stamps.setdefault(STAMPS[new], int(time.time()))
+        sets = {"status": new, "stamps": json.dumps(stamps), **{
+            k: json.dumps(v) if k in ("errors", "metadata") and v is not None else v
+            for k, v in fields.items()}}
+        self._execute(f"UPDATE batches SET {', '.join(f'{k} = ?' for k in sets)} "
+                      "WHERE id = ? AND status = ?", (*sets.values(), batch_id, old))
+        return self.batch_locked(batch_id)
+
+    def batch_locked(self, batch_id: str) -> BatchRecord | None:
+        rows = self._execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?",
+                             (batch_id,)).fetchall()
+        return _batch_from_row(rows[0]) if rows else None
+
+    def finish(self, batch: BatchRecord, new: str, output: bytes, errors: bytes) -> BatchRecord | None:
+        """Write the output and error files (each only when it has lines) and move the
+        batch to ``new`` in one transaction; None when it was no longer in its status."""
+        check_move(batch.status, new)
+        fields: dict[str, Any] = {}
+        with self._transaction():
+            current = self.batch_locked(batch.id)
+            if current is None or current.status != batch.status:
+                return None
+            now = int(time.time())
+            for name, content, column in ((f"batch_{batch.id}_output.jsonl", output,
+                                           "output_file_id"),
+                                          (f"batch_{batch.id}_error.jsonl", errors,
+                                           "error_file_id")):
+                if content:
+                    record = FileRecord(new_id("file-"), batch.tenant, "batch_output", name,
+                                        len(content), now)
+                    self._insert_file(record, content)
+                    fields[column] = record.id
+            return self._move(batch.id, batch.status, new, fields)
+
+    # -- results -----------------------------------------------------------------------
+
+    def add_result(self, batch_id: str, result: LineResult) -> bool:
+        """Keep a line's result; False when the line already had one (it stays)."""
+        with self._transaction():
+            cur = self._execute(
+                "INSERT INTO batch_results (batch_id, line, custom_id, ok, text, "
+                "prompt_tokens, cached_tokens, completion_tokens) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (batch_id, line) DO NOTHING",
+                (batch_id, result.number, result.custom_id, int(result.ok), result.text,
+                 result.prompt_tokens, result.cached_tokens, result.completion_tokens))
+            return bool(cur.rowcount)
+
+    def done_lines(self, batch_id: str) -> set[int]:
+        return {int(r[0]) for r in self._rows(
+            "SELECT line FROM batch_results WHERE batch_id = ?", (batch_id,))}
+
+    def results(self, batch_id: str) -> list[LineResult]:
+        """Every result of the batch in line order (the output files' order)."""
+        rows = self._rows("SELECT line, custom_id, ok, text, prompt_tokens, cached_tokens, "
+                          "completion_tokens FROM batch_results WHERE batch_id = ? "
+                          "ORDER BY line", (batch_id,))
+        return [LineResult(int(r[0]), r[1], bool(r[2]), r[3], int(r[4]), int(r[5]),
+                           int(r[6])) for r in rows]
+
+    def usage(self, batch_id: str) -> Usage:
+        row = self._rows("SELECT COALESCE(SUM(ok), 0), COUNT(*), "
+                         "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+                         "COALESCE(SUM(completion_tokens), 0) FROM batch_results "
+                         "WHERE batch_id = ?", (batch_id,))[0]
+        ok, count = int(row[0]), int(row[1])
+        return Usage(ok, count - ok, int(row[2]), int(row[3]), int(row[4]))
+
+    # -- pages -------------------------------------------------------------------------
+
+    def _page(self, table: str, columns: str, kind: type[FileRecord] | None, tenant: str,
+              limit: int, after: str | None, ascending: bool,
+              where: tuple[str, str] | None) -> tuple[list[Any], bool]:
+        """OpenAI's cursor pages: ``after`` is the id of the last object of the previous
+        page; objects are ordered by creation (and insertion, for ties)."""
+        order = "ASC" if ascending else "DESC"
+        clauses, params = ["tenant = ?"], [tenant]
+        if where is not None:
+            clauses.append(f"{where[0]} = ?")
+            params.append(where[1])
+        if after:
+            cursor = self._rows(f"SELECT created_at, rowid_ FROM (SELECT created_at, "
+                                f"{_rowid(table, self._mark)} AS rowid_, id FROM {table}) t "
+                                "WHERE id = ?", (after,))
+            if cursor:
+                created, rowid = cursor[0]
+                op = ">" if ascending else "<"
+                clauses.append(f"(created_at {op} ? OR (created_at = ? AND "
+                               f"{_rowid(table, self._mark)} {op} ?))")
+                params += [created, created, rowid]
+        rows = self._rows(f"SELECT {columns} FROM {table} WHERE {' AND '.join(clauses)} "
+                          f"ORDER BY created_at {order}, {_rowid(table, self._mark)} {order} "
+                          f"LIMIT {int(limit) + 1}", params)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        if kind is FileRecord:
+            return [FileRecord(*r) for r in rows], more
+        return [_batch_from_row(r) for r in rows], more
+
+
+def _rowid(table: str, mark: str) -> str:
+    """The insertion order of a row: SQLite's rowid; in Postgres the batches' ``seq``
+    (files are ordered by id among files created in the same second)."""
+    if mark == "?":
+        return "rowid"
+    return "seq" if table == "batches" else "id"
+
+
+def _batch_row(b: BatchRecord) -> tuple[Any, ...]:
+    return (b.id, b.tenant, b.application, b.endpoint, b.input_file_id, b.completion_window,
+            b.status, b.created_at, b.expires_at, b.total,
+            None if b.metadata is None else json.dumps(b.metadata),
+            None if b.errors is None else json.dumps(b.errors),
+            b.output_file_id, b.error_file_id, json.dumps(b.stamps), b.model)
+
+
+def _batch_from_row(r: Sequence[Any]) -> BatchRecord:
+    return BatchRecord(
+        id=r[0], tenant=r[1], application=r[2], endpoint=r[3], input_file_id=r[4],
+        completion_window=r[5], status=r[6], created_at=int(r[7]), expires_at=int(r[8]),
+        total=int(r[9]), metadata=None if r[10] is None else json.loads(r[10]),
+        errors=None if r[11] is None else json.loads(r[11]), output_file_id=r[12],
+        error_file_id=r[13], stamps=json.loads(r[14] or "{}"), model=r[15])

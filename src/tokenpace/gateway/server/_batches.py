@@ -1,0 +1,426 @@
+"""The Batch API's HTTP surface (``/v1/files``, ``/v1/batches``) and the gateway side of
+its runner (``batch.BatchHost``): each line runs through ``handle``, the same path as a
+live request, as its batch's tenant.
+
+Every route authenticates the key as the completion routes do and shows the tenant only
+its own files and batches: another tenant's id answers 404, as an unknown one does. The
+routes answer in OpenAI's shapes (objects, cursor pages, error bodies) so that the openai
+SDK's ``files`` and ``batches`` clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..admission import authorization_of, identify
+from ..batch import (
+    ENDPOINTS,
+    BatchRecord,
+    BatchRunner,
+    BatchStore,
+    Line,
+    LineAnswer,
+    Usage,
+    batch_store_url,
+    count_lines,
+    new_id,
+)
+from ..exchange import Runtime
+from ..state import Lease, SlotClaim, StateUnavailable
+from ..tenants import TenantState
+from ..wire import GatewayError, error_response
+from ._proxy import BatchLine, handle
+
+logger = logging.getLogger("tokenpace.gateway")
+
+COMPLETION_WINDOWS = ("24h",)
+"""The windows a batch may ask for (OpenAI's one); ``batch.expire_after`` is how long the
+gateway actually gives it (24 h unless configured)."""
+
+MAX_METADATA = 16
+UPLOAD_SLACK = 64 * 1024
+"""Bytes of multipart framing allowed beyond ``batch.max_file_bytes`` in a declared
+``Content-Length`` before the upload is refused unread."""
+
+_LOCAL_CLAIM = object()
+"""The claim on a batch with one replica (no shared store): this process is its runner."""
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    return error_response(status, message, code=code, param=param)
+
+
+class BatchService:
+    """The store, the runner and the routes of the Batch API in one gateway process."""
+
+    def __init__(self, rt_of: Callable[[], Runtime | None]) -> None:
+        self._rt_of = rt_of
+        self.store: BatchStore | None = None
+        self.runner: BatchRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+
+    @property
+    def rt(self) -> Runtime:
+        rt = self._rt_of()
+        assert rt is not None
+        return rt
+
+    # -- life --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        config = self.rt.config
+        url = config.batch.store or batch_store_url(config.ledger)
+        self.store = await asyncio.to_thread(BatchStore, url)
+        self.runner = BatchRunner(self.store, self, concurrency=config.batch.concurrency,
+                                  max_lines=config.batch.max_lines)
+        self._task = asyncio.create_task(self.runner.run())
+
+    async def close(self) -> None:
+        """Lines in flight end as if their client left (nothing is written for them: they
+        run again when the batch resumes), then the runner stops and gives its claims back."""
+        self._closing.set()
+        if self._task is not None:
+            await asyncio.sleep(0.05)  # the lines see the disconnect and end
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.store is not None:
+            self.store.close()
+
+    # -- BatchHost ---------------------------------------------------------------------
+
+    async def run_line(self, batch: BatchRecord, line: Line,
+                       on_slot: Callable[[], None]) -> LineAnswer | None:
+        rt = self.rt
+        state = rt.tenants.get(batch.tenant)
+        application = None
+        if state is not None and batch.application:
+            application = state.applications.get(batch.application)
+        if state is None or (batch.application and application is None):
+            who = (f"tenant {batch.tenant!r}" if state is None
+                   else f"application {batch.application!r} of tenant {batch.tenant!r}")
+            return LineAnswer(403, json.dumps({"error": {
+                "message": f"{who} is no longer in the gateway's configuration",
+                "type": "invalid_request_error", "param": None,
+                "code": "tenant_removed"}}).encode(), "tpg-" + new_id(""))
+        path = batch.endpoint
+        sent = False
+        closing = self._closing
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": line.body, "more_body": False}
+            await closing.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(line.body)).encode())]}
+        response = await handle(rt, ENDPOINTS[path], scope, receive,
+                                principal=(state, application),
+                                line=BatchLine(batch.id, on_slot))
+        if response.status_code == 499:  # the gateway is stopping: no answer
+            return None
+        assert isinstance(response, Response)  # a line is never streamed
+        retry = response.headers.get("retry-after")
+        try:
+            retry_s = float(retry) if retry is not None else None
+        except ValueError:
+            retry_s = None
+        return LineAnswer(response.status_code, bytes(response.body),
+                          response.headers.get("x-request-id") or "tpg-" + new_id(""),
+                          retry_s)
+
+    def room(self, model: str) -> int:
+        rt = self.rt
+        pool = rt.dispatcher.pool_for(rt.config.served_name(model))
+        if pool is None:
+            return 1  # unknown model: the line fails at once with the route's 404
+        return rt.dispatcher.spare(pool, rt.config.batch.headroom)
+
+    def tenant_ok(self, tenant: str) -> bool:
+        """A tenant's lines leave one of its ``max_concurrency`` slots to its live
+        requests (all of it when the limit is 1)."""
+        state = self.rt.tenants.get(tenant)
+        if state is None:
+            return True  # its lines fail at once (tenant_removed)
+        limit = state.config.max_concurrency
+        if limit is None:
+            return True
+        return state.inflight < max(1, limit - 1)
+
+    def weight(self, tenant: str) -> float | None:
+        state = self.rt.tenants.get(tenant)
+        return None if state is None else state.config.weight
+
+    async def claim(self, batch_id: str) -> object | None:
+        store = self.rt.store
+        if store is None:
+            return _LOCAL_CLAIM
+        try:
+            got = await store.acquire([SlotClaim(f"batch:{batch_id}", 1)])
+        except StateUnavailable:
+            return None
+        return got if isinstance(got, Lease) else None
+
+    async def unclaim(self, claim: object) -> None:
+        store = self.rt.store
+        if store is not None and isinstance(claim, Lease):
+            with contextlib.suppress(StateUnavailable):
+                await store.release(claim)
+
+    # -- routes ------------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> tuple[TenantState, str]:
+        tenant, application = identify(self.rt, authorization_of(request.headers))
+        return tenant, application.id if application is not None else ""
+
+    def _ready(self) -> BatchStore:
+        if self.store is None:
+            raise GatewayError(503, "the gateway is starting", reason="starting",
+                               code="starting")
+        return self.store
+
+    async def create_file(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        limits = self.rt.config.batch
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() \
+                and int(declared) > limits.max_file_bytes + UPLOAD_SLACK:
+            return _error(413, f"file larger than {limits.max_file_bytes} bytes "
+                          "(batch.max_file_bytes)", "file_too_large", "file")
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except Exception as exc:  # malformed multipart: starlette's own error types vary
+            return _error(400, f"expected a multipart/form-data upload with fields 'file' "
+                          f"and 'purpose': {exc}", "invalid_upload")
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                return _error(400, "missing the 'file' field (multipart/form-data)",
+                              "missing_required_parameter", "file")
+            if purpose != "batch":
+                return _error(400, f"purpose {purpose!r} is not served here: this gateway "
+                              "keeps files for the Batch API only (purpose 'batch')",
+                              "invalid_value", "purpose")
+            content = await upload.read(limits.max_file_bytes + 1)
+            filename = upload.filename or "upload.jsonl"
+        finally:
+            await form.close()  # the spooled temporary file
+        if len(content) > limits.max_file_bytes:
+            return _error(413, f"file larger than {limits.max_file_bytes} bytes "
+                          "(batch.max_file_bytes)", "file_too_large", "file")
+        if count_lines(content) > limits.max_lines:
+            return _error(400, f"the file has more than {limits.max_lines} requests "
+                          "(batch.max_lines)", "too_many_requests", "file")
+        if await asyncio.to_thread(store.count_files, tenant.id) >= limits.max_files:
+            return _error(400, f"tenant {tenant.id!r} already stores {limits.max_files} files "
+                          "(batch.max_files): delete some first", "too_many_files")
+        record = await asyncio.to_thread(store.add_file, tenant.id, "batch", filename, content)
+        return JSONResponse(record.to_json())
+
+    async def list_files(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+            limit, after = _page_args(request, 10_000)
+        except GatewayError as exc:
+            return exc.response()
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            return _error(400, f"order must be 'asc' or 'desc', got {order!r}",
+                          "invalid_value", "order")
+        files, more = await asyncio.to_thread(store.files, tenant.id,
+                                              request.query_params.get("purpose"), limit,
+                                              after, order == "asc")
+        return JSONResponse(_page([f.to_json() for f in files], more))
+
+    async def get_file(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        record = await asyncio.to_thread(store.file, tenant.id, request.path_params["file_id"])
+        if record is None:
+            return _no_file(request.path_params["file_id"])
+        return JSONResponse(record.to_json())
+
+    async def file_content(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        content = await asyncio.to_thread(store.file_content, tenant.id,
+                                          request.path_params["file_id"])
+        if content is None:
+            return _no_file(request.path_params["file_id"])
+        return Response(content, media_type="application/jsonl")
+
+    async def delete_file(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        file_id = request.path_params["file_id"]
+        if await asyncio.to_thread(store.file_in_use, tenant.id, file_id):
+            return _error(400, f"file {file_id} is the input of a batch that has not "
+                          "finished; cancel the batch first", "file_in_use", "file_id")
+        if not await asyncio.to_thread(store.delete_file, tenant.id, file_id):
+            return _no_file(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    async def create_batch(self, request: Request) -> Response:
+        try:
+            tenant, application = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body is not valid JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_json")
+        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+        window, metadata = body.get("completion_window"), body.get("metadata")
+        if not isinstance(file_id, str) or not file_id:
+            return _error(400, "input_file_id is required", "missing_required_parameter",
+                          "input_file_id")
+        if endpoint not in ENDPOINTS:
+            return _error(400, f"endpoint {endpoint!r} is not one a batch may run here; "
+                          f"expected one of {', '.join(ENDPOINTS)}", "invalid_value",
+                          "endpoint")
+        if window not in COMPLETION_WINDOWS:
+            return _error(400, f"completion_window must be '24h', got {window!r}",
+                          "invalid_value", "completion_window")
+        problem = _metadata_problem(metadata)
+        if problem is not None:
+            return _error(400, problem, "invalid_value", "metadata")
+        record = await asyncio.to_thread(store.file, tenant.id, file_id)
+        if record is None:
+            return _no_file(file_id, "input_file_id")
+        if record.purpose != "batch":
+            return _error(400, f"file {file_id} has purpose {record.purpose!r}, not 'batch'",
+                          "invalid_value", "input_file_id")
+        limits = self.rt.config.batch
+        if await asyncio.to_thread(store.count_unfinished, tenant.id) >= limits.max_batches:
+            return _error(429, f"tenant {tenant.id!r} already has {limits.max_batches} "
+                          "batches that have not finished (batch.max_batches)",
+                          "too_many_batches")
+        now = int(time.time())
+        batch = BatchRecord(new_id("batch_"), tenant.id, application, endpoint, file_id,
+                            window, "validating", now,
+                            now + max(1, round(limits.expire_after_s)),
+                            metadata=metadata)
+        await asyncio.to_thread(store.add_batch, batch)
+        if self.runner is not None:
+            self.runner.wake()
+        return JSONResponse(batch.to_json(Usage()))
+
+    async def get_batch(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        batch = await asyncio.to_thread(store.batch, request.path_params["batch_id"],
+                                        tenant.id)
+        if batch is None:
+            return _no_batch(request.path_params["batch_id"])
+        return JSONResponse(await self._json(batch))
+
+    async def cancel_batch(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+        except GatewayError as exc:
+            return exc.response()
+        batch_id = request.path_params["batch_id"]
+        batch = await asyncio.to_thread(store.batch, batch_id, tenant.id)
+        for _ in range(3):  # the runner may move it between the read and the move
+            if batch is None:
+                return _no_batch(batch_id)
+            if batch.status not in ("validating", "in_progress"):
+                break
+            moved = await asyncio.to_thread(store.move, batch.id, batch.status, "cancelling")
+            if moved is not None:
+                batch = moved
+                if self.runner is not None:
+                    self.runner.wake()
+                break
+            batch = await asyncio.to_thread(store.batch, batch_id, tenant.id)
+        assert batch is not None
+        if batch.status not in ("cancelling", "cancelled"):
+            return _error(400, f"batch {batch_id} is {batch.status}: only a validating or "
+                          "in-progress batch can be cancelled", "invalid_state")
+        return JSONResponse(await self._json(batch))
+
+    async def list_batches(self, request: Request) -> Response:
+        try:
+            tenant, _ = self._tenant(request)
+            store = self._ready()
+            limit, after = _page_args(request, 100)
+        except GatewayError as exc:
+            return exc.response()
+        batches, more = await asyncio.to_thread(store.batches, tenant.id, limit, after)
+        return JSONResponse(_page([await self._json(b) for b in batches], more))
+
+    async def _json(self, batch: BatchRecord) -> dict[str, object]:
+        assert self.store is not None
+        return batch.to_json(await asyncio.to_thread(self.store.usage, batch.id))
+
+
+def _page_args(request: Request, most: int) -> tuple[int, str | None]:
+    raw = request.query_params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise GatewayError(400, f"limit must be an integer from 1 to {most}, got {raw!r}",
+                           reason="invalid_request", code="invalid_value", param="limit")
+    return int(raw), request.query_params.get("after") or None
+
+
+def _page(data: list[dict[str, object]], more: bool) -> dict[str, object]:
+    return {"object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _no_file(file_id: str, param: str = "file_id") -> Response:
+    return _error(404, f"No such File object: {file_id}", "file_not_found", param)
+
+
+def _no_batch(batch_id: str) -> Response:
+    return _error(404, f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+
+
+def _metadata_problem(metadata: Any) -> str | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        return "metadata must be an object of string values"
+    if len(metadata) > MAX_METADATA:
+        return f"metadata has more than {MAX_METADATA} keys"
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            return ("metadata keys are at most 64 characters and values strings of at most "
+                    f"512 (key {key[:64]!r})")
+    return None
