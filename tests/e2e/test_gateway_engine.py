@@ -9,6 +9,9 @@ the engine's request.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -486,3 +489,118 @@ def test_an_application_is_paced_in_the_engine_inside_its_tenant(gateway: Gatewa
     chat_rate = (len(chat) - 1) / (chat[-1] - chat[0])
     expect("gateway_engine", "application chat beside bot", chat_rate, 0.5 * 15, upper=False,
            logs=logs)
+
+
+def _batch_file(api_: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    return api_.files.create(file=("input.jsonl", content), purpose="batch").id
+
+
+def _finished(api_: openai.OpenAI, batch_id: str, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = api_.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status}"
+        time.sleep(0.1)
+
+
+def _custom_ids(api_: openai.OpenAI, file_id: str | None) -> list[str]:
+    if file_id is None:
+        return []
+    return [json.loads(x)["custom_id"] for x in api_.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_runs_on_the_engine_with_no_batch_configuration(gateway: GatewayProcess) -> None:
+    """The gateway's configuration says nothing of batches: chat and Responses batches run
+    on the real engine, in the lowest lane ("batch"), each line charged what the engine
+    reported (its ledger row names the batch), a line for an unknown model in the error
+    file; a live request served meanwhile."""
+    fast = api(gateway, KEY_FAST)
+    chat = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "tiny", "messages": CHAT, "max_tokens": 8,
+                      "ignore_eos": True}} for i in range(12)]
+    chat.append({"custom_id": "unknown-model", "method": "POST",
+                 "url": "/v1/chat/completions",
+                 "body": {"model": "no-such-model", "messages": CHAT}})
+    chat_batch = fast.batches.create(input_file_id=_batch_file(fast, chat),
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+    responses = [{"custom_id": f"resp-{i}", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": "tiny", "input": "Hello there", "max_output_tokens": 6}}
+                 for i in range(4)]
+    resp_batch = fast.batches.create(input_file_id=_batch_file(fast, responses),
+                                     endpoint="/v1/responses", completion_window="24h")
+    live = fast.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert live.usage.completion_tokens == 4
+    done = _finished(fast, chat_batch.id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (12, 1)
+    assert _custom_ids(fast, done.error_file_id) == ["unknown-model"]
+    output = [json.loads(x) for x in fast.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in output) == sorted(f"chat-{i}" for i in range(12))
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 8 for x in output)
+    assert done.usage.output_tokens == 96
+    rdone = _finished(fast, resp_batch.id)
+    assert rdone.status == "completed" and rdone.request_counts.completed == 4
+    routput = [json.loads(x) for x in fast.files.content(rdone.output_file_id).text.splitlines()]
+    assert all(x["response"]["body"]["object"] == "response" for x in routput)
+    rows = [r for r in gateway.rows_since(0, 0) if r.batch_id in (chat_batch.id, resp_batch.id)]
+    deadline = time.monotonic() + 10
+    while len(rows) < 17 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows = [r for r in gateway.rows_since(0, 0)
+                if r.batch_id in (chat_batch.id, resp_batch.id)]
+    assert len(rows) == 17 and {r.lane for r in rows} == {"batch"}
+    by_id = {r.request_id: r for r in rows}
+    for x in output + routput:
+        row = by_id[x["response"]["request_id"]]
+        usage = x["response"]["body"]["usage"]
+        assert row.completion_tokens == usage.get("completion_tokens", usage.get("output_tokens"))
+        assert row.prompt_tokens == usage.get("prompt_tokens", usage.get("input_tokens"))
+
+
+def test_a_batch_survives_the_gateway_killed_with_sigkill(gateway: GatewayProcess,
+                                                         engine: Server) -> None:
+    """Lines of the paced tenant (20 tok/s, so the batch takes seconds) run, the gateway
+    dies by SIGKILL mid-batch, starts again with the same ledger and batch store, and
+    resumes: every custom_id once in the output, lines written before the kill not sent
+    to the engine again (the event log counts the tenant's requests). Last in this
+    module: it restarts the module's gateway."""
+    slow = api(gateway, KEY_SLOW)
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"Count {i}", "max_tokens": 12,
+                       "ignore_eos": True}} for i in range(8)]
+    batch = slow.batches.create(input_file_id=_batch_file(slow, lines),
+                                endpoint="/v1/completions", completion_window="24h")
+    store = Path(gateway.config["ledger"].removeprefix("sqlite:///")).with_name(
+        "usage.batches.db")
+
+    def written() -> int:
+        import sqlite3
+        with sqlite3.connect(store) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM batch_results WHERE batch_id = ?",
+                                    (batch.id,)).fetchone()[0])
+
+    deadline = time.monotonic() + 60
+    while written() < 2:
+        assert time.monotonic() < deadline, "no line of the paced batch was written"
+        time.sleep(0.05)
+    assert gateway.server is not None
+    os.kill(gateway.server.proc.pid, signal.SIGKILL)
+    gateway.server.proc.wait(10)
+    at_kill = written()
+    gateway.stop()
+    assert at_kill < 8, "the batch ended before the kill: make its lines longer"
+    gateway.start()
+    done = _finished(slow, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 8
+    assert sorted(_custom_ids(slow, done.output_file_id)) == sorted(f"line-{i}" for i in range(8))
+    assert done.usage.output_tokens == 8 * 12
+    # Each request of the tenant at the engine: the 8 lines, plus those in flight at the
+    # kill (at most the 8 - at_kill unwritten), never again the ones written before it.
+    time.sleep(0.5)  # the engine writes its event log every 200 ms
+    sent = len(engine_requests(events, {"slow"}, since))
+    assert 8 <= sent <= 16 - at_kill, (sent, at_kill)
