@@ -149,6 +149,11 @@ class BatchRunner:
             for job in self._jobs.values():
                 await self.host.unclaim(job.claim)
 
+    @property
+    def inflight(self) -> int:
+        """Lines started and not yet ended, all batches of this process."""
+        return self._inflight
+
     def wake(self) -> None:
         """A batch was created or cancelled on this process: scan now."""
         self._scan_now.set()

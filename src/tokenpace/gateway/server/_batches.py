@@ -52,6 +52,10 @@ UPLOAD_SLACK = 64 * 1024
 """Bytes of multipart framing allowed beyond ``batch.max_file_bytes`` in a declared
 ``Content-Length`` before the upload is refused unread."""
 
+CLOSE_WAIT_S = 2.0
+"""How long a shutdown waits for the lines in flight to end as cancelled before the runner
+is stopped outright (a line stopped so has a ledger row ``error``)."""
+
 _LOCAL_CLAIM = object()
 """The claim on a batch with one replica (no shared store): this process is its runner."""
 
@@ -91,7 +95,10 @@ class BatchService:
         run again when the batch resumes), then the runner stops and gives its claims back."""
         self._closing.set()
         if self._task is not None:
-            await asyncio.sleep(0.05)  # the lines see the disconnect and end
+            runner = self.runner
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while runner is not None and runner.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # each line sees the disconnect and ends (499)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
