@@ -196,8 +196,10 @@ class BatchRunner:
                 self._inflight += 1
                 self._spawn(self._run_line(job, line, ticket.model))
             self._pump_now.clear()
+            # Lines waiting for room poll for it (live requests ending free slots without
+            # telling the runner); with none waiting the pump sleeps until one is offered.
             try:
-                async with asyncio.timeout(PUMP_S):
+                async with asyncio.timeout(PUMP_S if self.feed.waiting() else None):
                     await self._pump_now.wait()
             except TimeoutError:
                 pass
