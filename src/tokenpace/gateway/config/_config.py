@@ -93,6 +93,7 @@ class ModelConfig:
     name: str
     aliases: tuple[str, ...] = ()
     cost: CostModel | None = None  # None: the top-level cost
+    batch_cost: float | None = None  # its batch lines' coefficient; None: ``batch.cost``
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,11 @@ class GatewayConfig:
 
     def batch_cost_of(self, model: str, tenant: TenantConfig) -> CostModel:
         """The cost coefficients of a batch line: the model's, times the tenant's
-        ``batch_cost`` (else ``batch.cost``)."""
-        factor = tenant.batch_cost if tenant.batch_cost is not None else self.batch.cost
+        ``batch_cost``, else the model's ``batch_cost``, else ``batch.cost``."""
+        settings = self._model_settings.get(model)
+        factor = (tenant.batch_cost if tenant.batch_cost is not None
+                  else settings.batch_cost if settings is not None
+                  and settings.batch_cost is not None else self.batch.cost)
         cost = self.cost_of(model)
         if factor == 1.0:
             return cost
@@ -620,7 +624,7 @@ def _models(items: list[Any], engines: tuple[EngineConfig, ...]) -> tuple[ModelC
     for i, item in enumerate(items):
         where = f"models[{i}]"
         m = _mapping(item, where)
-        _known(m, where, ("name", "aliases", "cost"))
+        _known(m, where, ("name", "aliases", "cost", "batch_cost"))
         name = m.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}.name: required, the name the engines serve "
@@ -632,7 +636,7 @@ def _models(items: list[Any], engines: tuple[EngineConfig, ...]) -> tuple[ModelC
                 raise ConfigError(f"{label}: {value!r} is already given at {taken[value]}")
             taken[value] = label
         cost = _cost(m["cost"], f"{where}.cost") if m.get("cost") is not None else None
-        out.append(ModelConfig(name, aliases, cost))
+        out.append(ModelConfig(name, aliases, cost, _batch_cost(m, where)))
     served = {name for e in engines for name in e.models or ()}
     for model in out:
         for alias in model.aliases:
@@ -927,7 +931,7 @@ def _batch_cost(m: Mapping[str, Any], where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{where}.batch_cost: expected a number >= 0 (times the model's "
-                          f"cost for this tenant's batch lines), got {value!r}")
+                          f"cost for batch lines), got {value!r}")
     return float(value)
 
 
