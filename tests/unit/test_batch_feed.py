@@ -17,12 +17,6 @@ from tokenpace.gateway.batch import BatchFeed, Ticket
 
 M = "tiny"
 
-LIFT_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BatchFeed gives a tenant one ticket per batch, so each next() empties the tenant's "
-    "backlog and its wait() right after lifts its VTC counter to the other tenants' "
-    "floor (FairQueue lift): weights and charged costs are erased, a tenant with one "
-    "batch alternates 1:1 with every other (src/tokenpace/gateway/batch/_feed.py:69)"))
-
 
 class Clock:
     """A clock the test advances by hand."""
@@ -140,7 +134,6 @@ def free(_: str) -> float:
     return 0.0
 
 
-@LIFT_BUG
 @pytest.mark.parametrize("rewait_first", [False, True], ids=["brief-order", "runner-order"])
 def test_weighted_share_between_tenants(rewait_first: bool) -> None:
     """Weights 2 and 1, both always waiting, every line costing the same (estimate 1 +
@@ -156,7 +149,6 @@ def test_weighted_share_between_tenants(rewait_first: bool) -> None:
     assert abs(counts["f1"] - 100) <= 3, counts
 
 
-@LIFT_BUG
 def test_weight_change_applies_to_waiting_tenants() -> None:
     """``set_weight`` for a tenant already waiting changes its share from then on."""
     feed = BatchFeed(Clock())
@@ -167,7 +159,6 @@ def test_weight_change_applies_to_waiting_tenants() -> None:
     assert abs(counts["a1"] - 150) <= 3, counts
 
 
-@LIFT_BUG
 def test_cost_charged_counts_against_a_tenant() -> None:
     """Equal weights, but one tenant's lines cost 9 more each (estimate 1 + charge 9): it
     gets about 1/11 of the lines (its counter grows 10 per line, the other's 1)."""

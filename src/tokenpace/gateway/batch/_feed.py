@@ -46,6 +46,11 @@ class _Model:
     queue: FairQueue[Ticket]
     starting: int = 0  # lines started that do not hold an engine slot yet
     tickets: dict[str, Ticket] = field(default_factory=dict)  # batch id -> its waiting ticket
+    # Tenant -> its batches with lines of this model left (waiting or running). A tenant
+    # is lifted when it becomes active here, not each time its batch's one ticket comes
+    # back: the queue's own lift (on every return to the backlog) would wipe out the
+    # service it received between two lines and share 1:1 whatever the weights.
+    active: dict[str, set[str]] = field(default_factory=dict)
 
 
 class BatchFeed:
@@ -67,7 +72,7 @@ class BatchFeed:
         model = self._models.get(name)
         if model is None:
             model = self._models[name] = _Model(FairQueue([LaneSpec(_LANE, 0, 0.0)],
-                                                          self._clock))
+                                                          self._clock, lift=False))
         return model
 
     def wait(self, batch_id: str, tenant: str, model_name: str, estimate: float) -> None:
@@ -79,6 +84,15 @@ class BatchFeed:
             return
         if not model.queue.declared(tenant):
             model.queue.set_tenant(tenant, _LANE, self._weights.get(tenant, 1.0))
+        batches = model.active.setdefault(tenant, set())
+        if not batches:
+            # Newly active: lifted to the least counter among the tenants already active
+            # here, so time without batches banks no credit (VTC's lift, per activity).
+            floor = min((model.queue.counter(other) for other, theirs in model.active.items()
+                         if theirs and other != tenant), default=None)
+            if floor is not None and floor > model.queue.counter(tenant):
+                model.queue.set_counters({tenant: floor})
+        batches.add(batch_id)
         ticket = Ticket(batch_id, tenant, model_name)
         model.tickets[batch_id] = ticket
         model.queue.push(ticket, tenant, estimate, estimate, application=batch_id)
@@ -89,6 +103,10 @@ class BatchFeed:
             ticket = model.tickets.pop(batch_id, None)
             if ticket is not None:
                 model.queue.remove(ticket)
+            for tenant, batches in list(model.active.items()):
+                batches.discard(batch_id)
+                if not batches:
+                    del model.active[tenant]
 
     def hold(self, tenant: str, seconds: float) -> None:
         """Start no line of ``tenant`` for ``seconds`` (its budget or limits refused one)."""

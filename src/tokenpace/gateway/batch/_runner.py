@@ -104,7 +104,8 @@ class _Job:
     pending: deque[Line] = field(default_factory=deque)
     attempts: dict[int, int] = field(default_factory=dict)  # line number -> runs that failed
     inflight: int = 0
-    stop: str | None = None  # "cancelling" or "expired": start no more lines
+    # "cancelling", "expired", or "suspended" (a line got no answer): start no more lines
+    stop: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -123,6 +124,7 @@ class BatchRunner:
         self._scan_now = asyncio.Event()
         self._pump_now = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._quiescing = False
 
     # -- the two loops -----------------------------------------------------------------
 
@@ -154,6 +156,11 @@ class BatchRunner:
         """Lines started and not yet ended, all batches of this process."""
         return self._inflight
 
+    def quiesce(self) -> None:
+        """Start no line and claim no batch from now on (the gateway is stopping): lines
+        in flight end, and their batches wait for the next start."""
+        self._quiescing = True
+
     def wake(self) -> None:
         """A batch was created or cancelled on this process: scan now."""
         self._scan_now.set()
@@ -168,6 +175,8 @@ class BatchRunner:
                 if now >= batch.expires_at and job.stop is None:
                     self._stop(job, "expired")
                 continue
+            if self._quiescing:
+                continue
             claim = await self.host.claim(batch.id)
             if claim is None:
                 continue
@@ -181,13 +190,19 @@ class BatchRunner:
 
     async def _pump(self) -> None:
         while True:
-            while self._inflight < self.concurrency:
+            while self._inflight < self.concurrency and not self._quiescing:
                 ticket = self.feed.next(self.host.room, self.host.tenant_ok)
                 if ticket is None:
                     break
                 job = self._jobs.get(ticket.batch_id)
                 if job is None or job.stop is not None or not job.pending:
                     self.feed.started(ticket.model)
+                    continue
+                if job.pending[0].model != ticket.model:
+                    # A line of another model came back to the front (a retry) since the
+                    # ticket was offered: offer that one, under its own model's room.
+                    self.feed.started(ticket.model)
+                    self._offer(job)
                     continue
                 line = job.pending.popleft()
                 if job.pending:
@@ -244,9 +259,9 @@ class BatchRunner:
 
     async def _validate(self, job: _Job) -> BatchRecord | None:
         batch = job.batch
-        if self._wall() >= batch.expires_at:
-            return await self._finalize(job, batch, "expired")
         lines, problems = await self._lines(batch)
+        if self._wall() >= batch.expires_at:  # every line written as batch_expired
+            return await self._finalize(job, batch, "expired", [] if problems else lines)
         if problems:
             moved = await asyncio.to_thread(self.store.move, batch.id, "validating", "failed",
                                             errors=problems)
@@ -293,6 +308,8 @@ class BatchRunner:
         if job.stop == "cancelling":
             current = await asyncio.to_thread(self.store.batch, batch.id)
             return current
+        if job.stop == "suspended":  # no answer for a line: the batch resumes later
+            return None
         moved = await asyncio.to_thread(self.store.move, batch.id, "in_progress", "finalizing")
         return moved if moved is not None else await asyncio.to_thread(self.store.batch,
                                                                        batch.id)
@@ -359,10 +376,24 @@ class BatchRunner:
             self._inflight -= 1
             self._pump_now.set()
         try:
-            if answer is not None:
+            if answer is None:
+                self._suspend(job, line)
+            else:
                 await self._settle_line(job, line, model, answer)
+        except Exception:
+            logger.exception("batch %s line %d: its result could not be kept", job.batch.id,
+                             line.number)
+            self._suspend(job, line)
         finally:
             job.changed.set()
+
+    def _suspend(self, job: _Job, line: Line) -> None:
+        """A line ended without a result to keep (the gateway is stopping, or the store
+        failed): it goes back to the batch's lines, and the batch stops here without
+        finishing; the next scan (of this process or another) resumes it."""
+        job.pending.appendleft(line)
+        if job.stop is None:
+            self._stop(job, "suspended")
 
     async def _settle_line(self, job: _Job, line: Line, model: str,
                            answer: LineAnswer) -> None:

@@ -242,7 +242,7 @@ class BatchStore:
         """Every batch with work left, oldest first (all tenants: the runners' list)."""
         marks = ", ".join("?" * len(UNFINISHED))
         rows = self._rows(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE status IN ({marks}) "
-                          "ORDER BY created_at, seq", UNFINISHED)
+                          f"ORDER BY created_at, {_rowid('batches', self._mark)}", UNFINISHED)
         return [_batch_from_row(r) for r in rows]
 
     def count_unfinished(self, tenant: str) -> int:

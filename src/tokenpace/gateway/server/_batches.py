@@ -94,6 +94,8 @@ class BatchService:
         """Lines in flight end as if their client left (nothing is written for them: they
         run again when the batch resumes), then the runner stops and gives its claims back."""
         self._closing.set()
+        if self.runner is not None:
+            self.runner.quiesce()
         if self._task is not None:
             runner = self.runner
             deadline = time.monotonic() + CLOSE_WAIT_S
