@@ -308,6 +308,9 @@ def test_cancel_keeps_what_ran_and_expiry_writes_the_rest_as_expired(
         assert sorted(x["custom_id"] for x in out + err) == [f"req-{i}" for i in range(10, 15)]
         assert {x["error"]["code"] for x in err} == {"batch_expired"}
         assert all(x["response"] is None for x in err)
+        lines = {outcome: gw.metric("tokenpace_gateway_batch_lines_total", tenant="team-b",
+                                    outcome=outcome) for outcome in ("output", "expired")}
+        assert lines == {"output": 6.0, "expired": 2.0}
     finally:
         fake.gate.set()
         gw.stop()

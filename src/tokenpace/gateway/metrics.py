@@ -126,6 +126,12 @@ QUEUED = Gauge(
     "tokenpace_gateway_queued_requests", "Admitted requests waiting in the gateway for dispatch.",
     ["tenant"], registry=REGISTRY,
 )
+BATCH_LINES = Counter(
+    "tokenpace_gateway_batch_lines", "Lines of batches (/v1/batches) by how they ended: output "
+    "(a 2xx answer), error (another answer), expired (never ran before the batch expired), "
+    "retried (a 429 or 5xx, run again).",
+    ["tenant", "outcome"], registry=REGISTRY,
+)
 
 
 class LiveGauge(Collector):
@@ -383,6 +389,7 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     E2E_SECONDS: ("tenant",),
     INFLIGHT: ("tenant",),
     QUEUED: ("tenant",),
+    BATCH_LINES: ("tenant", "outcome"),
     FAIRNESS_DEBT: ("tenant",),
     QUEUED_COST: ("tenant",),
     OUTPUT_RATE: ("tenant",),

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .. import metrics
 from ..wire import answer_cached, answer_usage
 from ._feed import BatchFeed
 from ._lines import ENDPOINTS, Line, parse_lines
@@ -344,6 +345,9 @@ class BatchRunner:
         ended = await asyncio.to_thread(self.store.finish, batch, end, output,
                                         errors.encode())
         if ended is not None:
+            if unrun:
+                metrics.child(metrics.BATCH_LINES, batch.tenant, "expired").inc(
+                    sum(1 for line in unrun if line.number not in written))
             counts = await asyncio.to_thread(self.store.usage, batch.id)
             logger.info("batch %s of tenant %s %s: %d lines ok, %d failed", batch.id,
                         batch.tenant, end, counts.requests_completed, counts.requests_failed)
@@ -407,6 +411,7 @@ class BatchRunner:
             runs = job.attempts[line.number] = job.attempts.get(line.number, 0) + 1
             again = runs < ATTEMPTS
         if again:
+            metrics.child(metrics.BATCH_LINES, batch.tenant, "retried").inc()
             job.pending.appendleft(line)
             return
         try:
@@ -431,7 +436,8 @@ class BatchRunner:
         result = LineResult(line.number, line.custom_id, ok,
                             result_line(answer.request_id, line.custom_id, status, body,
                                         error), prompt, cached, completion)
-        await asyncio.to_thread(self.store.add_result, batch.id, result)
+        if await asyncio.to_thread(self.store.add_result, batch.id, result):
+            metrics.child(metrics.BATCH_LINES, batch.tenant, "output" if ok else "error").inc()
         self.feed.charge(batch.tenant, model, batch.id, completion)
 
 
