@@ -172,6 +172,22 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     return _bench_outputs(args, fleet, result)
 
 
+def _cmd_bench_batch(args: argparse.Namespace) -> int:
+    from .bench import batch
+
+    if args.quick:
+        result = batch.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
+                           rate=args.rate, max_tokens=args.tokens, batch_lines=1500,
+                           headroom=args.headroom, layout=args.layout)
+    else:
+        if args.warmup >= args.duration:
+            raise SystemExit("tokenpace bench batch: error: --warmup must be below --duration")
+        result = batch.run(_bench_model(args), args.duration, args.warmup, args.rounds,
+                           args.rate, args.tokens, headroom=args.headroom,
+                           layout=args.layout)
+    return _bench_outputs(args, batch, result)
+
+
 def _cmd_bench_failover(args: argparse.Namespace) -> int:
     from .bench import failover
 
@@ -422,6 +438,41 @@ def build_parser() -> argparse.ArgumentParser:
                      "locality: conversation (prefix-cache hit rate, TTFT, turns/s), two "
                      "tenants' shares, the choice's cost per request")
     flt.set_defaults(func=_cmd_bench_fleet)
+
+    bat = bench_sub.add_parser(
+        "batch",
+        help="a large batch (/v1/batches) beside live requests on the same engine: live "
+        "TTFT and req/s with and without it, the batch's throughput against the engine "
+        "alone, two tenants' batches by weight",
+        description="One engine on the tiny model (--max-num-seqs 16, priority scheduling) "
+        "behind one gateway (lanes interactive and batch, batch.headroom 1). In rounds, the "
+        "order of the phases changing: a live tenant's open-loop Poisson requests alone and "
+        "while a large batch runs (time to first token p50 and p99, requests/s; goals: p50 "
+        "within 1.2x, requests/s unchanged); a batch alone against the same requests sent "
+        "straight to the engine by 16 clients (output tokens/s; goal >= 0.8); two tenants' "
+        "batches at once, weights 2 and 1 (goal: shares 2/3 and 1/3). The engine runs on "
+        "half of the cores, the gateway and the load on the others (--layout).",
+    )
+    _bench_common(bat)
+    bat.add_argument("--duration", type=_positive_float, default=20.0,
+                     help="seconds per phase and round (default 20)")
+    bat.add_argument("--warmup", type=_positive_float, default=4.0,
+                     help="first seconds of a phase left uncounted (default 4)")
+    bat.add_argument("--rounds", type=_positive_int, default=3,
+                     help="rounds, the order of the phases changing (default 3)")
+    bat.add_argument("--rate", type=_positive_float, default=4.0,
+                     help="the live tenant's Poisson arrivals, requests/s (default 4)")
+    bat.add_argument("--tokens", type=_positive_int, default=32,
+                     help="output tokens per request, live and batch line (default 32)")
+    bat.add_argument("--headroom", type=int, default=1,
+                     help="batch.headroom: of the engine's 16 slots, those batch lines never "
+                     "take (default 1)")
+    bat.add_argument("--layout", choices=("split", "shared"), default="split",
+                     help="split: the engine on half of the cores, the gateway and the load "
+                     "on the others, as on separate machines (default); shared: vLLM's own "
+                     "binding, its processes beside the gateway's on the same cores (on 2 "
+                     "cores the busy engine then keeps the gateway waiting for a core)")
+    bat.set_defaults(func=_cmd_bench_batch)
 
     fov = bench_sub.add_parser(
         "failover",
