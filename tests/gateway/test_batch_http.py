@@ -304,7 +304,7 @@ def test_cancel_keeps_what_ran_and_expiry_writes_the_rest_as_expired(
         expired = wait_status(api, expiring.id)
         assert expired.status == "expired" and expired.expired_at is not None
         out, err = lines_of(api, expired.output_file_id), lines_of(api, expired.error_file_id)
-        assert len(out) == 3
+        assert len(out) == 3, (out, err, expired)
         assert sorted(x["custom_id"] for x in out + err) == [f"req-{i}" for i in range(10, 15)]
         assert {x["error"]["code"] for x in err} == {"batch_expired"}
         assert all(x["response"] is None for x in err)

@@ -640,3 +640,34 @@ def test_two_batches_both_complete(store: BatchStore) -> None:
     assert one.status == two.status == "completed"
     assert sorted(outputs(store, one)[0]) == ["a1", "a2", "a3"]
     assert sorted(outputs(store, two)[0]) == ["b1", "b2"]
+
+
+class SlowWrites(BatchStore):
+    """The real store, each result's write taking ``delay`` s (a busy disk, a loaded
+    machine): the runner must not finalize a batch while a result is still being written."""
+
+    delay = 0.3
+
+    def add_result(self, batch_id: str, result: LineResult) -> bool:
+        time.sleep(self.delay)
+        return super().add_result(batch_id, result)
+
+
+@pytest.mark.parametrize("expires", [False, True])
+def test_a_result_being_written_is_in_the_files(tmp_path: Path, expires: bool) -> None:
+    """The lines end together and their results take 0.3 s to write; the runner wakes
+    meanwhile (every 50 ms, at once when expired): every line is in the output, none lost
+    between "in flight" and "written". With ``expires`` the batch's window ends while the
+    lines run, which makes the runner look every 50 ms."""
+    slow = SlowWrites("sqlite:///" + str(tmp_path / "slow.batches.db"))
+    try:
+        names = ["a", "b", "c"]
+        # Whole seconds: the window ends 1-2 s after the batch starts, the lines run 2.5 s.
+        batch = add_batch(slow, ids(*names), expires_in=2 if expires else 3600)
+        ended = asyncio.run(drive(slow, Host(delay=2.5 if expires else 0.1), batch.id,
+                                  timeout=10.0))
+        out, err = outputs(slow, ended)
+        assert sorted(out) == names and err == {}
+        assert ended.status == ("expired" if expires else "completed")
+    finally:
+        slow.close()

@@ -356,6 +356,10 @@ class BatchRunner:
     # -- one line ----------------------------------------------------------------------
 
     async def _run_line(self, job: _Job, line: Line, model: str) -> None:
+        """Run one line and keep its result. The batch counts the line in flight until its
+        result is stored (or it went back to the batch's lines): the batch finalizes from
+        the stored results once nothing is in flight, so a result still being written
+        must count."""
         slot = False
 
         def on_slot() -> None:
@@ -364,31 +368,32 @@ class BatchRunner:
                 slot = True
                 self.feed.started(model)
 
-        answer: LineAnswer | None = None
         try:
-            answer = await self.host.run_line(job.batch, line, on_slot)
-        except Exception:
-            logger.exception("batch %s line %d failed in the gateway", job.batch.id,
-                             line.number)
-            answer = LineAnswer(500, json.dumps({"error": {
-                "message": "internal error in the gateway", "type": "server_error",
-                "code": "internal_error"}}).encode(), "tpg-" + _unrun_id(job.batch.id,
-                                                                        line.number))
-        finally:
-            on_slot()
-            job.inflight -= 1
-            self._inflight -= 1
-            self._pump_now.set()
-        try:
-            if answer is None:
+            answer: LineAnswer | None = None
+            try:
+                answer = await self.host.run_line(job.batch, line, on_slot)
+            except Exception:
+                logger.exception("batch %s line %d failed in the gateway", job.batch.id,
+                                 line.number)
+                answer = LineAnswer(500, json.dumps({"error": {
+                    "message": "internal error in the gateway", "type": "server_error",
+                    "code": "internal_error"}}).encode(), "tpg-" + _unrun_id(job.batch.id,
+                                                                            line.number))
+            finally:
+                on_slot()
+                self._inflight -= 1  # the process's bound: another line may start now
+                self._pump_now.set()
+            try:
+                if answer is None:
+                    self._suspend(job, line)
+                else:
+                    await self._settle_line(job, line, model, answer)
+            except Exception:
+                logger.exception("batch %s line %d: its result could not be kept",
+                                 job.batch.id, line.number)
                 self._suspend(job, line)
-            else:
-                await self._settle_line(job, line, model, answer)
-        except Exception:
-            logger.exception("batch %s line %d: its result could not be kept", job.batch.id,
-                             line.number)
-            self._suspend(job, line)
         finally:
+            job.inflight -= 1
             job.changed.set()
 
     def _suspend(self, job: _Job, line: Line) -> None:

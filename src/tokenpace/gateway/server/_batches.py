@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -62,6 +64,29 @@ _LOCAL_CLAIM = object()
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
     return error_response(status, message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class _Caller:
+    tenant: TenantState
+    application: str  # "": the tenant's own key
+    store: BatchStore
+
+
+_Handler = Callable[["BatchService", Request, _Caller], Awaitable[Response]]
+
+
+def _route(handler: _Handler) -> Callable[["BatchService", Request], Awaitable[Response]]:
+    """A route of the Batch API: the caller identified first, and a ``GatewayError``
+    raised anywhere in the route answered in OpenAI's format."""
+    @functools.wraps(handler)
+    async def route(self: BatchService, request: Request) -> Response:
+        try:
+            return await handler(self, request, self.caller(request))
+        except GatewayError as exc:
+            return exc.response()
+
+    return route
 
 
 class BatchService:
@@ -193,22 +218,18 @@ class BatchService:
 
     # -- routes ------------------------------------------------------------------------
 
-    def _tenant(self, request: Request) -> tuple[TenantState, str]:
+    def caller(self, request: Request) -> _Caller:
+        """Who asks (the key's tenant and application, or a 401) and the store."""
         tenant, application = identify(self.rt, authorization_of(request.headers))
-        return tenant, application.id if application is not None else ""
-
-    def _ready(self) -> BatchStore:
         if self.store is None:
             raise GatewayError(503, "the gateway is starting", reason="starting",
                                code="starting")
-        return self.store
+        return _Caller(tenant, application.id if application is not None else "",
+                       self.store)
 
-    async def create_file(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def create_file(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         limits = self.rt.config.batch
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() \
@@ -245,13 +266,10 @@ class BatchService:
         record = await asyncio.to_thread(store.add_file, tenant.id, "batch", filename, content)
         return JSONResponse(record.to_json())
 
-    async def list_files(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-            limit, after = _page_args(request, 10_000)
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def list_files(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
+        limit, after = _page_args(request, 10_000)
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             return _error(400, f"order must be 'asc' or 'desc', got {order!r}",
@@ -261,35 +279,26 @@ class BatchService:
                                               after, order == "asc")
         return JSONResponse(_page([f.to_json() for f in files], more))
 
-    async def get_file(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def get_file(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         record = await asyncio.to_thread(store.file, tenant.id, request.path_params["file_id"])
         if record is None:
             return _no_file(request.path_params["file_id"])
         return JSONResponse(record.to_json())
 
-    async def file_content(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def file_content(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         content = await asyncio.to_thread(store.file_content, tenant.id,
                                           request.path_params["file_id"])
         if content is None:
             return _no_file(request.path_params["file_id"])
         return Response(content, media_type="application/jsonl")
 
-    async def delete_file(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def delete_file(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         file_id = request.path_params["file_id"]
         if await asyncio.to_thread(store.file_in_use, tenant.id, file_id):
             return _error(400, f"file {file_id} is the input of a batch that has not "
@@ -298,12 +307,9 @@ class BatchService:
             return _no_file(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    async def create_batch(self, request: Request) -> Response:
-        try:
-            tenant, application = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def create_batch(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         try:
             body = await request.json()
         except ValueError:
@@ -337,7 +343,7 @@ class BatchService:
                           "batches that have not finished (batch.max_batches)",
                           "too_many_batches")
         now = int(time.time())
-        batch = BatchRecord(new_id("batch_"), tenant.id, application, endpoint, file_id,
+        batch = BatchRecord(new_id("batch_"), tenant.id, caller.application, endpoint, file_id,
                             window, "validating", now,
                             now + max(1, round(limits.expire_after_s)),
                             metadata=metadata)
@@ -346,24 +352,18 @@ class BatchService:
             self.runner.wake()
         return JSONResponse(batch.to_json(Usage()))
 
-    async def get_batch(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def get_batch(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         batch = await asyncio.to_thread(store.batch, request.path_params["batch_id"],
                                         tenant.id)
         if batch is None:
             return _no_batch(request.path_params["batch_id"])
         return JSONResponse(await self._json(batch))
 
-    async def cancel_batch(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def cancel_batch(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
         batch_id = request.path_params["batch_id"]
         batch = await asyncio.to_thread(store.batch, batch_id, tenant.id)
         for _ in range(3):  # the runner may move it between the read and the move
@@ -384,13 +384,10 @@ class BatchService:
                           "in-progress batch can be cancelled", "invalid_state")
         return JSONResponse(await self._json(batch))
 
-    async def list_batches(self, request: Request) -> Response:
-        try:
-            tenant, _ = self._tenant(request)
-            store = self._ready()
-            limit, after = _page_args(request, 100)
-        except GatewayError as exc:
-            return exc.response()
+    @_route
+    async def list_batches(self, request: Request, caller: _Caller) -> Response:
+        tenant, store = caller.tenant, caller.store
+        limit, after = _page_args(request, 100)
         batches, more = await asyncio.to_thread(store.batches, tenant.id, limit, after)
         return JSONResponse(_page([await self._json(b) for b in batches], more))
 
