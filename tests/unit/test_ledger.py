@@ -369,6 +369,33 @@ def check_a_ledger_without_cached_tokens_is_migrated(
         reader.close()
 
 
+def check_a_ledger_without_batch_id_is_migrated(url: str, execute: Any, integer: str,
+                                                real: str) -> None:
+    """A ledger of the version before the Batch API opens: ``batch_id`` is added with ''
+    for the old rows (live requests, as '' means in new rows), an insert of the previous
+    version still works, and a batch line's row keeps its batch."""
+    execute(APPLICATIONS_REQUESTS_TABLE.format(integer=integer, real=real))
+    execute(f"ALTER TABLE requests ADD COLUMN cached_prompt_tokens {integer} NOT NULL DEFAULT 0")
+    execute("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
+    old = "INSERT INTO requests (request_id, tenant, model, lane, prompt_tokens, " \
+          "completion_tokens, cost, queue_ms, ttft_ms, e2e_ms, finish_reason, started_at, " \
+          "ended_at, served, route, application, cached_prompt_tokens) VALUES ('{id}', " \
+          "'acme', 'tiny', 'lane', 10, 5, 20.0, NULL, NULL, 1.0, 'stop', {t}, {t}, 1, " \
+          "'/v1/chat/completions', '', 3)"
+    execute(old.format(id="a", t=T0))
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        execute(old.format(id="b", t=T0 + 1))  # the previous version's insert
+        ledger.record(UsageRecord("c", "acme", "tiny", "batch", 10, 5, 20.0, 0.1, None, 1.0,
+                                  "stop", T0 + 2, T0 + 2, batch_id="batch_0123"))
+        ledger.flush()
+        assert [(r.request_id, r.batch_id, r.cached_prompt_tokens) for r in ledger.rows()] \
+            == [("a", "", 3), ("b", "", 3), ("c", "batch_0123", 0)]
+    finally:
+        ledger.close()
+    open_ledger(url).close()  # migrating again is a no-op
+
+
 # -- SQLite ------------------------------------------------------------------------------
 
 
@@ -440,6 +467,16 @@ def test_a_ledger_without_cached_tokens_is_migrated(tmp_path: Path) -> None:
         column = [c for c in conn.execute("PRAGMA table_info(requests)")
                   if c[1] == "cached_prompt_tokens"]
     assert [(c[2], c[3], c[4]) for c in column] == [("INTEGER", 1, "0")]  # NOT NULL DEFAULT 0
+
+
+def test_a_ledger_without_batch_id_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+
+    def execute(sql: str) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_batch_id_is_migrated(_url(path), execute, "INTEGER", "REAL")
 
 
 def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from tokenpace.gateway.ledger import LedgerError, open_ledger
 from .test_ledger import (
     T0,
     check_a_ledger_without_application_is_migrated,
+    check_a_ledger_without_batch_id_is_migrated,
     check_a_ledger_without_cached_tokens_is_migrated,
     check_an_old_ledger_is_migrated,
     check_budgets_survive_restart,
@@ -273,3 +274,11 @@ def test_a_ledger_without_cached_tokens_is_migrated(pg_url: str) -> None:
 
     check_a_ledger_without_cached_tokens_is_migrated(pg_url, execute, "BIGINT",
                                                      "DOUBLE PRECISION")
+
+
+def test_a_ledger_without_batch_id_is_migrated(pg_url: str) -> None:
+    def execute(sql: str) -> None:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_batch_id_is_migrated(pg_url, execute, "BIGINT", "DOUBLE PRECISION")
