@@ -29,6 +29,7 @@ def test_budget_ledger_and_metrics_charge_cached_prompt_tokens_at_their_price(
     config = base_config(engine.url, tmp_path / "u.db",
                          budgets=[{"tokens": BUDGET, "per": "1d"}])
     config["cost"] = {"prompt": 1.0, "cached_prompt": 0.25, "completion": 2.0}
+    config["tenants"][1]["applications"] = [{"id": "bot", "api_keys": ["sk-bot"]}]
     gw = make_gateway(config)
     engine.engine.cached_tokens = 64
     # 100 prompt tokens, 64 of them cached, 8 generated: 36 x 1 + 64 x 0.25 + 8 x 2 = 68.
@@ -61,3 +62,17 @@ def test_budget_ledger_and_metrics_charge_cached_prompt_tokens_at_their_price(
     assert gw.metric("tokenpace_gateway_cached_prompt_tokens_total", tenant="team-a") == 128
     assert gw.metric("tokenpace_gateway_prompt_tokens_total", tenant="team-a") == 300
     assert gw.metric("tokenpace_gateway_service_cost_total", tenant="team-a") == 252
+    # The per-model and per-application series count the cached part too.
+    assert gw.metric("tokenpace_gateway_model_tokens_total", model="fake",
+                     kind="cached_prompt") == 128
+    engine.engine.cached_tokens = 40
+    app = httpx.post(gw.url + "/v1/completions", timeout=30,
+                     json={"model": "fake", "prompt": "x" * 99, "max_tokens": 8},
+                     headers={"authorization": "Bearer sk-bot"})
+    assert app.status_code == 200
+    assert gw.metric("tokenpace_gateway_application_tokens_total", tenant="team-b",
+                     application="bot", kind="cached_prompt") == 40
+    assert gw.metric("tokenpace_gateway_application_tokens_total", tenant="team-b",
+                     application="bot", kind="prompt") == 100
+    assert gw.metric("tokenpace_gateway_model_tokens_total", model="fake",
+                     kind="cached_prompt") == 168

@@ -129,6 +129,8 @@ def test_limits_in_observe_mode_are_kept_apart_from_enforced_ones() -> None:
     ("ledger", 5, "ledger"),
     ("routing", "random", "routing: expected 'pool'"),
     ("pool_affinity", -1, "pool_affinity"),
+    ("conversation_affinity", -1, "conversation_affinity"),
+    ("conversation_affinity", "many", "conversation_affinity"),
     ("engines.0.models", "chat", "engines[0].models: expected a list"),
     ("engines.0.models", ["chat", "chat"], "engines[0].models: the same name"),
     ("models", [{"aliases": ["x"]}], "models[0].name: required"),
@@ -258,6 +260,7 @@ def test_models_aliases_costs_and_allow_lists() -> None:
     assert parsed.tenants[0].may_use("llama-70b") and not parsed.tenants[0].may_use("coder")
     assert parsed.tenants[1].models is None and parsed.tenants[1].may_use("coder")
     assert parsed.routing == "pool" and parsed.pool_affinity == 2
+    assert parsed.conversation_affinity == 8
     # With every engine's models listed, a tenant's model no engine serves is a typo.
     config["tenants"][0]["models"] = ["lama-70b"]
     with pytest.raises(ConfigError, match=r"tenants\[0\].models: no engine serves 'lama-70b'"):

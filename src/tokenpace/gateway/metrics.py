@@ -58,7 +58,8 @@ MODEL_REQUESTS = Counter(
 )
 MODEL_TOKENS = Counter(
     "tokenpace_gateway_model_tokens",
-    "Tokens of served requests by model and kind (prompt, completion).",
+    "Tokens of served requests by model and kind (prompt, completion; cached_prompt: the "
+    "part of prompt found in the engine's prefix cache).",
     ["model", "kind"], registry=REGISTRY,
 )
 REJECTIONS = Counter(
@@ -78,7 +79,8 @@ APPLICATION_REQUESTS = Counter(
 )
 APPLICATION_TOKENS = Counter(
     "tokenpace_gateway_application_tokens", "Tokens of a tenant's applications' served "
-    "requests, by kind (prompt, completion).",
+    "requests, by kind (prompt, completion; cached_prompt: the part of prompt found in the "
+    "engine's prefix cache).",
     ["tenant", "application", "kind"], registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter(

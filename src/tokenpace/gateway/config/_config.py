@@ -242,9 +242,15 @@ class GatewayConfig:
     pool_affinity: int = 2
     # "conversation": an unpaced tenant's request goes to the engine that served its
     # conversation's last turn (else the one its opening hashes to), within
-    # ``pool_affinity`` of the least loaded, so its turns find their cached prefix there
-    # (``dispatch.Dispatcher.choose``); "tenant": the tenant's engine within that bound.
+    # ``conversation_affinity`` of the least loaded, so its turns find their cached prefix
+    # there (``dispatch.Dispatcher.choose``); "tenant": the tenant's engine within
+    # ``pool_affinity``.
     locality: str = "conversation"
+    # A conversation's engine keeps its turns while it has at most this many more in flight
+    # than the least loaded engine of the pool: looser than ``pool_affinity`` because a
+    # spilled turn recomputes the whole conversation where a tenant's request recomputes
+    # only a shared prefix, and a spilled conversation is cached twice.
+    conversation_affinity: int = 8
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
     # How often engines with ``discovery: dns`` are resolved again.
@@ -482,7 +488,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
-                      "routing", "pool_affinity", "metrics_idle_after",
+                      "routing", "pool_affinity", "conversation_affinity",
+                      "metrics_idle_after",
                       "discovery_interval", "locality", "batch"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
@@ -543,6 +550,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         models=models,
         routing=_routing(root.get("routing", "pool")),
         pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
+        conversation_affinity=_int(root, "conversation_affinity", "", 8, minimum=0) or 0,
         locality=_locality(root.get("locality", "conversation")),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
@@ -597,7 +605,8 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
 def _locality(value: Any) -> str:
     if value not in ("conversation", "tenant"):
         raise ConfigError(f"locality: expected 'conversation' (each conversation on the engine "
-                          f"that holds its prefix, within pool_affinity of the least loaded) or "
+                          f"that holds its prefix, within conversation_affinity of the least "
+                          f"loaded) or "
                           f"'tenant' (a tenant's engine while it has room), got {value!r}")
     return str(value)
 

@@ -520,7 +520,7 @@ class Dispatcher:
             # engine more is a share to move by control call as streams start and end.
             return next((e for e in self._rank(tenant.id, pool)
                          if e.accepts and self._open(e)), None)
-        if affinity is not None and self._config.locality == "conversation":
+        if affinity is not None and self.by_conversation(tenant, pool):
             return self._conversation_engine(pool, affinity)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
@@ -535,41 +535,57 @@ class Dispatcher:
             return None
         return first if first.inflight <= best.inflight + self._config.pool_affinity else best
 
+    def by_conversation(self, tenant: TenantState, pool: Pool) -> bool:
+        """Whether ``choose`` places the tenant's turns in ``pool`` by their conversation:
+        ``locality: conversation``, a pool of several engines, a tenant neither pinned nor
+        paced (those keep their own engine order)."""
+        return (self._config.locality == "conversation" and len(pool.engines) > 1
+                and tenant.config.output_tokens_per_second is None
+                and self._config.routing != "pinned")
+
     def _conversation_engine(self, pool: Pool, affinity: bytes) -> EngineSlots | None:
-        """The engine a conversation's turn goes to: its home (the engine its last turn went
-        to, if this gateway saw it), else the first in the conversation's rendezvous order,
-        while that engine has room and at most ``pool_affinity`` more of the gateway's
-        requests in flight than the least loaded engine with room; otherwise the least
-        loaded. The engine chosen becomes the conversation's home.
+        """The engine a conversation's turn goes to (nothing is remembered here: the
+        engine its turn is granted becomes its home, ``_remember_home``).
 
-        The bound is the one a tenant's own engine has (``locality: tenant``), per
-        conversation instead of per tenant: no engine is more than ``pool_affinity``
-        requests ahead of another because of locality, so engines stay as evenly loaded as
-        before while each conversation's turns meet their cached prefix. A conversation that
-        spills stays where it went (its prefix is cached there now): an engine that hashing
-        gave more conversations than its share sheds them for good instead of one turn at a
-        time. A new conversation's first choice depends only on its key and the engines'
-        urls, so every replica starts it on the same engine.
+        - A conversation with a home (the engine its last turn went to) whose engine takes
+          requests: that engine, while it has at most ``conversation_affinity`` more of the
+          gateway's requests in flight than the least loaded engine with room; otherwise
+          the least loaded. Its prefix is cached there, and a turn sent elsewhere computes
+          the whole conversation again and caches it twice, so the bound is looser than a
+          tenant's (``pool_affinity``).
+        - A new conversation (no home known; or its home went down or is full): nothing of
+          it is cached anywhere but a shared system prompt, so it is placed for balance as
+          a tenant's request is: the first engine in the key's rendezvous order, within
+          ``pool_affinity`` of the least loaded. Placing first turns by load, not by hash
+          alone, keeps the engines' shares of conversations even (hashing 12 over 2 splits
+          8/4 or worse 39% of the time, and the engine with more of them evicts).
 
-        Cost: one dict lookup and move for the home, a BLAKE2b per engine of the pool
-        (0.5 us each) to rank them, O(engines) comparisons.
+        Cost: one dict lookup for the home and O(engines) comparisons; for a new
+        conversation a BLAKE2b per engine of the pool more (0.5 us each).
         """
         open_engines = [e for e in pool.engines if e.accepts and self._open(e)]
         if not open_engines:
             return None
         least = min(open_engines, key=lambda e: e.inflight)
+        home_url = self._homes.get(affinity)
+        home = None if home_url is None else next(
+            (e for e in open_engines if e.url == home_url), None)
+        if home is not None:
+            bound = self._config.conversation_affinity
+            return home if home.inflight <= least.inflight + bound else least
+        first = max(open_engines, key=lambda e: _affinity_score(e.url, affinity))
+        return first if first.inflight <= least.inflight + self._config.pool_affinity else least
+
+    def _remember_home(self, affinity: bytes, engine: EngineSlots) -> str | None:
+        """A turn of conversation ``affinity`` was granted a slot on ``engine``: its home now
+        (the table keeps the ``CONVERSATION_HOMES`` heard of last). Returns the home it had
+        (None: new to this replica). Cost: a dict pop and insert."""
         homes = self._homes
-        home_url = homes.get(affinity)
-        home = next((e for e in open_engines if e.url == home_url), None)
-        preferred = home or max(open_engines, key=lambda e: _affinity_score(e.url, affinity))
-        chosen = preferred if preferred.inflight <= least.inflight + self._config.pool_affinity \
-            else least
-        if home_url is not None:
-            homes.move_to_end(affinity)
-        homes[affinity] = chosen.url
+        previous = homes.pop(affinity, None)
+        homes[affinity] = engine.url
         if len(homes) > CONVERSATION_HOMES:
             homes.popitem(last=False)  # the conversation unheard of longest
-        return chosen
+        return previous
 
     def _open(self, engine: EngineSlots) -> bool:
         """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
@@ -794,6 +810,8 @@ class Dispatcher:
             assert engine is not None
             waiter.engine = engine
             waiter.granted = True
+            if waiter.affinity is not None and self.by_conversation(tenant, pool):
+                self._remember_home(waiter.affinity, engine)
             tenant.queued -= 1
             tenant.inflight += 1
             dispatched(tenant, self._clock())
@@ -841,7 +859,8 @@ def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
 
 CONVERSATION_HOMES = 100_000
 """Conversations whose engine the dispatcher remembers (about 150 bytes each: 15 MB at
-most); one forgotten goes back to its rendezvous order, where it most likely started."""
+most); one forgotten is placed again as a new one (with ``state`` in Redis its home is
+read from the store first)."""
 
 
 def _affinity_score(url: str, key: bytes) -> bytes:

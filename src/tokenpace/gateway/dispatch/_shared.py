@@ -84,6 +84,11 @@ SHARED_POLL_S = 0.025
 """How soon a replica asks the store again for slots another replica held (and the most
 often it does: one dispatch round per engine per interval while requests wait)."""
 
+HOME_TTL_S = 600.0
+"""How long the store keeps a conversation's engine after its last turn (every turn's read
+renews it): one idle longer is placed again as a new conversation, by which time busy
+engines have most likely evicted its prefix anyway."""
+
 COUNTER_REFRESH_S = 0.05
 """Longest age of the shared VTC counters and lane costs a dispatch decision uses (the
 store's flush interval: fresher reads would see little new)."""
@@ -190,6 +195,8 @@ class SharedDispatcher(Dispatcher):
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         with anyio.fail_after(timeout_s):
+            if affinity is not None and self.by_conversation(tenant, pool):
+                await self._read_home(pool, affinity)
             engine = (self.choose(tenant, pool, affinity)
                       if not len(pool.queue) and self._may_dispatch(tenant.id)
                       and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
@@ -227,6 +234,28 @@ class SharedDispatcher(Dispatcher):
             await self._wait(waiter)
         return waiter
 
+    async def _read_home(self, pool: Pool, affinity: bytes) -> None:
+        """Adopt the engine the store says conversation ``affinity`` runs on (another
+        replica may have placed or moved it): one round trip per turn (GETEX, ~0.1 ms on a
+        local network), the price of every replica making the same choice. A store that
+        does not answer leaves this replica's own table as the answer."""
+        try:
+            url = await self.store.home_read(affinity.hex(), HOME_TTL_S)
+        except StateUnavailable:
+            return
+        if url is not None and url != self._homes.get(affinity) \
+                and any(e.url == url for e in pool.engines):
+            self._homes[affinity] = url
+            self._homes.move_to_end(affinity)
+
+    def _remember_home(self, affinity: bytes, engine: EngineSlots) -> str | None:
+        """As in process; a home that is new or moved goes to the store for every replica
+        (with its next flush: no round trip)."""
+        previous = super()._remember_home(affinity, engine)
+        if previous != engine.url:
+            self.store.home_write(affinity.hex(), engine.url, HOME_TTL_S)
+        return previous
+
     async def _call(self, call: Awaitable[T]) -> T:
         """A store call that may grant a lease, shielded from the caller's cancellation: a
         lease that arrives for a caller gone meanwhile is released at once."""
@@ -250,6 +279,8 @@ class SharedDispatcher(Dispatcher):
         assert engine is not None
         waiter.running = lease
         waiter.granted = True
+        if waiter.affinity is not None and self.by_conversation(tenant, waiter.pool):
+            self._remember_home(waiter.affinity, engine)
         tenant.inflight += 1
         dispatched(tenant, self._clock())
         if waiter.application is not None:

@@ -212,20 +212,26 @@ class Exchange:
         if outcome is Outcome.REJECTED:
             metrics.child(metrics.REJECTIONS, tenant, reason.split(":", 1)[1]).inc()
         application = self.application.id if self.application is not None else ""
+        served = self.charge_usage and self.lease is not None
+        # The clamped count, the one that was priced.
+        cached = cached_part(self.prompt_tokens, self.cached_prompt_tokens) \
+            if served and self.cached_prompt_tokens else 0
         if application:
-            # Per request of an application: two more cached child lookups.
+            # Per request of an application: two more cached child lookups (three on a hit).
             metrics.child(metrics.APPLICATION_REQUESTS, tenant, application, outcome_label).inc()
-            if self.charge_usage and self.lease is not None:
+            if served:
                 metrics.child(metrics.APPLICATION_TOKENS, tenant, application,
                               "prompt").inc(self.prompt_tokens)
                 metrics.child(metrics.APPLICATION_TOKENS, tenant, application,
                               "completion").inc(self.completion_tokens)
-        if self.charge_usage and self.lease is not None:
+                if cached:
+                    metrics.child(metrics.APPLICATION_TOKENS, tenant, application,
+                                  "cached_prompt").inc(cached)
+        if served:
             metrics.child(metrics.PROMPT_TOKENS, tenant, lane).inc(self.prompt_tokens)
-            if self.cached_prompt_tokens:
-                # The clamped count, the one that was priced (a cached child lookup).
-                metrics.child(metrics.CACHED_PROMPT_TOKENS, tenant, lane).inc(
-                    cached_part(self.prompt_tokens, self.cached_prompt_tokens))
+            if cached:
+                metrics.child(metrics.CACHED_PROMPT_TOKENS, tenant, lane).inc(cached)
+                metrics.child(metrics.MODEL_TOKENS, model, "cached_prompt").inc(cached)
             metrics.child(metrics.COMPLETION_TOKENS, tenant, lane).inc(self.completion_tokens)
             metrics.child(metrics.SERVICE, tenant, lane).inc(actual)
             metrics.child(metrics.MODEL_TOKENS, model, "prompt").inc(self.prompt_tokens)

@@ -224,6 +224,19 @@ class StateStore(ABC):
         if reservation is not None:
             await reservation.store.settle(reservation, actual)
 
+    # -- conversations' engines (``locality: conversation``) ---------------------------
+
+    async def home_read(self, key: str, ttl_s: float) -> str | None:
+        """The engine url conversation ``key`` was last granted on by any replica (None:
+        unknown, or not heard of for ``ttl_s``); the read keeps it another ``ttl_s``. In
+        process: None, the dispatcher's own table is the only one."""
+        return None
+
+    def home_write(self, key: str, url: str, ttl_s: float) -> None:
+        """Conversation ``key`` runs on ``url`` now, for every replica, kept ``ttl_s``
+        (sent with the store's next flush: no round trip of its own). In process:
+        nothing to share."""
+
     # -- a paced tenant's rate split over engines (shared stores only) -----------------
 
     async def split_read(self, tenant: str, replica: str, token: str,

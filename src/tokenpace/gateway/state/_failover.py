@@ -119,6 +119,13 @@ class FailoverStore(StateStore):
         self.primary.charge(lane, tenant, amount)
         self.fallback.charge(lane, tenant, amount)
 
+    async def home_read(self, key: str, ttl_s: float) -> str | None:
+        # No fallback: the dispatcher's own table is the answer while Redis is away.
+        return await self.primary.home_read(key, ttl_s)
+
+    def home_write(self, key: str, url: str, ttl_s: float) -> None:
+        self.primary.home_write(key, url, ttl_s)
+
     async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
         return await self._decide("counters", lambda: self.primary.counters(lane, tenants),
                                   lambda: self.fallback.counters(lane, tenants))

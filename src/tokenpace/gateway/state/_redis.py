@@ -71,6 +71,10 @@ async def _keeping_cancel(call: Callable[[], Awaitable[T]]) -> T:
     return result
 
 
+HOMES_PENDING = 100_000
+"""Conversation homes kept for the next flush at most (a few MB while Redis is away)."""
+
+
 class RedisStore(StateStore):
     """Budgets, leases and counters in Redis (redis-py's asyncio client)."""
 
@@ -108,6 +112,7 @@ class RedisStore(StateStore):
         self._leases: dict[str, Lease] = {}
         self._charges: dict[tuple[str, str], float] = {}
         self._dispatches: dict[str, float] = {}  # lane share key -> cost not yet sent
+        self._homes: dict[str, tuple[str, int]] = {}  # conversation -> (url, ttl) not yet sent
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._last_renew = 0.0
@@ -251,13 +256,24 @@ class RedisStore(StateStore):
     def count_dispatch(self, lane: str, cost: float) -> None:
         self._dispatches[lane] = self._dispatches.get(lane, 0.0) + cost
 
+    async def home_read(self, key: str, ttl_s: float) -> str | None:
+        # GETEX (Redis 6.2): the read and the new expiry in one command.
+        return await self._run(lambda: self._redis.getex(self._k("h", key), ex=int(ttl_s)))
+
+    def home_write(self, key: str, url: str, ttl_s: float) -> None:
+        if len(self._homes) < HOMES_PENDING or key in self._homes:
+            self._homes[key] = (url, int(ttl_s))
+        # else: Redis has been away for a while; a home not shared is a hint lost (the
+        # replica's own table still has it).
+
     async def flush(self) -> None:
-        """Send the charges and dispatch costs collected since the last flush (one
-        pipeline)."""
-        if not self._charges and not self._dispatches:
+        """Send the charges, dispatch costs and conversation homes collected since the
+        last flush (one pipeline)."""
+        if not self._charges and not self._dispatches and not self._homes:
             return
         charges, self._charges = self._charges, {}
         dispatches, self._dispatches = self._dispatches, {}
+        homes, self._homes = self._homes, {}
 
         by_lane: dict[str, list[str]] = {}
         for (lane, tenant), amount in charges.items():
@@ -265,12 +281,14 @@ class RedisStore(StateStore):
 
         async def send() -> list[Any]:
             pipe = self._redis.pipeline(transaction=False)
+            for key, (url, ttl) in homes.items():  # a lost one is a hint lost: no check
+                pipe.set(self._k("h", key), url, ex=ttl)
             for lane, args in by_lane.items():  # by hash: see _lanes
                 pipe.evalsha(self._scripts["CHARGES"].sha, 2, self._k("v", lane),
                              self._k("m", lane), *args)
             if dispatches:
                 self._lanes(pipe, list(dispatches), [LANE_KEEP_S, *map(repr, dispatches.values())])
-            return await pipe.execute(raise_on_error=False)
+            return (await pipe.execute(raise_on_error=False))[len(homes):]
 
         try:
             out = await self._run(send)
@@ -278,6 +296,7 @@ class RedisStore(StateStore):
             for key, amount in charges.items():  # keep them for the next try
                 self._charges[key] = self._charges.get(key, 0.0) + amount
             self._keep_dispatches(dispatches)
+            self._homes = {**homes, **self._homes}  # newer homes win
             raise
         for (lane, args), result in zip(by_lane.items(), out[:len(by_lane)]):
             if isinstance(result, NoScriptError):  # Redis restarted: run it once, loading it
