@@ -90,12 +90,15 @@ def test_requests_go_to_their_models_pool_and_an_alias_reaches_it_as_the_served_
 
 def test_one_tenant_uses_both_engines_of_its_pool(fleet: Any) -> None:
     """Pinning kept a tenant on one engine; an unpaced tenant's concurrent requests now
-    spread over the pool (held at the engines' gates until both have some)."""
+    spread over the pool (held at the engines' gates until both have some). Each request
+    its own conversation: turns of one conversation stay together within
+    ``conversation_affinity``."""
     gw, engines = fleet
     gates = [threading.Event(), threading.Event()]
     for e, gate in zip(engines[:2], gates):
         e.engine.gate = gate
-    threads = [threading.Thread(target=complete, args=(gw, KEY_ALL, "chat")) for _ in range(8)]
+    threads = [threading.Thread(target=complete, args=(gw, KEY_ALL, "chat"),
+                                kwargs={"prompt": [1, 2, i]}) for i in range(8)]
     for t in threads:
         t.start()
     try:

@@ -450,6 +450,8 @@ def test_bench_state_quick(tmp_path: Any) -> None:
     assert result["round_trips_per_request"] == 3
     for name in ("memory", "redis"):
         assert result[name]["latency_median_us"] > 0 and result[name]["cpu_us_per_request"] > 0
+    for name in ("memory_conversations", "redis_conversations"):
+        assert result["dispatcher"][name]["requests_per_s"] > 0
 
 
 def test_renewal_restores_lost_leases_but_never_released_ones(redis_server: RedisServer) -> None:

@@ -270,6 +270,35 @@ def test_the_fair_queue_still_shares_by_weight() -> None:
     asyncio.run(main())
 
 
+def test_lanes_go_first_whatever_the_homes() -> None:
+    """The engine is chosen after the fair queue chose the request: with both engines
+    full, the slot that frees on the engine the waiting batch-lane turns call home goes
+    to the interactive lane's new conversation first."""
+    async def main() -> None:
+        dispatcher, tenants = setup(
+            [{"id": "bulk", "api_keys": ["kb"], "lane": "batch"},
+             {"id": "live", "api_keys": ["kl"], "lane": "interactive"}], max_inflight=1,
+            lanes=[{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}])
+        home = dispatcher.pools["chat"].engines[0]
+        bulk = [key(i, "bulk") for i in range(4)]
+        for k in bulk:
+            dispatcher._remember_home(k, home)
+        running = [acquire(dispatcher, tenants, "bulk", k) for k in bulk[:2]]
+        await asyncio.sleep(0)
+        assert {t.result().engine.url for t in running} == set(URLS)  # home full: spilled
+        waiting = [acquire(dispatcher, tenants, "bulk", k) for k in bulk[2:]]
+        live = acquire(dispatcher, tenants, "live", key(9, "live"))
+        await asyncio.sleep(0)
+        assert not live.done() and not any(t.done() for t in waiting)
+        dispatcher.release(next(t for t in running if t.result().engine is home).result())
+        await asyncio.sleep(0)
+        assert live.done() and live.result().engine is home
+        assert not any(t.done() for t in waiting)
+        for task in (*waiting, live):
+            task.cancel()
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(("top", "message"), [
     ({"locality": "prefix"}, "locality: expected 'conversation'"),
     ({"locality": None}, "locality: expected 'conversation'"),

@@ -18,12 +18,16 @@ the slot (``Lease.acquire``), a charge, release. In process (one replica: no sto
 all) against the shared dispatcher on Redis, uncontended (the slot is free: one round trip
 to take it, one in the background to give it back) and contended (``max_inflight`` is half
 the concurrency: the waiting half also takes a queued place and trades it, two more).
-Budgets are not part of it (their reserve and settle are one script each, above).
+Budgets are not part of it (their reserve and settle are one script each, above). The
+``conversations`` pair runs the same over a pool of two engines, every request a turn of a
+conversation (``locality: conversation``): with Redis, each turn reads its conversation's
+home first (one round trip more) and a new home goes with the store's flush.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import statistics
 import tempfile
 import time
@@ -87,17 +91,22 @@ async def _throughput(store: StateStore, requests: int, concurrency: int) -> tup
 
 
 async def _dispatch_path(url: str | None, requests: int, concurrency: int,
-                         max_inflight: int) -> tuple[float, float, float]:
+                         max_inflight: int, conversations: bool = False
+                         ) -> tuple[float, float, float]:
     """(median wait for the slot in s one at a time, CPU s per request at ``concurrency``,
-    requests per second) through the real dispatcher; ``url`` None: in process."""
+    requests per second) through the real dispatcher; ``url`` None: in process.
+    ``conversations``: a pool of two engines and every request a turn of one of 1,000
+    conversations (``locality: conversation``: with Redis, the home's read per turn)."""
     from ..gateway import parse_config
     from ..gateway.dispatch import make_dispatcher
     from ..gateway.state import RedisStore
     from ..gateway.tenants import Tenants
 
+    engines = ["http://bench-engine", "http://bench-engine-2"] if conversations \
+        else ["http://bench-engine"]
     config = parse_config({
-        "engines": [{"url": "http://bench-engine", "max_inflight": max_inflight,
-                     "models": ["bench"]}],
+        "engines": [{"url": u, "max_inflight": max_inflight, "models": ["bench"]}
+                    for u in engines],
         "tenants": [{"id": t, "api_keys": [f"k-{t}"], "max_concurrency": 10_000}
                     for t in TENANTS],
         "ledger": "sqlite:///unused.db",
@@ -111,9 +120,12 @@ async def _dispatch_path(url: str | None, requests: int, concurrency: int,
     pool = dispatcher.pools["bench"]
     background: set[asyncio.Task[Any]] = getattr(dispatcher, "_background", set())
 
+    keys = [hashlib.blake2b(b"conversation %d" % i, digest_size=16).digest()
+            for i in range(1000)] if conversations else [None]
+
     async def one(i: int) -> float:
         lease = dispatcher.lease(tenants.get(TENANTS[i % len(TENANTS)]),  # type: ignore[arg-type]
-                                 pool, 60.0, 64.0, 300.0)
+                                 pool, 60.0, 64.0, 300.0, affinity=keys[i % len(keys)])
         t0 = time.perf_counter()
         await lease.acquire()
         waited = time.perf_counter() - t0
@@ -153,10 +165,13 @@ async def _dispatch_path(url: str | None, requests: int, concurrency: int,
 
 async def _measure_dispatch(url: str, requests: int, concurrency: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, store_url, limit in (("memory", None, 10_000), ("redis", url, 10_000),
-                                   ("memory_contended", None, max(1, concurrency // 2)),
-                                   ("redis_contended", url, max(1, concurrency // 2))):
-        wait, cpu, rps = await _dispatch_path(store_url, requests, concurrency, limit)
+    for name, store_url, limit, turns in (
+            ("memory", None, 10_000, False), ("redis", url, 10_000, False),
+            ("memory_contended", None, max(1, concurrency // 2), False),
+            ("redis_contended", url, max(1, concurrency // 2), False),
+            ("memory_conversations", None, 10_000, True),
+            ("redis_conversations", url, 10_000, True)):
+        wait, cpu, rps = await _dispatch_path(store_url, requests, concurrency, limit, turns)
         out[name] = {"slot_wait_median_us": wait * 1e6, "cpu_us_per_request": cpu * 1e6,
                      "requests_per_s": rps, "max_inflight": limit}
     return out
@@ -236,7 +251,7 @@ def _print(result: dict[str, Any]) -> None:
           f"(95% {ratio['interval'][0]:.1f}-{ratio['interval'][1]:.1f})")
     print(f"the dispatcher's slot (acquire, charge, release), concurrency {result['concurrency']}:")
     for name, r in result.get("dispatcher", {}).items():
-        print(f"  {name:17s} (max_inflight {r['max_inflight']:5d}) slot wait median "
+        print(f"  {name:20s} (max_inflight {r['max_inflight']:5d}) slot wait median "
               f"{r['slot_wait_median_us']:7.0f} us alone; {r['requests_per_s']:7.0f} req/s, "
               f"CPU {r['cpu_us_per_request']:5.0f} us/request")
 
