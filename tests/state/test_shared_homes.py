@@ -5,18 +5,16 @@ answer costs the choice nothing but the other replicas' moves."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tests._redis import RedisServer, require_redis_client
+from tests.state._replicas import Replica, with_replicas
 
 require_redis_client()
 
 from tokenpace.gateway import parse_config  # noqa: E402
-from tokenpace.gateway.dispatch import Lease, SharedDispatcher  # noqa: E402
-from tokenpace.gateway.state import RedisStore  # noqa: E402
-from tokenpace.gateway.tenants import Tenants  # noqa: E402
+from tokenpace.gateway.dispatch import Lease  # noqa: E402
 from tokenpace.gateway.wire import conversation_key, parse_request  # noqa: E402
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -38,27 +36,10 @@ def key(i: int) -> bytes:
     return found
 
 
-Replica = tuple[SharedDispatcher, Tenants, RedisStore]
-
-
 def run(redis_server: RedisServer, body: Callable[[list[Replica]], Awaitable[None]],
         **top: Any) -> None:
     """``body`` with two replicas' dispatchers, each with its own store connection."""
-    async def main() -> None:
-        reps = []
-        for _ in range(2):
-            cfg = config(**top)
-            clock = asyncio.get_running_loop().time
-            store = RedisStore(redis_server.url, lease_s=5.0, timeout_s=5.0)
-            await store.start()
-            reps.append((SharedDispatcher(cfg, clock, store), Tenants(cfg, clock), store))
-        try:
-            await body(reps)
-        finally:
-            for d, _, store in reps:
-                await d.close()
-                await store.close()
-    asyncio.run(main())
+    with_replicas(redis_server, lambda: config(**top), body)
 
 
 async def turn(rep: Replica, affinity: bytes | None) -> Lease:

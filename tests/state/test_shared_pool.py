@@ -10,13 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tests._redis import RedisServer, require_redis_client
+from tests.state._replicas import Replica, with_replicas
 
 require_redis_client()
 
 from tokenpace.gateway import parse_config  # noqa: E402
-from tokenpace.gateway.dispatch import SharedDispatcher  # noqa: E402
-from tokenpace.gateway.state import RedisStore  # noqa: E402
-from tokenpace.gateway.tenants import Tenants  # noqa: E402
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
@@ -31,26 +29,9 @@ def config() -> Any:
     })
 
 
-Replica = tuple[SharedDispatcher, Tenants, RedisStore]
-
-
 def run(redis_server: RedisServer, body: Callable[[list[Replica]], Awaitable[None]]) -> None:
     """``body`` with two replicas' dispatchers, each with its own store connection."""
-    async def main() -> None:
-        reps = []
-        for _ in range(2):
-            cfg = config()
-            clock = asyncio.get_running_loop().time
-            store = RedisStore(redis_server.url, lease_s=5.0, timeout_s=5.0)
-            await store.start()
-            reps.append((SharedDispatcher(cfg, clock, store), Tenants(cfg, clock), store))
-        try:
-            await body(reps)
-        finally:
-            for d, _, store in reps:
-                await d.close()
-                await store.close()
-    asyncio.run(main())
+    with_replicas(redis_server, config, body)
 
 
 def test_a_full_engine_is_skipped_for_the_pools_other_one(redis_server: RedisServer) -> None:

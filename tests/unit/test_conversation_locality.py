@@ -148,6 +148,23 @@ def first_engine_keys(dispatcher: Dispatcher, n: int) -> tuple[Any, list[bytes]]
     return next(e for e in pool.engines if e.url == first.url), same
 
 
+async def turns_within(dispatcher: Dispatcher, tenants: Tenants, keys: list[bytes],
+                       mine: Any, bound: int) -> tuple[int, int]:
+    """A turn of each conversation in ``keys`` at once, each checked to leave ``mine`` at
+    most ``bound`` (+1 for the turn just placed) ahead of the other engine; the two
+    engines' counts in flight at the end (the turns are then cancelled)."""
+    other = next(e for e in dispatcher.pools["chat"].engines if e is not mine)
+    tasks = []
+    for k in keys:
+        tasks.append(acquire(dispatcher, tenants, "a", k))
+        await asyncio.sleep(0)
+        assert mine.inflight <= other.inflight + bound + 1, (mine.inflight, other.inflight)
+    counts = (mine.inflight, other.inflight)
+    for task in tasks:
+        task.cancel()
+    return counts
+
+
 def test_new_conversations_are_placed_within_pool_affinity() -> None:
     """New conversations that all hash to one engine: it takes their first turns while it
     is at most ``pool_affinity`` (2) ahead of the other, the rest go to the other engine
@@ -155,15 +172,7 @@ def test_new_conversations_are_placed_within_pool_affinity() -> None:
     async def main() -> None:
         dispatcher, tenants = setup(pool_affinity=2, conversation_affinity=8)
         mine, same = first_engine_keys(dispatcher, 20)
-        other = next(e for e in dispatcher.pools["chat"].engines if e is not mine)
-        tasks = []
-        for k in same:
-            tasks.append(acquire(dispatcher, tenants, "a", k))
-            await asyncio.sleep(0)
-            assert mine.inflight <= other.inflight + 2 + 1, (mine.inflight, other.inflight)
-        assert (mine.inflight, other.inflight) == (11, 9)
-        for task in tasks:
-            task.cancel()
+        assert await turns_within(dispatcher, tenants, same, mine, 2) == (11, 9)
     asyncio.run(main())
 
 
@@ -173,19 +182,11 @@ def test_a_conversation_keeps_its_engine_within_conversation_affinity() -> None:
     that a turn goes to the least loaded engine."""
     async def main() -> None:
         dispatcher, tenants = setup(pool_affinity=0, conversation_affinity=3)
-        pool = dispatcher.pools["chat"]
-        mine, other = pool.engines
+        mine = dispatcher.pools["chat"].engines[0]
         keys = [key(i) for i in range(10)]
         for k in keys:
             dispatcher._remember_home(k, mine)
-        tasks = []
-        for k in keys:
-            tasks.append(acquire(dispatcher, tenants, "a", k))
-            await asyncio.sleep(0)
-            assert mine.inflight <= other.inflight + 3 + 1, (mine.inflight, other.inflight)
-        assert (mine.inflight, other.inflight) == (7, 3)
-        for task in tasks:
-            task.cancel()
+        assert await turns_within(dispatcher, tenants, keys, mine, 3) == (7, 3)
     asyncio.run(main())
 
 
