@@ -93,6 +93,21 @@ class PacingConfig:
         return self.limits is not None
 
     @classmethod
+    def of_started(cls, vllm_config: Any) -> PacingConfig | None:
+        """The configuration of an engine that has started, for the hooks that run in it
+        afterwards: None where its section is invalid (start-up refused it, naming the
+        key, in the process that reads it first; the others do nothing instead of
+        reporting it again)."""
+        try:
+            return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
+        except ValueError:
+            return None
+
+    def headers_pace(self) -> bool:
+        """Pacing is on and some level's identity comes from a proxy's header."""
+        return self.enabled and self.identity_headers
+
+    @classmethod
     def from_additional_config(cls, additional: Mapping[str, Any] | None) -> PacingConfig:
         section = (additional or {}).get(SECTION)
         if section is None:

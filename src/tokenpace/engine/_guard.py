@@ -149,12 +149,8 @@ class RequestGuard:
         vllm_config = getattr(state, "vllm_config", None)
         if vllm_config is None:
             return None  # not set up yet (or not vLLM's app): looked for again next time
-        try:
-            config: PacingConfig | None = PacingConfig.from_additional_config(
-                getattr(vllm_config, "additional_config", None))
-        except ValueError:
-            config = None  # start-up reported it
-        if config is not None and not (config.enabled and config.identity_headers):
+        config = PacingConfig.of_started(vllm_config)
+        if config is not None and not config.headers_pace():
             config = None
         self._identity_config = config
         return config

@@ -152,12 +152,8 @@ def _config_of(engine: Any) -> PacingConfig | None:
     """The engine client's pacing configuration when it has identity headers (read once)."""
     cached = getattr(engine, "_tokenpace_identity_config", False)
     if cached is False:
-        try:
-            config = PacingConfig.from_additional_config(engine.vllm_config.additional_config)
-        except ValueError:
-            config = None  # start-up already reported the configuration error
-        cached = config if config is not None and config.enabled and config.identity_headers \
-            else None
+        config = PacingConfig.of_started(engine.vllm_config)
+        cached = config if config is not None and config.headers_pace() else None
         engine._tokenpace_identity_config = cached
     return cached  # type: ignore[no-any-return]
 

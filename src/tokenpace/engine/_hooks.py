@@ -316,11 +316,8 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
     its safety; after a short spin (``WorkerNap`` decides how short) it naps between looks,
     longer the longer it idles.
     """
-    try:
-        pacing = PacingConfig.from_additional_config(vllm_config.additional_config)
-    except ValueError:
-        return  # the engine process reports configuration errors
-    if not pacing.enabled or not pacing.idle_wait:
+    pacing = PacingConfig.of_started(vllm_config)
+    if pacing is None or not pacing.enabled or not pacing.idle_wait:
         return
     condition = getattr(getattr(worker, "rpc_broadcast_mq", None), "_spin_condition", None)
     if condition is None or not hasattr(condition, "last_read"):
@@ -433,13 +430,8 @@ def _pins_users(client: Any) -> bool:
     """Whether this engine client paces (read once per client from its configuration)."""
     pins = getattr(client, "_tokenpace_pins_users", None)
     if pins is None:
-        try:
-            pins = PacingConfig.from_additional_config(
-                client.vllm_config.additional_config
-            ).enabled
-        except ValueError:
-            pins = False  # start-up already reported the configuration error
-        client._tokenpace_pins_users = pins
+        config = PacingConfig.of_started(client.vllm_config)
+        pins = client._tokenpace_pins_users = config is not None and config.enabled
     return bool(pins)
 
 

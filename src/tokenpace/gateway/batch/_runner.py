@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .. import metrics
-from ..wire import answer_cached, answer_usage
+from ..wire import answer_cached, answer_usage, error_body
 from ._feed import BatchFeed
 from ._lines import ENDPOINTS, Line, parse_lines
 from ._objects import BatchRecord, LineResult, result_line
@@ -375,10 +375,9 @@ class BatchRunner:
             except Exception:
                 logger.exception("batch %s line %d failed in the gateway", job.batch.id,
                                  line.number)
-                answer = LineAnswer(500, json.dumps({"error": {
-                    "message": "internal error in the gateway", "type": "server_error",
-                    "code": "internal_error"}}).encode(), "tpg-" + _unrun_id(job.batch.id,
-                                                                            line.number))
+                answer = LineAnswer(500, json.dumps(error_body(
+                    500, "internal error in the gateway", "internal_error")).encode(),
+                    "tpg-" + _unrun_id(job.batch.id, line.number))
             finally:
                 on_slot()
                 self._inflight -= 1  # the process's bound: another line may start now

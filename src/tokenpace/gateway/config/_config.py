@@ -570,11 +570,7 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
     if lane is not None and lane not in {x.name for x in lanes}:
         raise ConfigError(f"batch.lane: unknown lane {lane!r}; lanes are "
                           f"{', '.join(x.name for x in lanes)}")
-    cost = m.get("cost", 1.0)
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) \
-            or not math.isfinite(cost) or cost < 0:
-        raise ConfigError(f"batch.cost: expected a number >= 0 (times the model's cost; "
-                          f"0.5 halves it), got {cost!r}")
+    cost = _batch_cost(m, "batch", "cost")
     store = m.get("store")
     if store is not None:
         if not isinstance(store, str) or not store:
@@ -590,7 +586,7 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
             store = resolve_ledger_url(store, base_dir)
     defaults = BatchConfig()
     return BatchConfig(
-        lane=lane, cost=float(cost),
+        lane=lane, cost=defaults.cost if cost is None else cost,
         max_file_bytes=_int(m, "max_file_bytes", where, defaults.max_file_bytes, minimum=1)
         or 0,
         max_lines=_int(m, "max_lines", where, defaults.max_lines, minimum=1) or 0,
@@ -933,14 +929,16 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
     )
 
 
-def _batch_cost(m: Mapping[str, Any], where: str) -> float | None:
-    value = m.get("batch_cost")
+def _batch_cost(m: Mapping[str, Any], where: str, key: str = "batch_cost") -> float | None:
+    """A factor on the model's cost for batch lines (``batch.cost``, a model's or a
+    tenant's ``batch_cost``); None when absent."""
+    value = m.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{where}.batch_cost: expected a number >= 0 (times the model's "
-                          f"cost for batch lines), got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected a number >= 0 (times the model's "
+                          f"cost for batch lines; 0.5 halves it), got {value!r}")
     return float(value)
 
 

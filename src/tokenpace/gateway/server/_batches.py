@@ -40,7 +40,7 @@ from ..batch import (
 from ..exchange import Runtime
 from ..state import Lease, SlotClaim, StateUnavailable
 from ..tenants import TenantState
-from ..wire import GatewayError, error_response
+from ..wire import GatewayError, error_body, error_response
 from ._proxy import BatchLine, handle
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -63,6 +63,8 @@ _LOCAL_CLAIM = object()
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    """``wire.error_response`` with the code always given (every refusal here names one),
+    positionally: the routes' refusals stay one line each."""
     return error_response(status, message, code=code, param=param)
 
 
@@ -144,10 +146,9 @@ class BatchService:
         if state is None or (batch.application and application is None):
             who = (f"tenant {batch.tenant!r}" if state is None
                    else f"application {batch.application!r} of tenant {batch.tenant!r}")
-            return LineAnswer(403, json.dumps({"error": {
-                "message": f"{who} is no longer in the gateway's configuration",
-                "type": "invalid_request_error", "param": None,
-                "code": "tenant_removed"}}).encode(), "tpg-" + new_id(""))
+            return LineAnswer(403, json.dumps(error_body(
+                403, f"{who} is no longer in the gateway's configuration",
+                "tenant_removed")).encode(), "tpg-" + new_id(""))
         path = batch.endpoint
         sent = False
         closing = self._closing
