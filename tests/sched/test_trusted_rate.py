@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.sched._harness import NS, make_sim, max_in_window
-from tokenpace.engine import RATE_EXTRA_ARG, _scheduler
+from tokenpace.engine import RATE_EXTRA_ARG, _warn
 
 BURST_S = 0.1
 TRUSTED = {"trusted_gateway": True}
@@ -110,7 +110,7 @@ def test_untrusted_rate_is_ignored_and_reported_once(
     tiny_model: Path, is_async: bool, engine_log: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    monkeypatch.setattr(_scheduler, "_untrusted_rate_reported", False)
+    monkeypatch.setattr(_warn, "_said", set())  # as in a fresh engine process
     sim = make_sim(tiny_model, is_async=is_async,
                    pacing={"default_user_output_tokens_per_second": 10})
     sim.add("r0", "a", max_tokens=1000, xargs=sent(100))

@@ -30,16 +30,14 @@ headers (tens of entries) in the guard, one dict copy of ``extra_args`` in the w
 from __future__ import annotations
 
 import contextvars
-import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ..pacing import LimitsError, validate_user_id
 from ._config import PacingConfig
 from ._identity import ANONYMOUS_USER
+from ._warn import warn_once
 from ._xargs import APPLICATION_EXTRA_ARG, END_USER_EXTRA_ARG, USER_EXTRA_ARG
-
-logger = logging.getLogger("vllm.tokenpace.engine")
 
 
 class HeaderIdentity(NamedTuple):
@@ -132,15 +130,9 @@ def apply_identity(params: Any, identity: HeaderIdentity | None, config: PacingC
     params.extra_args = extra or None
 
 
-_warned_unguarded = False
-
-
 def _warn_unguarded(config: PacingConfig) -> None:
-    global _warned_unguarded
-    if _warned_unguarded:
-        return
-    _warned_unguarded = True
-    logger.warning(
+    warn_once(
+        "unguarded",
         "tokenpace: %s is set but a request reached the engine without passing "
         "tokenpace.engine.RequestGuard: it is paced as %s (its vllm_xargs cannot choose "
         "an identity). Start vLLM with --middleware tokenpace.engine.RequestGuard "

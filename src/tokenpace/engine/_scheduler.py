@@ -66,6 +66,7 @@ from ._identity import (
     request_user,
 )
 from ._modes import unsupported_modes
+from ._warn import warn_once
 from ._vllm import (
     AsyncScheduler,
     Request,
@@ -94,11 +95,6 @@ _PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priorit
 STREAM_ATTRIBUTE = "tokenpace_stream"
 """Set on each vLLM ``Request`` by ``add_request``: its planner ``Stream``, so that the
 step reads one attribute per request instead of resolving its user again."""
-
-# A rate sent to an engine that does not trust it is reported once per process: every
-# request of a misconfigured deployment carries one, and the log must stay readable.
-_untrusted_rate_reported = False
-
 
 _DraftsOut = tuple[Request, Stream, int, int]
 """A request's scheduled drafts awaiting the step's results: (the request, its stream,
@@ -705,38 +701,31 @@ def _default_text(default: float | None) -> str:
     return "none (users without a rate are not paced)" if default is None else f"{default} tok/s"
 
 
-_misrouted_reported = False
-
-
 def _check_rank(request: Request, user: str, rank: int, ranks: int) -> None:
     """Warn, once per process, when a request reaches a rank its user is not pinned to.
 
     The API server pins users (``_hooks``, part 4); a request that arrives elsewhere came
     through a process without that hook, and its user would get a second quota here.
+    Cost: one BLAKE2b of the user id per rank of the engine.
     """
-    global _misrouted_reported
-    if _misrouted_reported or user_rank(user, ranks) == rank:
-        return
-    _misrouted_reported = True
-    logger.warning(
-        "tokenpace: request %s of user %r reached data-parallel rank %d but the user is "
-        "pinned to rank %d: this user's requests meet more than one limiter. Is tokenpace "
-        "installed in every API-server process?", request.request_id, user, rank,
-        user_rank(user, ranks),
-    )
+    pinned = user_rank(user, ranks)
+    if pinned != rank:
+        warn_once(
+            "misrouted",
+            "tokenpace: request %s of user %r reached data-parallel rank %d but the user is "
+            "pinned to rank %d: this user's requests meet more than one limiter. Is "
+            "tokenpace installed in every API-server process?", request.request_id, user,
+            rank, pinned)
 
 
 def _report_untrusted_rate(request: Request) -> None:
-    """Warn, once per process, that a rate sent without ``trusted_gateway`` is ignored."""
-    global _untrusted_rate_reported
-    if _untrusted_rate_reported:
-        return
-    _untrusted_rate_reported = True
-    logger.warning(
+    """Warn, once per process, that a rate sent without ``trusted_gateway`` is ignored
+    (every request of such a deployment carries one)."""
+    warn_once(
+        "untrusted_rate",
         "tokenpace: request %s carries vllm_xargs.%s, ignored: start with --trusted-gateway "
         "(additional_config tokenpace.trusted_gateway) to trust rates sent by a gateway",
-        request.request_id, RATE_EXTRA_ARG,
-    )
+        request.request_id, RATE_EXTRA_ARG)
 
 
 class PacedScheduler(_PacingMixin, Scheduler):
