@@ -12,6 +12,7 @@ import httpx
 import pytest
 import yaml
 
+from tests._redis import RedisServer
 from tests._servers import Server, free_port
 from tests.gateway._engine import EngineServer
 from tokenpace.gateway import parse_config
@@ -126,6 +127,14 @@ class GatewayProcess:
 @pytest.fixture
 def engine() -> Iterator[EngineServer]:
     server = EngineServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A ``redis-server`` of the test's own, for replicas sharing their state."""
+    server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
 

@@ -23,12 +23,6 @@ require_redis_client()
 KEY = "sk-t"
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
 
 @pytest.fixture
 def engines() -> Iterator[list[EngineServer]]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import psutil
-import pytest
 import yaml
 
 from tests._redis import RedisServer, require_redis_client
@@ -31,12 +30,6 @@ BODY = {"model": "fake", "prompt": PROMPT, "max_tokens": 8}
 COST = 100 + 2 * 8  # reserved and (the fake engine streams max_tokens) actual
 BUDGET = 1000  # per hour: refill 0.28 per second, under one request's cost per minute
 
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Any:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def replicas(engine: EngineServer, tmp_path: Path, redis_url: str, n: int,

@@ -29,12 +29,6 @@ require_redis_client()
 BODY = {"model": "fake", "prompt": "hello", "max_tokens": 4}
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
 
 @pytest.fixture
 def held_engine() -> Iterator[EngineServer]:
