@@ -576,6 +576,13 @@ class Dispatcher:
         first = max(open_engines, key=lambda e: _affinity_score(e.url, affinity))
         return first if first.inflight <= least.inflight + self._config.pool_affinity else least
 
+    def _note_turn(self, waiter: Waiter) -> None:
+        """A granted request that continues a conversation (placed by it): its engine is
+        the conversation's home now. Called once per grant, in process and shared."""
+        if waiter.affinity is not None and waiter.engine is not None \
+                and self.by_conversation(waiter.tenant, waiter.pool):
+            self._remember_home(waiter.affinity, waiter.engine)
+
     def _remember_home(self, affinity: bytes, engine: EngineSlots) -> str | None:
         """A turn of conversation ``affinity`` was granted a slot on ``engine``: its home now
         (the table keeps the ``CONVERSATION_HOMES`` heard of last). Returns the home it had
@@ -810,8 +817,7 @@ class Dispatcher:
             assert engine is not None
             waiter.engine = engine
             waiter.granted = True
-            if waiter.affinity is not None and self.by_conversation(tenant, pool):
-                self._remember_home(waiter.affinity, engine)
+            self._note_turn(waiter)
             tenant.queued -= 1
             tenant.inflight += 1
             dispatched(tenant, self._clock())

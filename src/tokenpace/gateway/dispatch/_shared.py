@@ -236,8 +236,8 @@ class SharedDispatcher(Dispatcher):
 
     async def _read_home(self, pool: Pool, affinity: bytes) -> None:
         """Adopt the engine the store says conversation ``affinity`` runs on (another
-        replica may have placed or moved it): one round trip per turn (GETEX, ~0.1 ms on a
-        local network), the price of every replica making the same choice. A store that
+        replica may have placed or moved it): one round trip per turn (GETEX; ~0.2 ms on
+        this project's loaded CI box, docs/benchmarks.md), the price of every replica making the same choice. A store that
         does not answer leaves this replica's own table as the answer."""
         try:
             url = await self.store.home_read(affinity.hex(), HOME_TTL_S)
@@ -279,8 +279,7 @@ class SharedDispatcher(Dispatcher):
         assert engine is not None
         waiter.running = lease
         waiter.granted = True
-        if waiter.affinity is not None and self.by_conversation(tenant, waiter.pool):
-            self._remember_home(waiter.affinity, engine)
+        self._note_turn(waiter)
         tenant.inflight += 1
         dispatched(tenant, self._clock())
         if waiter.application is not None:
