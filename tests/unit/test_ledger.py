@@ -7,16 +7,29 @@ same checks against a real Postgres server.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import re
 import sqlite3
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tokenpace.gateway.ledger import BudgetState, LedgerError, UsageRecord, UsageTotal, open_ledger
+from tokenpace.gateway.ledger._schema import (
+    MAX_ID_CHARS,
+    MAX_NAME_CHARS,
+    RECORD_COLUMNS,
+    Dialect,
+    migrations,
+    record_from_row,
+    record_row,
+)
 
 T0 = 1_795_000_000.0  # a fixed instant in late 2026, so `since` cut-offs are exact
 
@@ -85,7 +98,7 @@ def check_round_trip(url: str) -> None:
     recs.append(
         UsageRecord("req-ü", "tenant ü", "m/ö", "lane", 2**40, 3, 1.5e-7, 0.0, None, 1e-3,
                     "stop", T0 - 100.123456789, T0 - 99.987654321, application="app/ü 1",
-                    cached_prompt_tokens=2**39)
+                    cached_prompt_tokens=2**39, estimated=True)
     )
     ledger = open_ledger(url, flush_interval_s=60)
     for rec in reversed(recs):
@@ -396,6 +409,123 @@ def check_a_ledger_without_batch_id_is_migrated(url: str, execute: Any, integer:
     open_ledger(url).close()  # migrating again is a no-op
 
 
+BATCH_REQUESTS_TABLE = APPLICATIONS_REQUESTS_TABLE.replace(
+    "application TEXT NOT NULL DEFAULT '')",
+    "application TEXT NOT NULL DEFAULT '', cached_prompt_tokens {integer} NOT NULL DEFAULT 0, "
+    "batch_id TEXT NOT NULL DEFAULT '')")
+"""The ``requests`` table of the version before ``estimated``."""
+
+
+def check_a_ledger_without_estimated_is_migrated(url: str, execute: Any, integer: str,
+                                                 real: str) -> None:
+    """A ledger of the version before ``estimated`` opens: the column is added with 0 for
+    the old rows (nothing marked an estimate then), an insert of the previous version
+    still works, an estimated row keeps its mark and the totals count it."""
+    execute(BATCH_REQUESTS_TABLE.format(integer=integer, real=real))
+    execute("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
+    old = "INSERT INTO requests (request_id, tenant, model, lane, prompt_tokens, " \
+          "completion_tokens, cost, queue_ms, ttft_ms, e2e_ms, finish_reason, started_at, " \
+          "ended_at, served, route, application, cached_prompt_tokens, batch_id) VALUES " \
+          "('{id}', 'acme', 'tiny', 'lane', 10, 5, 20.0, NULL, NULL, 1.0, 'stop', {t}, {t}, " \
+          "1, '/v1/chat/completions', '', 0, '')"
+    execute(old.format(id="a", t=T0))
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        execute(old.format(id="b", t=T0 + 1))  # the previous version's insert
+        ledger.record(UsageRecord("c", "acme", "tiny", "lane", 10, 7, 24.0, 0.1, 3.0, 9.0,
+                                  "client_disconnected", T0 + 2, T0 + 2, estimated=True))
+        ledger.flush()
+        assert [(r.request_id, r.estimated) for r in ledger.rows()] == [
+            ("a", False), ("b", False), ("c", True)]
+        assert ledger.usage() == [UsageTotal("acme", 3, 30, 17, 64.0, 0, estimated_rows=1)]
+    finally:
+        ledger.close()
+    open_ledger(url).close()  # migrating again is a no-op
+
+
+def check_estimated_rows_are_counted(url: str) -> None:
+    """``estimated_rows`` counts the rows marked ``estimated`` in each group, refused and
+    served alike, and leaves the token totals as they are."""
+    recs = [
+        record(0, tenant="acme", model="tiny"),
+        replace(record(1, tenant="acme", model="big", finish="cancelled"), estimated=True),
+        replace(record(2, tenant="beta", model="big", finish="timeout"), estimated=True),
+        record(3, tenant="beta", model="tiny"),
+    ]
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        for rec in recs:
+            ledger.record(rec)
+        ledger.flush()
+        assert [r.estimated for r in ledger.rows()] == [False, True, True, False]
+        assert [(t.key, t.requests, t.completion_tokens, t.estimated_rows)
+                for t in ledger.usage(by="model")] == [("big", 2, 40, 2), ("tiny", 2, 40, 0)]
+        assert [(t.key, t.estimated_rows) for t in ledger.usage()] == [("acme", 1), ("beta", 1)]
+        assert [(t.key, t.estimated_rows) for t in ledger.usage(since=T0 + 2)] == [("beta", 1)]
+    finally:
+        ledger.close()
+
+
+EIGHT_MIB = 8 << 20
+
+
+def dirty_records() -> list[UsageRecord]:
+    """Records no database takes as they are (NUL, lone surrogates, 8 MiB strings, NaN,
+    infinities, integers beyond 64 bits), between clean ones, ending at T0+0 .. T0+7."""
+    return [
+        record(0),
+        UsageRecord("req-nul", "ac\x00me", "\x00", "interactive", 10, 20, math.nan, math.inf,
+                    math.nan, -math.inf, "stop\x00", T0, T0 + 1, route="/v1/\x00chat",
+                    application="app\x00"),
+        UsageRecord("req-surrogate", "acme", "m\ud800x", "lane\udfff", 2**70,
+                    math.nan,  # type: ignore[arg-type]
+                    1.0, 1.0, 2.0, 3.0, "stop", math.nan, T0 + 2, cached_prompt_tokens=-(2**70)),
+        record(3),
+        UsageRecord("req-big", "t" * EIGHT_MIB, "m" * EIGHT_MIB, "interactive", 1, 1, 1.0,
+                    None, None, 1.0, "x" * EIGHT_MIB, T0, T0 + 4, route="/" * EIGHT_MIB,
+                    application="a" * EIGHT_MIB, batch_id="b" * EIGHT_MIB),
+        # Two ids equal once cut, and an id equal to another once cleaned: still three.
+        replace(record(5), request_id="r" * 200 + "1"),
+        replace(record(6), request_id="r" * 200 + "2"),
+        replace(record(7), request_id="req-\x007"),
+        replace(record(8), request_id="req-7"),
+    ]
+
+
+def check_dirty_rows_are_written_clean(url: str) -> None:
+    """Every dirty record is written, cleaned as :func:`record_row` documents, and the
+    clean rows around it too, each once."""
+    recs = dirty_records()
+    ledger = open_ledger(url, flush_interval_s=60)
+    try:
+        for rec in recs:
+            ledger.record(rec)
+        ledger.flush()
+        back = ledger.rows()
+    finally:
+        ledger.close()
+    assert back == [record_from_row(record_row(rec)) for rec in recs]
+    assert back[0] == recs[0] and back[3] == recs[3]  # clean rows are kept as they were
+    nul, surrogate, big = back[1], back[2], back[4]
+    assert (nul.model, nul.finish_reason, nul.route) == ("", "stop", "/v1/chat")
+    assert re.fullmatch(r"acme~[0-9a-f]{16}", nul.tenant)
+    assert re.fullmatch(r"app~[0-9a-f]{16}", nul.application)
+    assert (nul.cost, nul.queue_ms, nul.ttft_ms, nul.e2e_ms) == (0.0, None, None, 0.0)
+    assert surrogate.model == "m\ufffdx"
+    assert re.fullmatch(r"lane\ufffd~[0-9a-f]{16}", surrogate.lane)
+    assert (surrogate.prompt_tokens, surrogate.completion_tokens,
+            surrogate.cached_prompt_tokens, surrogate.started_at) == (
+        2**63 - 1, 0, -(2**63), 0.0)
+    assert (big.model, big.finish_reason, big.route) == (
+        "m" * MAX_NAME_CHARS, "x" * MAX_NAME_CHARS, "/" * MAX_NAME_CHARS)
+    for value, char in ((big.tenant, "t"), (big.application, "a"), (big.batch_id, "b")):
+        assert re.fullmatch(rf"{char}{{{MAX_ID_CHARS - 17}}}~[0-9a-f]{{16}}", value)
+    ids = [r.request_id for r in back[5:]]
+    assert len(set(ids)) == 4 and ids[3] == "req-7"
+    assert all(len(i) == MAX_ID_CHARS for i in ids[:2])
+    assert re.fullmatch(r"req-7~[0-9a-f]{16}", ids[2])
+
+
 # -- SQLite ------------------------------------------------------------------------------
 
 
@@ -477,6 +607,117 @@ def test_a_ledger_without_batch_id_is_migrated(tmp_path: Path) -> None:
             conn.execute(sql)
 
     check_a_ledger_without_batch_id_is_migrated(_url(path), execute, "INTEGER", "REAL")
+
+
+def test_a_ledger_without_estimated_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+
+    def execute(sql: str) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(sql)
+
+    check_a_ledger_without_estimated_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    with sqlite3.connect(path) as conn:
+        column = [c for c in conn.execute("PRAGMA table_info(requests)") if c[1] == "estimated"]
+    assert [(c[2], c[3], c[4]) for c in column] == [("INTEGER", 1, "0")]  # NOT NULL DEFAULT 0
+
+
+def test_a_migrated_ledger_has_the_columns_of_a_new_one(tmp_path: Path) -> None:
+    """The oldest ledger, migrated, has the very columns (order, type, NOT NULL, default)
+    of one created now: the DDL and the list of added columns agree."""
+    old, new = tmp_path / "old.db", tmp_path / "new.db"
+    with sqlite3.connect(old) as conn:
+        conn.execute(OLD_REQUESTS_TABLE.format(integer="INTEGER", real="REAL"))
+    open_ledger(_url(old)).close()
+    open_ledger(_url(new)).close()
+
+    def columns(path: Path) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(path) as conn:
+            return list(conn.execute("PRAGMA table_info(requests)"))
+
+    assert columns(old) == columns(new)
+    assert [c[1] for c in columns(new)] == list(RECORD_COLUMNS)
+
+
+def test_migrations_take_the_columns_there_are() -> None:
+    """One ALTER (and its backfill) per missing column, in the order the columns came;
+    then the duplicates and the unique index, always."""
+    dialect = Dialect(text="TXT", integer="INT8", real="REAL", dedupe="DEDUPE")
+    tail = ["DEDUPE",
+            "CREATE UNIQUE INDEX IF NOT EXISTS requests_request_id ON requests (request_id)"]
+    assert migrations(set(RECORD_COLUMNS), dialect) == tail
+    assert migrations(frozenset(RECORD_COLUMNS[:13]), dialect) == [
+        "ALTER TABLE requests ADD COLUMN served INT8 NOT NULL DEFAULT 1",
+        "UPDATE requests SET served = 0 WHERE substr(finish_reason, 1, 9) = 'rejected:' "
+        "OR (cost = 0 AND completion_tokens = 0)",
+        "ALTER TABLE requests ADD COLUMN route TXT NOT NULL DEFAULT ''",
+        "ALTER TABLE requests ADD COLUMN application TXT NOT NULL DEFAULT ''",
+        "ALTER TABLE requests ADD COLUMN cached_prompt_tokens INT8 NOT NULL DEFAULT 0",
+        "ALTER TABLE requests ADD COLUMN batch_id TXT NOT NULL DEFAULT ''",
+        "ALTER TABLE requests ADD COLUMN estimated INT8 NOT NULL DEFAULT 0",
+        *tail,
+    ]
+    assert migrations([c for c in RECORD_COLUMNS if c != "estimated"], dialect) == [
+        "ALTER TABLE requests ADD COLUMN estimated INT8 NOT NULL DEFAULT 0", *tail]
+
+
+def test_estimated_rows_are_counted(tmp_path: Path) -> None:
+    check_estimated_rows_are_counted(_url(tmp_path / "usage.db"))
+
+
+def test_dirty_rows_are_written_clean(tmp_path: Path) -> None:
+    check_dirty_rows_are_written_clean(_url(tmp_path / "usage.db"))
+
+
+def test_a_model_the_gateway_does_not_serve_is_recorded_as_empty() -> None:
+    """A request refused as ``model_not_found`` keeps the client's model string out of the
+    ledger (``""``, as its metrics label), however long or odd; a routed request keeps
+    its served name."""
+    from tokenpace.gateway import parse_config
+    from tokenpace.gateway.dispatch import Dispatcher
+    from tokenpace.gateway.exchange import Exchange, Outcome, Runtime
+    from tokenpace.gateway.tenants import Tenants
+
+    config = parse_config({"engines": [{"url": "http://127.0.0.1:9", "models": ["m"]}],
+                           "tenants": [{"id": "acme", "api_keys": ["k"]}]})
+    clock = lambda: 0.0  # noqa: E731
+    recorded: list[UsageRecord] = []
+
+    class Recorder:  # the ledger as Exchange.finish uses it
+        def record(self, rec: UsageRecord) -> None:
+            recorded.append(rec)
+
+    rt = Runtime(config, Tenants(config, clock), Dispatcher(config, clock), {},
+                 Recorder(), clock=clock)  # type: ignore[arg-type]
+    refused = Exchange(rt, "tpg-1", "completion", rt.tenants.get("acme"), 0.0, T0)
+    refused.model = "gpt-\x00\ud800" + "x" * EIGHT_MIB  # as the client sent it
+    refused.finish(Outcome.REJECTED, "model_not_found")
+    routed = Exchange(rt, "tpg-2", "completion", rt.tenants.get("acme"), 0.0, T0)
+    routed.model, routed.routed = "m", True
+    routed.finish(Outcome.REJECTED, "budget")
+    assert [(r.model, r.finish_reason) for r in recorded] == [
+        ("", "rejected:model_not_found"), ("m", "rejected:budget")]
+
+
+def test_record_row_cleans_only_what_needs_it() -> None:
+    """A clean record's row holds the record's own strings; a dirty one's row is small
+    and encodes as strict JSON and UTF-8 (what a journal line needs); None and other
+    non-strings become text."""
+    clean = record(1, application="app ü")
+    row = record_row(clean)
+    assert all(row[i] is getattr(clean, RECORD_COLUMNS[i]) for i in (0, 1, 2, 3, 10, 14, 15))
+    assert record_from_row(row) == clean
+    for rec in dirty_records():
+        row = record_row(rec)
+        json.dumps(row, allow_nan=False).encode("utf-8")  # raises for NaN or a surrogate
+        texts = [v for v in row if isinstance(v, str)]
+        assert sum(map(len, texts)) <= 5 * MAX_ID_CHARS + 3 * MAX_NAME_CHARS
+        assert not any("\x00" in t for t in texts)
+    odd = UsageRecord("req-odd", None, None, 7,  # type: ignore[arg-type]
+                      1, 1, 1.0, None, None, 1.0, "stop", T0, T0,
+                      route=b"/v1")  # type: ignore[arg-type]
+    assert record_row(odd)[1:4] == ("", "", "7")
+    assert record_row(odd)[14] == "b'/v1'"
 
 
 def test_rows_wait_in_memory_until_flush(tmp_path: Path) -> None:

@@ -43,7 +43,8 @@ def ledger_url(tmp_path: Path) -> str:
     return _write(tmp_path / "usage.db", [
         _rec("a", "acme", "tiny", "interactive", 100, 10, NOV28, cached=60),
         _rec("b", "beta", "tiny", "batch", 40, 4, NOV28 + 60),
-        _rec("c", "acme", "big", "batch", 10, 1, NOV29),
+        # Its counts are the gateway's estimate (the engine could not tell).
+        replace(_rec("c", "acme", "big", "batch", 10, 1, NOV29), estimated=True),
         _rec("d", "beta", "big", "interactive", 12, 0, NOV29 + 60, "rejected:concurrency"),
         _rec("e", "acme", "tiny", "interactive", 7, 3, now - 3 * 3600),
         _rec("f", "", "tiny", "interactive", 0, 0, now - 60, "rejected:unknown_key"),
@@ -62,19 +63,19 @@ def test_table_has_aligned_columns_and_a_total(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == [
         "tenant", "requests", "rejected", "prompt_tokens", "cached_prompt_tokens",
-        "completion_tokens", "cost", "unserved_prompt_tokens",
+        "completion_tokens", "cost", "unserved_prompt_tokens", "estimated_rows",
     ]
     # Served and unserved prompt tokens in separate columns: beta's refused request
     # counted 12 prompt tokens that the engine never saw.
     assert [line.split() for line in lines[1:4]] == [
-        ["(none)", "1", "1", "0", "0", "0", "0", "0"],
-        ["acme", "3", "0", "117", "60", "14", "79.5", "0"],
-        ["beta", "2", "1", "40", "0", "4", "26", "12"],
+        ["(none)", "1", "1", "0", "0", "0", "0", "0", "0"],
+        ["acme", "3", "0", "117", "60", "14", "79.5", "0", "1"],
+        ["beta", "2", "1", "40", "0", "4", "26", "12", "0"],
     ]
     assert set(lines[4].replace(" ", "")) == {"-"}
-    assert lines[5].split() == ["total", "6", "2", "157", "60", "18", "105.5", "12"]
+    assert lines[5].split() == ["total", "6", "2", "157", "60", "18", "105.5", "12", "1"]
     # Right-aligned numbers: every column ends at the same place as its header.
-    ends = [lines[0].index(h) + len(h) for h in ("requests", "unserved_prompt_tokens")]
+    ends = [lines[0].index(h) + len(h) for h in ("requests", "estimated_rows")]
     for line in lines[1:4] + lines[5:]:
         assert len(line) == ends[1]
         assert line[ends[0] - 1] != " "
@@ -84,10 +85,10 @@ def test_json_by_model_and_lane(ledger_url: str, capsys: pytest.CaptureFixture[s
     assert _json(capsys, ["--ledger", ledger_url, "--by", "model"]) == [
         {"model": "big", "requests": 2, "rejected": 1, "prompt_tokens": 10,
          "cached_prompt_tokens": 0, "completion_tokens": 1, "cost": 6.5,
-         "unserved_prompt_tokens": 12},
+         "unserved_prompt_tokens": 12, "estimated_rows": 1},
         {"model": "tiny", "requests": 4, "rejected": 1, "prompt_tokens": 147,
          "cached_prompt_tokens": 60, "completion_tokens": 17, "cost": 99.0,
-         "unserved_prompt_tokens": 0},
+         "unserved_prompt_tokens": 0, "estimated_rows": 0},
     ]
     by_lane = _json(capsys, ["--ledger", ledger_url, "--by", "lane"])
     assert [(x["lane"], x["requests"]) for x in by_lane] == [("batch", 2), ("interactive", 4)]
@@ -117,16 +118,17 @@ def test_by_application_names_tenant_and_application(
     assert lines[0].split() == [
         "tenant", "application", "requests", "rejected", "prompt_tokens",
         "cached_prompt_tokens", "completion_tokens", "cost", "unserved_prompt_tokens",
+        "estimated_rows",
     ]
     assert [line.split() for line in lines[1:7]] == [
-        ["(none)", "(none)", "1", "1", "0", "0", "0", "0", "0"],
-        ["acme", "(none)", "1", "0", "6", "0", "2", "6", "0"],
-        ["acme", "batch", "1", "0", "4", "0", "4", "8", "0"],
-        ["acme", "chat", "2", "0", "120", "0", "12", "78", "0"],
-        ["beta", "chat", "1", "1", "0", "0", "0", "0", "40"],
-        ["beta/x", "y", "1", "0", "2", "0", "2", "4", "0"],
+        ["(none)", "(none)", "1", "1", "0", "0", "0", "0", "0", "0"],
+        ["acme", "(none)", "1", "0", "6", "0", "2", "6", "0", "0"],
+        ["acme", "batch", "1", "0", "4", "0", "4", "8", "0", "0"],
+        ["acme", "chat", "2", "0", "120", "0", "12", "78", "0", "0"],
+        ["beta", "chat", "1", "1", "0", "0", "0", "0", "40", "0"],
+        ["beta/x", "y", "1", "0", "2", "0", "2", "4", "0", "0"],
     ]
-    assert lines[8].split() == ["total", "7", "2", "132", "0", "20", "96", "40"]
+    assert lines[8].split() == ["total", "7", "2", "132", "0", "20", "96", "40", "0"]
     # Both name columns left-aligned: the application column starts at its header.
     start = lines[0].index("application")
     assert all(line[start - 2:start] == "  " and line[start] != " " for line in lines[1:7])
@@ -139,6 +141,7 @@ def test_by_application_names_tenant_and_application(
     assert list(totals[0]) == [
         "tenant", "application", "requests", "rejected", "prompt_tokens",
         "cached_prompt_tokens", "completion_tokens", "cost", "unserved_prompt_tokens",
+        "estimated_rows",
     ]
     # By tenant, the applications merge into their tenant again.
     by_tenant = _json(capsys, ["--ledger", url])
@@ -226,7 +229,7 @@ def test_config_with_relative_ledger_path(
     assert _json(capsys, ["--config", "conf/gateway.yaml"]) == [
         {"tenant": "acme", "requests": 1, "rejected": 0, "prompt_tokens": 4,
          "cached_prompt_tokens": 0, "completion_tokens": 2, "cost": 5.0,
-         "unserved_prompt_tokens": 0},
+         "unserved_prompt_tokens": 0, "estimated_rows": 0},
     ]
 
 
@@ -270,7 +273,7 @@ def test_empty_ledger_prints_zero_totals(
     assert main(["--ledger", url, "--by", "lane"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == "lane"
-    assert lines[-1].split() == ["total", "0", "0", "0", "0", "0", "0", "0"]
+    assert lines[-1].split() == ["total", "0", "0", "0", "0", "0", "0", "0", "0"]
     assert _json(capsys, ["--ledger", url]) == []
 
 

@@ -239,8 +239,10 @@ class Exchange:
             metrics.child(metrics.E2E_SECONDS, tenant).observe(e2e)
         if self.ttft_s is not None:
             metrics.child(metrics.TTFT_SECONDS, tenant).observe(self.ttft_s)
+        # The row's model is the metrics' label: a served name, "" for a model the gateway
+        # does not serve (the client's string, unbounded and unvetted, is not kept).
         rt.ledger.record(UsageRecord(
-            request_id=self.id, tenant=tenant, model=self.model, lane=lane,
+            request_id=self.id, tenant=tenant, model=model, lane=lane,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens if self.charge_usage else 0,
             cost=actual,

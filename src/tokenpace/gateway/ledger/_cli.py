@@ -5,6 +5,9 @@
 cancelled while queued, engine error), kept apart so neither total hides in the other.
 ``cached_prompt_tokens`` is the part of ``prompt_tokens`` the engines found in their prefix
 cache (charged at ``cost.cached_prompt``; 0 where the engine did not report it).
+``estimated_rows`` counts the rows whose token counts are the gateway's estimate rather
+than the engine's (a request that died in flight on an engine that could not say what it
+generated): how much of the totals rests on an estimate.
 
 Reads the same ledger the gateway writes (SQLite in WAL mode can be read while the gateway
 runs). Given the gateway's config file it uses that file's ``ledger:`` key and nothing
@@ -151,7 +154,7 @@ def _labels(t: UsageTotal) -> list[str]:
 def _table(totals: list[UsageTotal], by: str) -> str:
     labels = _label_columns(by)
     header = [*labels, "requests", "rejected", "prompt_tokens", "cached_prompt_tokens",
-              "completion_tokens", "cost", "unserved_prompt_tokens"]
+              "completion_tokens", "cost", "unserved_prompt_tokens", "estimated_rows"]
     lines: list[list[str]] = []
     for t in totals:
         lines.append(
@@ -165,6 +168,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
                 str(t.completion_tokens),
                 _number(t.cost),
                 str(t.unserved_prompt_tokens),
+                str(t.estimated_rows),
             ]
         )
     total = [
@@ -177,6 +181,7 @@ def _table(totals: list[UsageTotal], by: str) -> str:
         str(sum(t.completion_tokens for t in totals)),
         _number(sum(t.cost for t in totals)),
         str(sum(t.unserved_prompt_tokens for t in totals)),
+        str(sum(t.estimated_rows for t in totals)),
     ]
     widths = [max(len(row[i]) for row in [header, *lines, total]) for i in range(len(header))]
 
@@ -227,6 +232,7 @@ def main(argv: list[str]) -> int:
                 "completion_tokens": t.completion_tokens,
                 "cost": t.cost,
                 "unserved_prompt_tokens": t.unserved_prompt_tokens,
+                "estimated_rows": t.estimated_rows,
             }
             for t in totals
         ]

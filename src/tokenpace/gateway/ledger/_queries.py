@@ -55,7 +55,8 @@ def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[
         "SUM(completion_tokens), SUM(cost), "
         "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END), "
         "SUM(CASE WHEN served = 1 THEN 0 ELSE prompt_tokens END), "
-        "SUM(CASE WHEN served = 1 THEN cached_prompt_tokens ELSE 0 END) "
+        "SUM(CASE WHEN served = 1 THEN cached_prompt_tokens ELSE 0 END), "
+        "SUM(CASE WHEN estimated = 1 THEN 1 ELSE 0 END) "
         f"FROM requests{where} GROUP BY {group} ORDER BY {group}",
         params,
     )
@@ -63,11 +64,11 @@ def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[
     for row in selected:
         # The group's key is the last column before the sums (after the tenant, by
         # application). Postgres returns SUM over BIGINT as numeric (Decimal): normalise.
-        k, n, p, c, cost, rej, unserved, cached = row[-8:]
+        k, n, p, c, cost, rej, unserved, cached, estimated = row[-9:]
         totals.append(UsageTotal(
             str(k), int(n), int(p or 0), int(c or 0), float(cost or 0.0), int(rej or 0),
             int(unserved or 0), tenant=str(row[0]) if by == "application" else None,
-            cached_prompt_tokens=int(cached or 0)))
+            cached_prompt_tokens=int(cached or 0), estimated_rows=int(estimated or 0)))
     return totals
 
 

@@ -15,7 +15,19 @@ class LedgerError(RuntimeError):
 
 @dataclass(frozen=True)
 class UsageRecord:
-    """What one request used and how long it took; one row of the ``requests`` table."""
+    """What one request used and how long it took; one row of the ``requests`` table.
+
+    ``model`` is the served name the request was routed to (aliases resolved), or ``""``
+    when the gateway does not serve the model the client asked for (``rejected:
+    model_not_found``) or refused the request before reading it: a client's own string
+    never becomes a row's model, as it never becomes a metric label.
+
+    Whatever the fields hold, the row written is one every database accepts and of
+    bounded size: :func:`._schema.record_row` removes NUL characters, replaces lone
+    surrogates, caps each text field (:data:`._schema.MAX_ID_CHARS`,
+    :data:`._schema.MAX_NAME_CHARS`) and makes NaN or infinite numbers finite, so a row
+    read back may differ from the record given in exactly those ways.
+    """
 
     request_id: str
     tenant: str
@@ -43,6 +55,10 @@ class UsageRecord:
     cached_prompt_tokens: int = 0
     # The batch (``/v1/batches``) whose input line this request was; "" for a live request.
     batch_id: str = ""
+    # The completion count (and, if the engine never reported it, the prompt count) is the
+    # gateway's estimate, not the engine's: the engine could not say what a request that
+    # died in flight generated (plain vLLM keeps no count of an aborted request).
+    estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,7 +79,8 @@ class UsageTotal:
     gateway's ``tokenpace_gateway_prompt_tokens`` metric counts); ``unserved_prompt_tokens``
     those counted for requests that never ran (refused, cancelled while queued, engine
     error). ``cached_prompt_tokens``: the part of ``prompt_tokens`` the engines found in
-    their prefix cache (priced by ``cost.cached_prompt``).
+    their prefix cache (priced by ``cost.cached_prompt``). ``estimated_rows``: the rows whose
+    counts are the gateway's estimate rather than the engine's (``UsageRecord.estimated``).
 
     Grouped by application, ``key`` is the application id (``""``: the tenant's own keys)
     and ``tenant`` its tenant, in a field of its own: an application id is unique only
@@ -79,3 +96,4 @@ class UsageTotal:
     unserved_prompt_tokens: int = 0
     tenant: str | None = None
     cached_prompt_tokens: int = 0  # of ``prompt_tokens``: those served from the prefix cache
+    estimated_rows: int = 0  # of ``requests``: rows whose counts are the gateway's estimate

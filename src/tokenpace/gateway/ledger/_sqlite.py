@@ -7,7 +7,16 @@ import sqlite3
 from typing import Any
 
 from ._records import LedgerError
-from ._schema import insert_sql, migrations, schema, upsert_sql
+from ._schema import Dialect, insert_sql, migrations, schema, upsert_sql
+
+DIALECT = Dialect(
+    text="TEXT",
+    integer="INTEGER",
+    real="REAL",
+    dedupe="DELETE FROM requests WHERE rowid NOT IN "
+           "(SELECT MIN(rowid) FROM requests GROUP BY request_id)",
+)
+"""SQLite's type names; duplicates are told apart by ``rowid``."""
 
 _BUSY_TIMEOUT_S = 1.0
 """How long a write waits for another connection's lock. Short on purpose: the writer
@@ -41,20 +50,10 @@ class SqliteBackend:
             # on a process crash, and saves an fsync per batch.
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("BEGIN IMMEDIATE")
-            for statement in schema("TEXT", "INTEGER", "REAL"):
+            for statement in schema(DIALECT):
                 self._conn.execute(statement)
             columns = {row[1] for row in self._conn.execute("PRAGMA table_info(requests)")}
-            for statement in migrations(
-                "served" in columns,
-                dedupe="DELETE FROM requests WHERE rowid NOT IN "
-                       "(SELECT MIN(rowid) FROM requests GROUP BY request_id)",
-                add_served="ALTER TABLE requests ADD COLUMN served INTEGER NOT NULL DEFAULT 1",
-                has_route="route" in columns,
-                has_application="application" in columns,
-                has_cached="cached_prompt_tokens" in columns,
-                has_batch="batch_id" in columns,
-                integer="INTEGER",
-            ):
+            for statement in migrations(columns, DIALECT):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
