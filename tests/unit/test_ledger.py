@@ -903,14 +903,15 @@ def test_background_writer_retries_after_a_lock(
         reader.close()
 
 
-def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
+def test_a_full_journal_drops_and_counts(tmp_path: Path) -> None:
     path = tmp_path / "usage.db"
-    ledger = open_ledger(_url(path), flush_interval_s=60, max_batch=1000, max_queue=10)
-    for i in range(15):
-        ledger.record(record(i))
-    assert ledger.dropped == 5
+    ledger = open_ledger(_url(path), journal=str(tmp_path / "journal"), journal_bytes=4000,
+                         flush_interval_s=60, max_batch=1000)
+    for i in range(30):  # unserved rows: no reserve past the bound
+        ledger.record(replace(record(i), served=False))
+    assert 0 < ledger.dropped < 30
     ledger.close()
-    assert _count(path) == 10
+    assert _count(path) == 30 - ledger.dropped
 
 
 def test_close_is_idempotent_and_later_records_count_as_dropped(tmp_path: Path) -> None:

@@ -354,8 +354,32 @@ LEDGER_WRITE_FAILURES = Counter(
     "stay queued and are retried).", registry=REGISTRY,
 )
 LEDGER_DROPPED_ROWS = Counter(
-    "tokenpace_gateway_ledger_dropped_rows", "Usage-ledger rows thrown away (queue full, or "
-    "unwritten at shutdown).", registry=REGISTRY,
+    "tokenpace_gateway_ledger_dropped_rows", "Usage-ledger rows thrown away: the journal "
+    "was full (on_ledger_full: drop) or the ledger closed.", registry=REGISTRY,
+)
+LEDGER_DEAD_LETTER_ROWS = Counter(
+    "tokenpace_gateway_ledger_dead_letter_rows", "Usage-ledger rows the database refused "
+    "for their values while it answered, moved to the journal's dead-letter.jsonl.",
+    registry=REGISTRY,
+)
+LEDGER_UNJOURNALED = Counter(
+    "tokenpace_gateway_ledger_unjournaled_requests", "Requests sent to an engine without a "
+    "journal entry (journal full, on_ledger_full: drop): a crash loses them.",
+    registry=REGISTRY,
+)
+LEDGER_JOURNAL_BYTES = Gauge(
+    "tokenpace_gateway_ledger_journal_bytes", "Bytes in the usage ledger's journal: rows "
+    "not yet written to the database and requests in flight.", registry=REGISTRY,
+)
+LEDGER_JOURNAL_MAX_BYTES = Gauge(
+    "tokenpace_gateway_ledger_journal_max_bytes", "The journal's bound (ledger_journal_max_"
+    "bytes); at it, on_ledger_full applies.", registry=REGISTRY,
+)
+LEDGER_RECOVERED = Counter(
+    "tokenpace_gateway_ledger_recovered_requests", "Requests found in flight in the journal "
+    "at start-up (the process before died) and recorded; source: engine (its count) or "
+    "estimate (the engine could not tell: the reservation is charged).", ["source"],
+    registry=REGISTRY,
 )
 ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",

@@ -221,6 +221,12 @@ class GatewayConfig:
     lanes: tuple[LaneConfig, ...] = (LaneConfig("default", 0),)
     cost: CostModel = field(default_factory=CostModel)
     ledger: str = DEFAULT_LEDGER
+    # The directory rows and requests in flight are journaled in before the database has
+    # them (ledger/_journal.py); None: ``<sqlite file>.journal``, or for Postgres
+    # ``tokenpace-journal`` beside the configuration file.
+    ledger_journal: str | None = None
+    ledger_journal_max_bytes: int = 1024 * 1024 * 1024
+    on_ledger_full: str = "refuse"  # or "drop": see ledger.ON_FULL
     admin_key_hashes: tuple[bytes, ...] = ()
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -490,7 +496,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
                       "routing", "pool_affinity", "conversation_affinity",
                       "metrics_idle_after",
-                      "discovery_interval", "locality", "batch"))
+                      "discovery_interval", "locality", "batch", "ledger_journal",
+                      "ledger_journal_max_bytes", "on_ledger_full"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -533,12 +540,24 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         from ..ledger import resolve_ledger_url
 
         ledger = resolve_ledger_url(ledger, base_dir)
+    journal = _ledger_journal(root.get("ledger_journal"), ledger, base_dir)
+    on_full = root.get("on_ledger_full", "refuse")
+    from ..ledger import ON_FULL
+
+    if on_full not in ON_FULL:
+        raise ConfigError("on_ledger_full: expected 'refuse' (new requests get 503 while the "
+                          "ledger's journal is full) or 'drop' (serve them and count the rows "
+                          f"that cannot be kept), got {on_full!r}")
     return GatewayConfig(
         engines=engines,
         tenants=tenants,
         lanes=lanes,
         cost=cost,
         ledger=ledger,
+        ledger_journal=journal,
+        ledger_journal_max_bytes=_int(root, "ledger_journal_max_bytes", "", 1024 * 1024 * 1024,
+                                      minimum=1024 * 1024) or 0,
+        on_ledger_full=on_full,
         admin_key_hashes=admin,
         request_timeout_s=_duration(root, "request_timeout", "", 600.0),
         max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
@@ -1152,6 +1171,24 @@ def _bool(m: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{_path(where, key)}: expected true or false, got {value!r}")
     return value
+
+
+def _ledger_journal(value: Any, ledger: str, base_dir: Path | None) -> str:
+    """The journal directory: as given (relative to the configuration file), else beside
+    a SQLite ledger, else ``tokenpace-journal`` beside the configuration file."""
+    from ..ledger import default_journal
+
+    if value is None:
+        beside = default_journal(ledger)
+        if beside is not None:
+            return beside
+        value = "tokenpace-journal"
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ConfigError(f"ledger_journal: expected a directory path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return str(path.absolute())
 
 
 def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimum: int) -> int | None:

@@ -1,10 +1,13 @@
 """Usage ledger: one row per request, and the budget buckets' levels, in SQLite or Postgres.
 
-The gateway calls :meth:`Ledger.record` on its event loop for every request that ends, so
-recording must never wait on the database: rows go into an in-memory queue and one
-background thread writes them in batches, one transaction per batch. If the database is
-briefly unavailable (locked, restarting) the rows stay queued and the next flush tries
-again; only when the queue reaches its bound are new rows dropped, and counted.
+The gateway calls :meth:`Ledger.open` before it sends a request to an engine and
+:meth:`Ledger.record` when the request ends, on its event loop, so neither may wait on the
+database: both append to a journal on local disk (``_journal``), which survives a SIGKILL,
+and one background thread writes the journal's rows in batches, one transaction per batch.
+While the database is unavailable the rows wait in the journal, up to its bound in bytes,
+across restarts; a row the database refuses for its values goes to a dead-letter file and
+every other row is written. An open without its row, found at start-up, is a request that
+was in flight when the process died (:meth:`Ledger.orphans`).
 
 Budget levels are written in the same transaction as the rows, so that after a restart the
 buckets carry on from the last flush instead of starting full (which would hand every tenant
@@ -16,26 +19,33 @@ SQLite (the default) is the standard library's; psycopg 3 is imported only when 
 One module a concern, so that each database's code and the writer's threading can be read
 alone: ``_records`` (the values and the error), ``_url`` (ledger URLs), ``_schema`` (tables,
 migrations and the row layout both databases share), ``_sqlite`` and ``_postgres`` (one
-connection each), ``_writer`` (:class:`Ledger`: the queue, its thread and the connection's
-lock), ``_queries`` (the reads: saved budgets, rows, ``tokenpace usage`` totals), ``_open``
+connection each), ``_journal`` (the segments on disk), ``_writer`` (:class:`Ledger`: the
+journal's reader thread, the dead-letter file and the connection's lock), ``_queries`` (the reads: saved budgets, rows, ``tokenpace usage`` totals), ``_open``
 (URL to ledger), ``_cli`` (``tokenpace usage``). Other modules import only the names below.
 """
 
 from ._cli import main as usage_main, parse_since
-from ._open import open_ledger
+from ._open import default_journal, open_ledger
 from ._records import BudgetState, LedgerError, UsageRecord, UsageTotal
-from ._url import parse_ledger_url, resolve_ledger_url
-from ._writer import DEFAULT_MAX_QUEUE, Ledger
+from ._schema import RECORD_COLUMNS, record_from_row
+from ._url import parse_ledger_url, redact, resolve_ledger_url
+from ._writer import DEFAULT_JOURNAL_BYTES, INTERRUPTED, ON_FULL, Ledger
 
 __all__ = [
-    "DEFAULT_MAX_QUEUE",
+    "DEFAULT_JOURNAL_BYTES",
+    "INTERRUPTED",
+    "RECORD_COLUMNS",
+    "ON_FULL",
     "BudgetState",
     "Ledger",
     "LedgerError",
     "UsageRecord",
     "UsageTotal",
+    "default_journal",
     "open_ledger",
+    "redact",
     "parse_since",
+    "record_from_row",
     "parse_ledger_url",
     "resolve_ledger_url",
     "usage_main",

@@ -240,7 +240,10 @@ class PostgresBackend:
                 "SELECT column_name FROM information_schema.columns WHERE table_schema = "
                 "current_schema() AND table_name = 'requests'"
             ).fetchall()}
-            for statement in migrations(columns, DIALECT):
+            unique = bool(conn.execute(
+                "SELECT 1 FROM pg_indexes WHERE schemaname = current_schema() AND "
+                "tablename = 'requests' AND indexname = 'requests_request_id'").fetchall())
+            for statement in migrations(columns, DIALECT, unique_ids=unique):
                 conn.execute(statement)
 
     def _connection(self) -> Any:
@@ -301,6 +304,10 @@ class PostgresBackend:
                 return cur.fetchall()
 
         return self._bounded(self._read_bound, run)
+
+    def ping(self) -> None:
+        """One trivial query within the write bound: whether the server answers now."""
+        self._bounded(self._write_bound, lambda conn: conn.execute("SELECT 1").fetchall())
 
     def close(self) -> None:
         self._watchdog.close()

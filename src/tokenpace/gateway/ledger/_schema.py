@@ -155,14 +155,16 @@ what the rows written before it hold there, and why that is the truth."""
 _UNIQUE_ID_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS requests_request_id ON requests (request_id)"
 
 
-def migrations(columns: Collection[str], dialect: Dialect) -> list[str]:
+def migrations(columns: Collection[str], dialect: Dialect, unique_ids: bool = False) -> list[str]:
     """Statements that bring a ``requests`` table whose columns are ``columns`` (the
     names it has now, after :func:`schema` ran) up to this schema: each missing column is
     added, with its backfill.
 
     ``requests.request_id`` became unique, so that a batch written again after its commit
     was lost in transit (the connection dropped before the acknowledgement) adds nothing;
-    older ledgers may already hold such duplicates, which are removed first.
+    older ledgers may already hold such duplicates, which are removed first: only while
+    the unique index is missing (``unique_ids`` false), since the removal reads the whole
+    table.
     """
     out: list[str] = []
     for added in _ADDED_COLUMNS:
@@ -170,7 +172,7 @@ def migrations(columns: Collection[str], dialect: Dialect) -> list[str]:
             definition = added.definition.format(text=dialect.text, integer=dialect.integer)
             out.append(f"ALTER TABLE requests ADD COLUMN {added.column} {definition}")
             out.extend(added.backfill)
-    return out + [dialect.dedupe, _UNIQUE_ID_INDEX]
+    return out if unique_ids else out + [dialect.dedupe, _UNIQUE_ID_INDEX]
 
 
 def insert_sql(placeholder: str) -> str:

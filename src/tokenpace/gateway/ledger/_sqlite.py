@@ -53,7 +53,9 @@ class SqliteBackend:
             for statement in schema(DIALECT):
                 self._conn.execute(statement)
             columns = {row[1] for row in self._conn.execute("PRAGMA table_info(requests)")}
-            for statement in migrations(columns, DIALECT):
+            unique = any(row[1] == "requests_request_id"
+                         for row in self._conn.execute("PRAGMA index_list(requests)"))
+            for statement in migrations(columns, DIALECT, unique_ids=unique):
                 self._conn.execute(statement)
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -76,6 +78,9 @@ class SqliteBackend:
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         return self._conn.execute(sql, params).fetchall()
+
+    def ping(self) -> None:
+        self._conn.execute("SELECT 1").fetchall()
 
     def close(self) -> None:
         self._conn.close()
