@@ -6,7 +6,6 @@ its two policies; torn lines; one process a slot; segments deleted once written.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -176,7 +175,7 @@ def test_a_row_the_database_refuses_goes_to_the_dead_letter_file(tmp_path: Path)
 def test_the_bound_refuses_opens_and_keeps_served_rows(tmp_path: Path) -> None:
     db = tmp_path / "usage.db"
     backend = SqliteBackend(str(db), create=True)
-    journal = Journal(tmp_path / "journal", max_bytes=4096, segment_bytes=512)
+    journal = Journal(tmp_path / "journal", max_bytes=4096)  # one segment: rotated once read
     ledger = Ledger(backend, flush_interval_s=3600, max_batch=10_000, journal=journal,
                     on_full="refuse")
     try:
@@ -352,3 +351,27 @@ def test_the_journal_settings_and_their_defaults(tmp_path: Path) -> None:
         _config(tmp_path, ledger_journal_max_bytes=10)
     with pytest.raises(ConfigError, match="ledger_journal"):
         _config(tmp_path, ledger_journal=["not", "a", "path"])
+
+
+def test_budget_levels_survive_a_crash_before_the_database_had_them(tmp_path: Path) -> None:
+    """Levels are journaled: a process killed before its writer wrote them (simulated by a
+    writer that never runs and a ledger never closed) leaves them for the next start,
+    which prefers them to the database's older ones."""
+    db, directory = tmp_path / "usage.db", tmp_path / "journal"
+    first = open_ledger(_url(db), journal=str(directory))
+    first.save_budgets([BudgetState("acme", "100/1d", 10.0, T0)])
+    first.flush()
+    first.close()
+    hung = _HungBackend(SqliteBackend(str(db), create=True))
+    crashed = Ledger(hung, flush_interval_s=3600, max_batch=10,
+                     journal=Journal(directory, max_bytes=1 << 20), close_timeout_s=0.1)
+    crashed.save_budgets([BudgetState("acme", "100/1d", 3.0, T0 + 5)])
+    crashed.journal.close()  # the process died: its slot is free, nothing was written
+    restarted = open_ledger(_url(db), journal=str(directory))
+    try:
+        assert restarted.load_budgets() == [BudgetState("acme", "100/1d", 3.0, T0 + 5)]
+        restarted.flush()
+        assert restarted.load_budgets() == [BudgetState("acme", "100/1d", 3.0, T0 + 5)]
+    finally:
+        restarted.close()
+        hung.release.set()

@@ -1,26 +1,17 @@
 """The usage ledger against a real, throwaway Postgres server.
 
-The server is created with ``initdb`` in a temporary directory and listens on a free
-loopback port with trust authentication. Postgres refuses to run as root, so when the
-tests run as root the server runs as ``nobody`` (through ``setpriv`` or ``runuser``).
-A developer's machine without the Postgres binaries or psycopg skips the module with the
-reason; in CI (``CI=true``, where ``make test`` installs Debian's server) a missing
-server fails it instead of skipping silently.
+The server is ``tests._postgres.PostgresServer``: ``initdb`` in a temporary directory, a
+free loopback port, trust authentication; a machine without the Postgres binaries or
+psycopg skips the module with the reason, except in CI (``CI=true``), where it fails.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import pwd
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +19,8 @@ import pytest
 from tokenpace.gateway.ledger import LedgerError, open_ledger
 from tokenpace.gateway.ledger._postgres import PostgresBackend, _session_options
 from tokenpace.gateway.ledger._schema import record_row
+
+from tests._postgres import PostgresServer, free_port, psycopg
 
 from .test_ledger import (
     OLD_REQUESTS_TABLE,
@@ -48,107 +41,14 @@ from .test_ledger import (
     record,
 )
 
-psycopg: Any
-try:
-    import psycopg
-except ImportError:
-    psycopg = None
-
-
-def _binary(name: str) -> str | None:
-    """A Postgres server binary: on PATH, in /usr/local/bin, or in Debian's versioned dir."""
-    candidates = [Path("/usr/local/bin") / name, *Path("/usr/lib/postgresql").glob(f"*/bin/{name}")]
-    return shutil.which(name) or next((str(p) for p in candidates if p.is_file()), None)
-
-
-def _as_unprivileged() -> tuple[list[str], int, int] | str:
-    """The command prefix that drops root, with the uid and gid it runs as, or why that
-    is impossible here. Empty prefix when not root."""
-    if os.geteuid() != 0:
-        return [], os.geteuid(), os.getegid()
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        return "running as root and there is no 'nobody' user to run Postgres as"
-    uid, gid = nobody.pw_uid, nobody.pw_gid
-    if shutil.which("setpriv"):
-        # setpriv execs the command itself, so the Popen pid is the server's own pid.
-        return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"], uid, gid
-    if shutil.which("runuser"):
-        return ["runuser", "-u", "nobody", "--"], uid, gid
-    return "running as root and neither setpriv nor runuser is available to drop privileges"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI needs a real Postgres for the ledger tests: {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def postgres_server() -> Iterator[str]:
     """Start a Postgres server for this module; yields the admin URL."""
-    if psycopg is None:
-        _unavailable("psycopg 3 is not installed (pip install 'psycopg[binary]>=3.1')")
-    initdb, postgres = _binary("initdb"), _binary("postgres")
-    if initdb is None or postgres is None:
-        _unavailable("Postgres server binaries (initdb, postgres) are not installed "
-                     "(apt-get install postgresql; make test does it as root)")
-    drop = _as_unprivileged()
-    if isinstance(drop, str):
-        _unavailable(drop)
-    prefix, uid, gid = drop
-
-    base = Path(tempfile.mkdtemp(prefix="tokenpace-pg-"))
-    proc: subprocess.Popen[bytes] | None = None
+    server = PostgresServer()
     try:
-        os.chown(base, uid, gid)
-        data, log = base / "data", base / "server.log"
-        env = {**os.environ, "HOME": str(base), "LC_ALL": "C"}
-        done = subprocess.run(
-            [*prefix, initdb, "-D", str(data), "-U", "postgres", "--auth=trust",
-             "--no-sync", "-E", "UTF8", "--locale=C"],
-            cwd=base, env=env, capture_output=True, text=True, timeout=120,
-        )
-        assert done.returncode == 0, f"initdb failed:\n{done.stdout}\n{done.stderr}"
-
-        port = _free_port()
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [*prefix, postgres, "-D", str(data), "-p", str(port), "-k", str(base),
-                 "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
-                 "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                 "-c", "shared_buffers=16MB", "-c", "max_connections=20"],
-                cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )
-        url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"postgres exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                psycopg.connect(url, connect_timeout=2).close()
-                break
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"postgres did not accept connections:\n{log.read_text()}")
-                time.sleep(0.1)
-        yield url
+        yield server.start().url
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # "fast" shutdown: ends sessions, no wait
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(base, ignore_errors=True)
+        server.remove()
 
 
 _db_numbers = itertools.count()
@@ -225,7 +125,7 @@ def test_lost_connection_loses_no_rows(pg_url: str, postgres_server: str) -> Non
 
 
 def test_unreachable_server_is_a_ledger_error(postgres_server: str) -> None:
-    url = f"postgresql://gw:s3cret@127.0.0.1:{_free_port()}/usage?connect_timeout=5"
+    url = f"postgresql://gw:s3cret@127.0.0.1:{free_port()}/usage?connect_timeout=5"
     with pytest.raises(LedgerError, match="cannot open Postgres ledger") as info:
         open_ledger(url)
     assert "s3cret" not in str(info.value)

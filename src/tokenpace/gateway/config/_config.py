@@ -556,7 +556,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         ledger=ledger,
         ledger_journal=journal,
         ledger_journal_max_bytes=_int(root, "ledger_journal_max_bytes", "", 1024 * 1024 * 1024,
-                                      minimum=1024 * 1024) or 0,
+                                      minimum=64 * 1024) or 0,
         on_ledger_full=on_full,
         admin_key_hashes=admin,
         request_timeout_s=_duration(root, "request_timeout", "", 600.0),

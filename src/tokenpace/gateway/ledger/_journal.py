@@ -193,6 +193,24 @@ class Journal:
             self._read_seg, self._read_off = (min(later) if later else current), 0
         return out
 
+    def rotate_if_read(self) -> bool:
+        """Begin a new segment when the reader has read everything in the one being
+        written and it holds at least an eighth of ``max_bytes`` (or ``segment_bytes``),
+        so that it can be deleted once written; True if it did. The writer thread calls it
+        after a batch was written."""
+        with self._lock:
+            size = self._sizes.get(self._current, 0)
+            if (self._read_seg != self._current or self._read_off < size
+                    or size < min(self._segment_bytes, max(4096, self.max_bytes // 8))
+                    or self._fd < 0):
+                return False
+            self._rotate()
+            self._read_seg, self._read_off = self._current, 0
+        if self._read_file is not None:
+            self._read_file.close()
+            self._read_file = None
+        return True
+
     @property
     def read_segment(self) -> int:
         """The segment the reader is in: every segment before it was read to its end."""

@@ -20,6 +20,7 @@ def open_ledger(
     max_batch: int = 500,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     create: bool = True,
+    wait: bool = False,
 ) -> Ledger:
     """Open (and, unless ``create`` is false, create) the ledger at ``url``.
 
@@ -31,7 +32,9 @@ def open_ledger(
     ``journal``: the directory rows wait in before the database has them (``_journal``),
     bounded by ``journal_bytes``; rows an earlier process left there are written first.
     None: a private temporary directory, removed at close (tools and tests: nothing then
-    survives the process). ``on_full``: see :data:`ON_FULL`.
+    survives the process). ``on_full``: see :data:`ON_FULL`. ``wait``: a Postgres server
+    that does not answer now is not an error (the gateway starts during an outage; rows
+    wait in the journal and the tables are made when it answers).
     """
     kind, target = parse_ledger_url(url)
     check_settings(flush_interval_s, max_batch, journal_bytes, on_full)  # before opening
@@ -39,7 +42,7 @@ def open_ledger(
     if kind == "sqlite":
         backend = SqliteBackend(target, create=create)
     else:
-        backend = PostgresBackend(target)
+        backend = PostgresBackend(target, wait=wait)
     try:
         journaled = None if journal is None else Journal(journal, max_bytes=journal_bytes)
     except JournalError as exc:

@@ -25,6 +25,7 @@ statement_timeout=`` in ``options`` or ``PGOPTIONS``) win over these defaults.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -36,6 +37,8 @@ from typing import Any, TypeVar
 from ._records import LedgerError
 from ._schema import Dialect, insert_sql, migrations, schema, upsert_sql
 from ._url import redact
+
+_log = logging.getLogger("tokenpace.gateway.ledger")
 
 _T = TypeVar("_T")
 
@@ -188,7 +191,7 @@ class PostgresBackend:
     def __init__(self, url: str, *, statement_timeout_s: float = _STATEMENT_TIMEOUT_S,
                  lock_timeout_s: float = _LOCK_TIMEOUT_S,
                  read_timeout_s: float = _READ_TIMEOUT_S,
-                 margin_s: float = _CALL_MARGIN_S) -> None:
+                 margin_s: float = _CALL_MARGIN_S, wait: bool = False) -> None:
         try:
             import psycopg
             from psycopg.conninfo import conninfo_to_dict
@@ -221,11 +224,25 @@ class PostgresBackend:
         self._long = [f"SET LOCAL {name} = {round(read_timeout_s * 1000)}"
                       for name in ("statement_timeout", "lock_timeout")
                       if not _sets(given, name)]
+        self._created = False
         try:
             self._bounded(self._read_bound, self._create)
+        except psycopg.OperationalError as exc:
+            if not wait:
+                self.close()
+                raise LedgerError(f"cannot open Postgres ledger {redact(url)}: {exc}") from exc
+            # A gateway starts during an outage: rows wait in its journal, the tables are
+            # made on the first call that reaches the server.
+            _log.error("Postgres ledger %s does not answer (%s); rows wait in the journal "
+                       "until it does", redact(url), exc)
         except psycopg.Error as exc:
             self.close()
             raise LedgerError(f"cannot open Postgres ledger {redact(url)}: {exc}") from exc
+
+    def _ready(self) -> None:
+        """Create or migrate the tables first if the server did not answer at the open."""
+        if not self._created:
+            self._bounded(self._read_bound, self._create)
 
     def _create(self, conn: Any) -> None:
         with conn.transaction():
@@ -245,6 +262,7 @@ class PostgresBackend:
                 "tablename = 'requests' AND indexname = 'requests_request_id'").fetchall())
             for statement in migrations(columns, DIALECT, unique_ids=unique):
                 conn.execute(statement)
+        self._created = True
 
     def _connection(self) -> Any:
         conn = self._conn
@@ -286,6 +304,8 @@ class PostgresBackend:
         return result
 
     def write(self, rows: list[tuple[Any, ...]], budgets: list[tuple[Any, ...]]) -> None:
+        self._ready()
+
         def run(conn: Any) -> None:
             with conn.transaction(), conn.cursor() as cur:
                 if rows:
@@ -296,6 +316,8 @@ class PostgresBackend:
         self._bounded(self._write_bound, run)
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        self._ready()
+
         def run(conn: Any) -> list[tuple[Any, ...]]:
             with conn.transaction(), conn.cursor() as cur:
                 for statement in self._long:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,6 +86,23 @@ _DEFAULTS: dict[str, Any] = {"served": 1, "route": "", "application": "",
                              "cached_prompt_tokens": 0, "batch_id": "", "estimated": 0}
 
 
+def _merge_budgets(into: dict[tuple[str, str], BudgetState], levels: Iterable[Any]) -> None:
+    """Merge budget levels (states, or journaled ``[tenant, budget, level, at]`` lists)
+    into ``into``, the latest of each (tenant, budget) winning; malformed ones skipped."""
+    if not isinstance(levels, Iterable):
+        return
+    for item in levels:
+        try:
+            state = item if isinstance(item, BudgetState) else BudgetState(
+                str(item[0]), str(item[1]), float(item[2]), float(item[3]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            continue
+        key = (state.tenant, state.budget)
+        held = into.get(key)
+        if held is None or held.at <= state.at:
+            into[key] = state
+
+
 class Ledger:
     """The journal in front of the database and the thread that drains it.
 
@@ -125,15 +143,16 @@ class Ledger:
         self._journal = journal
         self._dead_letter_path = journal.directory.parent / DEAD_LETTER
 
-        self._budgets_lock = threading.Lock()
-        self._budgets: dict[tuple[str, str], BudgetState] = {}
         self._dropped = 0
         self._unwritten = 0  # rows appended to the journal and not yet written
 
         # The writer thread's own state (under _db_lock).
         self._batch: list[tuple[str, tuple[Any, ...]]] = []  # read, not yet committed
+        self._budgets: dict[tuple[str, str], BudgetState] = {}  # read, not yet committed
         self._opens: dict[str, int] = {}  # request id -> the segment of its open entry
         self._segment_opens: dict[int, int] = {}  # segment -> opens in it still unanswered
+        self._journal_budgets: dict[tuple[str, str], BudgetState] = {}
+        self._settled: list[tuple[dict[str, Any], float, float]] = []
         self._orphans = self._scan()
 
         self._db_lock = threading.Lock()
@@ -163,14 +182,12 @@ class Ledger:
         if self._unwritten >= self._max_batch:
             self._wake.set()
 
-    def open(self, rec: UsageRecord, *, engine: str, kind: str,
-             cost: tuple[float, float, float] = (1.0, 1.0, 1.0),
-             prompt_bound: bool = False) -> bool:
+    def open(self, rec: UsageRecord, *, engine: str, kind: str, **facts: Any) -> bool:
         """Journal a request about to be sent to ``engine``, before it is sent: ``rec`` is
         the row it gets if the process dies before it ends (its reservation as the charge,
         ``estimated``); ``kind``: its route kind, to ask the engine what it generated;
-        ``cost``: its prompt, completion and cached-prompt coefficients, to price the
-        engine's count; ``prompt_bound``: its prompt count is the admission's byte bound.
+        ``facts``: JSON values kept with the entry for whoever reads it back (the cost
+        coefficients, the reservation: see ``server._recovery``).
         False: the journal is full and ``on_full`` is ``refuse`` (the caller refuses the
         request). With ``drop``, True even when the entry could not be kept (the request
         is then not protected against a crash; counted in
@@ -178,8 +195,7 @@ class Ledger:
 
         Cost: one ``json.dumps`` of the row and one ``os.write``."""
         entry = {"open": dict(zip(RECORD_COLUMNS, record_row(rec))),
-                 "engine": engine, "kind": kind, "cost": list(cost),
-                 "prompt_bound": prompt_bound}
+                 "engine": engine, "kind": kind, **facts}
         if not self._closed and self._journal.append(entry):
             return True
         if self._on_full == "refuse":
@@ -192,16 +208,23 @@ class Ledger:
         this journal died (no row was journaled for them): ``{"open": row columns,
         "engine": url, "kind": route kind}`` each, the latest open of each request. Each
         stays in the journal until a row with its request id is recorded."""
-
         return list(self._orphans)
 
+    def journaled_settlements(self) -> list[tuple[dict[str, Any], float, float]]:
+        """The requests an earlier process journaled both the dispatch and the row of
+        (its open entry, the row's cost, the row's ``ended_at``), to bring budget levels
+        saved before the row up to date (``server._recovery``)."""
+        return list(self._settled)
+
     def save_budgets(self, states: list[BudgetState]) -> None:
-        """Remember the latest level of each (tenant, budget); written at the next flush."""
-        with self._budgets_lock:
-            if self._closed:
-                return
-            for state in states:
-                self._budgets[(state.tenant, state.budget)] = state
+        """Journal the latest level of each (tenant, budget); written to the database with
+        the next batch, and read back by :meth:`load_budgets` after a crash even if the
+        database never got it. Cost: one journal append per call (the changed levels)."""
+        if self._closed or not states:
+            return
+        levels = [[b.tenant, b.budget, float(b.level), float(b.at)] for b in states]
+        if not self._journal.append({"budgets": levels}, reserve=True):
+            _log.error("usage ledger: the journal refused %d budget levels", len(levels))
 
     def flush(self) -> None:
         """Write everything journaled so far, and wait for it.
@@ -301,7 +324,7 @@ class Ledger:
         is kept and tried first next time."""
         while True:
             # A batch left from a failed attempt was read earlier: more may wait behind it.
-            carried = bool(self._batch)
+            carried = bool(self._batch or self._budgets)
             if not carried:
                 for segment, entry in self._journal.read(self._max_batch):
                     request_id = entry_id(entry)
@@ -309,24 +332,17 @@ class Ledger:
                         self._note_open(request_id, segment)
                     elif "row" in entry and isinstance(entry["row"], dict):
                         self._batch.append((request_id, _row_tuple(entry["row"])))
-            with self._budgets_lock:
-                budgets, self._budgets = self._budgets, {}
-            if not self._batch and not budgets:
+                    elif "budgets" in entry:
+                        _merge_budgets(self._budgets, entry["budgets"])
+            if not self._batch and not self._budgets:
                 self._remove_written()
                 return
-            try:
-                self._commit([row for _, row in self._batch], budgets)
-            except BaseException:
-                with self._budgets_lock:
-                    # A newer snapshot saved meanwhile wins over the one that failed.
-                    for key, state in budgets.items():
-                        self._budgets.setdefault(key, state)
-                raise
+            self._commit([row for _, row in self._batch], self._budgets)
             for request_id, _ in self._batch:
                 self._answer_open(request_id)
             self._unwritten = max(0, self._unwritten - len(self._batch))
             more = carried or len(self._batch) >= self._max_batch
-            self._batch = []
+            self._batch, self._budgets = [], {}
             self._remove_written()
             if not more or (deadline is not None and time.monotonic() >= deadline):
                 return
@@ -417,23 +433,32 @@ class Ledger:
         """Delete the segments read to their end whose opens all have rows (the batch read
         from them was written: called only with no batch pending)."""
         if not self._batch:
+            self._journal.rotate_if_read()
             self._journal.remove(self._journal.read_segment, set(self._segment_opens))
 
     def _scan(self) -> list[dict[str, Any]]:
         """The journal as an earlier process left it: the opens without a row, and how
         many rows wait. Reads every segment once (at start-up only)."""
         opens: dict[str, dict[str, Any]] = {}
-        answered: set[str] = set()
+        answered: dict[str, tuple[float, float]] = {}
         rows = 0
         for _, entry in self._journal.entries():
             request_id = entry_id(entry)
             if "open" in entry:
                 opens[request_id] = entry
-            elif "row" in entry:
-                answered.add(request_id)
+            elif "row" in entry and isinstance(entry["row"], dict):
+                row = entry["row"]
+                try:
+                    answered[request_id] = (float(row.get("cost") or 0.0),
+                                            float(row.get("ended_at") or 0.0))
+                except (TypeError, ValueError):
+                    answered[request_id] = (0.0, 0.0)
                 rows += 1
+            elif "budgets" in entry:
+                _merge_budgets(self._journal_budgets, entry["budgets"])
         self._unwritten = rows
         orphans = [e for r, e in opens.items() if r not in answered]
+        self._settled = [(e, *answered[r]) for r, e in opens.items() if r in answered]
         if rows or orphans:
             _log.warning("usage ledger journal %s: %d rows from an earlier process to write, "
                          "%d requests that were in flight when it stopped",
@@ -443,8 +468,18 @@ class Ledger:
     # -- reading -----------------------------------------------------------------------
 
     def load_budgets(self) -> list[BudgetState]:
-        """The budget levels saved by the last run, read once at start-up."""
-        return queries.load_budgets(self._query)
+        """The budget levels saved by the last run, read once at start-up: the database's,
+        or the journal's where a newer level never reached the database."""
+        try:
+            saved = queries.load_budgets(self._query)
+        except LedgerError as exc:
+            # The database does not answer: the levels the journal kept are all there is.
+            _log.error("usage ledger: budget levels not read from the database (%s); "
+                       "using the journal's", exc)
+            saved = []
+        levels = {(b.tenant, b.budget): b for b in saved}
+        _merge_budgets(levels, self._journal_budgets.values())
+        return sorted(levels.values(), key=lambda b: (b.tenant, b.budget))
 
     def rows(self, since: float | None = None) -> list[UsageRecord]:
         """Rows that ended at or after ``since`` (unix seconds), oldest first."""

@@ -38,6 +38,7 @@ from ..batch import (
     new_id,
 )
 from ..exchange import Runtime
+from ..ledger import LedgerError
 from ..state import Lease, SlotClaim, StateUnavailable
 from ..tenants import TenantState
 from ..wire import GatewayError, error_body, error_response
@@ -57,6 +58,9 @@ UPLOAD_SLACK = 64 * 1024
 CLOSE_WAIT_S = 2.0
 """How long a shutdown waits for the lines in flight to end as cancelled before the runner
 is stopped outright (a line stopped so has a ledger row ``error``)."""
+
+STORE_RETRY_S = 5.0
+"""How often a batch store that did not answer at start-up is opened again."""
 
 _LOCAL_CLAIM = object()
 """The claim on a batch with one replica (no shared store): this process is its runner."""
@@ -110,12 +114,40 @@ class BatchService:
     # -- life --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the store and start the runner. A store whose database does not answer
+        (Postgres down while the gateway starts) is opened again every
+        ``STORE_RETRY_S`` in the background; the Batch API answers 503 until then. Any
+        other failure (a bad URL, a file that cannot be created) stops the start."""
         config = self.rt.config
         url = config.batch.store or batch_store_url(config.ledger)
-        self.store = await asyncio.to_thread(BatchStore, url)
-        self.runner = BatchRunner(self.store, self, concurrency=config.batch.concurrency,
+        try:
+            store = await asyncio.to_thread(BatchStore, url)
+        except LedgerError as exc:
+            if not url.startswith(("postgresql://", "postgres://")):
+                raise
+            logger.error("the batch store does not answer (%s); the Batch API answers 503 "
+                         "until it does", exc)
+            self._task = asyncio.create_task(self._open_later(url))
+            return
+        self._run(store)
+
+    def _run(self, store: BatchStore) -> None:
+        config = self.rt.config
+        self.store = store
+        self.runner = BatchRunner(store, self, concurrency=config.batch.concurrency,
                                   max_lines=config.batch.max_lines)
         self._task = asyncio.create_task(self.runner.run())
+
+    async def _open_later(self, url: str) -> None:
+        while not self._closing.is_set():
+            await asyncio.sleep(STORE_RETRY_S)
+            try:
+                store = await asyncio.to_thread(BatchStore, url)
+            except LedgerError:
+                continue
+            logger.warning("the batch store answers again; the Batch API is back")
+            self._run(store)
+            return
 
     async def close(self) -> None:
         """Lines in flight end as if their client left (nothing is written for them: they
