@@ -384,6 +384,79 @@ def test_an_abandoned_stream_is_charged_what_the_engine_generated(
         received, row.completion_tokens, len(request.times))
 
 
+def engine_book(engine: Server, ids: list[str]) -> dict[str, Any]:
+    """The engine's own answer for ``ids`` (``POST /tokenpace/v1/aborted``), asked directly."""
+    return httpx.post(f"{engine.base_url}/tokenpace/v1/aborted", timeout=10,
+                      json={"request_ids": ids}).json()
+
+
+def generated_by(events: Path, request_id: str, since: float, tokens: int) -> list[int]:
+    """Tokens in the engine's event log of each engine request of gateway request
+    ``request_id`` (ids ``chatcmpl-<id>-...``, ``0_cmpl-<id>-1-...``), by engine id."""
+    wait_for_engine_requests(events, {"slow"}, since, tokens)
+    time.sleep(0.5)  # the event log is written every 200 ms: the abort's last tokens
+    return [len(r.times) for r in sorted(engine_requests(events, {"slow"}, since),
+                                         key=lambda r: r.request_id)
+            if f"cmpl-{request_id}" in r.request_id]
+
+
+@pytest.mark.parametrize("route,fields,ids", [
+    # n = 2: two engine requests sharing one prompt, "{i}_chatcmpl-<id>".
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, ["0_chatcmpl-{id}", "1_chatcmpl-{id}"]),
+    # Two prompts: "cmpl-<id>-0" and "cmpl-<id>-1", each its own prompt.
+    ("/v1/completions", {"prompt": ["Hello", "Goodbye now"]}, ["cmpl-{id}-0", "cmpl-{id}-1"]),
+])
+def test_an_abandoned_chat_or_completion_stream_is_charged_what_the_engine_generated(
+        gateway: GatewayProcess, engine: Server, route: str, fields: dict[str, Any],
+        ids: list[str]) -> None:
+    """A chat or completion stream the client leaves: the gateway relayed the engine's
+    own count up to then, and the engine went on until the abort landed (an unpaced
+    tenant: many tokens per millisecond of that wait). The ledger holds the engine's count
+    summed over the request's engine requests, and its prompt as the engine counted it:
+    its book, asked directly."""
+    t0 = time.time()
+    received = 0
+    body = {"model": "tiny", "stream": True, "ignore_eos": True, "max_tokens": 200, **fields}
+    with httpx.stream("POST", f"{gateway.url}{route}", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY_FAST}"}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+                if received == 12:
+                    break
+    [row] = gateway.rows_since(t0, 1)
+    assert row.finish_reason == "cancelled" and row.route == route
+    book = engine_book(engine, [i.format(id=row.request_id) for i in ids])
+    counts = list(book["output_tokens"].values())
+    assert len(counts) == 2 and not book["running"]
+    assert received - 2 <= row.completion_tokens == sum(counts) < 400, (row, counts)
+    prompts = list(book["prompt_tokens"].values())
+    assert row.prompt_tokens == (prompts[0] if route.endswith("chat/completions")
+                                 else sum(prompts)), (row.prompt_tokens, prompts)
+
+
+def test_an_abandoned_plain_request_is_charged_what_the_engine_generated(
+        gateway: GatewayProcess, engine: Server) -> None:
+    """A non-streamed request whose client leaves before the answer: its count never
+    reached the gateway, which charged the reservation (``max_tokens``) for it; now the
+    engine's count."""
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+    t0 = time.time()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/v1/chat/completions", timeout=1.5,
+                   headers={"authorization": f"Bearer {KEY_SLOW}"},
+                   json={"model": "tiny", "messages": CHAT, "max_tokens": 1000,
+                         "ignore_eos": True})
+    [row] = gateway.rows_since(t0, 1)
+    assert row.finish_reason == "cancelled"
+    [generated] = generated_by(events, row.request_id, since, 1)
+    assert row.completion_tokens == generated
+    assert 10 <= generated < 1000  # 20 tok/s for 1.5 s; the reservation was 1000
+    book = engine_book(engine, [f"chatcmpl-{row.request_id}"])
+    assert book["output_tokens"] == {f"chatcmpl-{row.request_id}": generated}
+
+
 def test_batched_completion_prompts_are_admitted_and_charged_whole(gateway: GatewayProcess) -> None:
     """A list of prompts with n=2: the cap and budget take the whole batch; the ledger
     holds the engine's totals, streamed (usage chunks of each prompt summed) or not."""

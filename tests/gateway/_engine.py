@@ -79,6 +79,11 @@ class FakeEngine:
     # Prompt tokens reported as cached (prompt_tokens_details); None: no details, as vLLM
     # without --enable-prompt-tokens-details.
     cached_tokens: int | None = None
+    # Set: tokenpace's book of ended requests (``POST /tokenpace/v1/aborted``, requests
+    # with n = 1 and one prompt), each reporting this many tokens more than it sent, as an
+    # engine does that generated on until the abort landed. None: 404, as plain vLLM.
+    book_extra: int | None = None
+    book_calls: int = 0
 
     def usage_details(self, prompt_tokens: int) -> dict[str, Any]:
         """The ``prompt_tokens_details`` part of a final usage, as vLLM 0.32 writes it."""
@@ -128,7 +133,30 @@ class FakeEngine:
             Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
             Route("/v1/completions", _validated(self._complete), methods=["POST"]),
             Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
+            Route("/tokenpace/v1/aborted", self._book, methods=["POST"]),
         ])
+
+    async def _book(self, request: Request) -> Response:
+        """The ended requests' counts by the ids vLLM's API server gives them
+        (``chatcmpl-X``, ``cmpl-X-0``; X: the ``x-request-id`` header)."""
+        self.book_calls += 1
+        if self.book_extra is None:
+            return Response(status_code=404)
+        by_id = {seen.headers.get("x-request-id"): seen for seen in self.requests}
+        output, prompt, running = {}, {}, []
+        for rid in (await request.json())["request_ids"]:
+            x = rid.removeprefix("chatcmpl-") if rid.startswith("chatcmpl-") \
+                else rid.removeprefix("cmpl-").removesuffix("-0")
+            seen = by_id.get(x)
+            if seen is None:
+                continue
+            if seen.finished or seen.aborted:
+                output[rid] = seen.streamed + self.book_extra
+                prompt[rid] = self.prompt_tokens(seen.body)
+            else:
+                running.append(rid)
+        return JSONResponse({"output_tokens": output, "prompt_tokens": prompt,
+                             "running": running})
 
     def _note(self, request: Request) -> None:
         self.other_calls.append((request.url.path, dict(request.headers)))
@@ -203,8 +231,16 @@ class FakeEngine:
         delay = 0.05 if "SLOW" in text else self.token_delay_s
         kind = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
-            await asyncio.sleep(delay * max_tokens)
-            seen.streamed = max_tokens * n
+            if delay < 0.01:
+                await asyncio.sleep(delay * max_tokens)
+                seen.streamed = max_tokens * n
+            else:  # SLOW: token by token, and a client gone aborts it (as vLLM's routes do)
+                for _ in range(max_tokens):
+                    await asyncio.sleep(delay)
+                    seen.streamed += n
+                    if await request.is_disconnected():
+                        seen.aborted = True
+                        return Response(status_code=499)
             seen.finished = True
             choices = [
                 {"index": i, "finish_reason": "length",

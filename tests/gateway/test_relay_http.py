@@ -64,3 +64,56 @@ def test_an_abandoned_multi_choice_stream_is_charged_every_choices_tokens(
     # within one token per choice of what the engine generated
     assert seen.streamed - 4 <= rows[0].completion_tokens <= seen.streamed
     assert rows[0].completion_tokens >= 24
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}]}),
+    ("/v1/completions", {"prompt": "SLOW"}),
+])
+def test_a_stream_cut_short_is_charged_the_engines_count_not_what_it_relayed(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path, path: str,
+        body: dict[str, Any]) -> None:
+    """The engine generated 5 tokens more than it sent before its abort landed
+    (``book_extra``): the row charges the engine's count, asked of it after the cut."""
+    engine.engine.book_extra = 5
+    gw = make_gateway(base_config(engine.url, tmp_path / "u.db"))
+    received = 0
+    with httpx.stream("POST", gw.url + path, headers={"authorization": f"Bearer {KEY_A}"},
+                      json={"model": "fake", "max_tokens": 60, "stream": True, **body}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+                if received == 6:
+                    break
+    [row] = gw.rows(1)
+    seen = engine.engine.requests[-1]
+    assert seen.aborted and row.finish_reason == "cancelled"
+    assert row.completion_tokens == seen.streamed + 5 < 60
+    assert engine.engine.book_calls >= 1
+
+
+def test_a_plain_request_cut_short_is_charged_the_engines_count_not_its_reservation(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    """``request_timeout`` cuts a non-streamed request: nothing arrived, and the engine's
+    count (asked of it) is charged, not the reservation of 30; behind an engine that
+    cannot tell (404), the reservation."""
+    config = base_config(engine.url, tmp_path / "u.db")
+    config["request_timeout"] = "400ms"
+    gw = make_gateway(config)
+    body = {"model": "fake", "prompt": "SLOW", "max_tokens": 30}
+    engine.engine.book_extra = 2
+    assert post(gw, body).status_code == 504
+    [asked] = gw.rows(1)  # settled once the engine answered
+    engine.engine.book_extra = None
+    assert post(gw, body).status_code == 504
+    _, plain = gw.rows(2)
+    assert [asked.finish_reason, plain.finish_reason] == ["timeout", "timeout"]
+    first = engine.engine.requests[0]
+    assert first.aborted and asked.completion_tokens == first.streamed + 2 < 30
+    assert plain.completion_tokens == 30
+    assert gw.wait_metric("tokenpace_gateway_inflight_requests", 0, tenant="team-a") == 0
+
+
+def post(gw: GatewayProcess, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {KEY_A}"})

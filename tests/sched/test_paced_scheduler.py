@@ -228,23 +228,48 @@ def test_an_aborted_requests_count_is_kept_for_the_gateway(tiny_model, is_async)
     gateway asks what it generated, by the id it knows (vLLM's random suffix off)."""
     rid = "resp_tpg-1f2e-abcdef12"
     sim = make_sim(tiny_model, is_async=is_async, pacing=paced(20))
-    sim.add(rid, "u", max_tokens=100)
-    sim.add("other", "u", max_tokens=3)
+    sim.add(rid, "u", max_tokens=100, prompt_len=11)
     sim.run(1.0)
     generated = sim.scheduler.requests[rid].num_output_tokens
     assert generated >= 10
-    sim.abort(rid)
-    sim.drain()  # "other" finishes normally: only aborts are kept
-    book = sim.scheduler.aborted_outputs
-    assert book.lookup([rid, "resp_tpg-1f2e", "other", "nobody"]) == {
-        rid: generated, "resp_tpg-1f2e": generated}
 
     class Core:  # what the engine process runs for the utility call
         scheduler = sim.scheduler
 
     assert tokenpace_aborted_outputs(Core, ["resp_tpg-1f2e"]) == {
-        "output_tokens": {"resp_tpg-1f2e": generated}}
+        "output_tokens": {}, "prompt_tokens": {}, "running": ["resp_tpg-1f2e"]}
+    sim.abort(rid)
+    sim.drain()
+    assert tokenpace_aborted_outputs(Core, ["resp_tpg-1f2e", rid, "nobody"]) == {
+        "output_tokens": {"resp_tpg-1f2e": generated, rid: generated},
+        "prompt_tokens": {"resp_tpg-1f2e": 11, rid: 11}, "running": []}
     assert tokenpace_aborted_outputs(Core, [])["status"] == 400
+
+
+@pytest.mark.parametrize("pacing", [paced(20), None], ids=["paced", "pacing-off"])
+def test_finished_and_aborted_requests_are_both_in_the_book(tiny_model, is_async, pacing):
+    """Every request that ends is kept with its prompt and output counts, whether it
+    stopped at ``max_tokens`` or was aborted, and with pacing off too (the scheduler class
+    is tokenpace's, no rate is set): the gateway meters every request through it."""
+    sim = make_sim(tiny_model, is_async=is_async, pacing=pacing)
+    sim.add("cmpl-g1-0-aaaaaaaa", "u", max_tokens=5, prompt_len=9)
+    sim.add("cmpl-g2-0-bbbbbbbb", "u", max_tokens=1000, prompt_len=30)
+    sim.add("0_chatcmpl-g3-cccccccc", "v", max_tokens=4, prompt_len=7)  # n = 2
+    sim.add("1_chatcmpl-g3-cccccccc", "v", max_tokens=4, prompt_len=7)
+    sim.run(0.5)
+    sim.drain()
+    assert sim.finished["cmpl-g1-0-aaaaaaaa"] == "length"
+    aborted = sim.scheduler.requests["cmpl-g2-0-bbbbbbbb"].num_output_tokens
+    assert 5 < aborted < 1000
+    sim.abort("cmpl-g2-0-bbbbbbbb")
+    sim.drain()
+    book = sim.scheduler.ended_requests
+    ids = ["cmpl-g1-0", "cmpl-g2-0", "0_chatcmpl-g3", "1_chatcmpl-g3"]
+    assert book.lookup(ids) == {"cmpl-g1-0": (9, 5), "cmpl-g2-0": (30, aborted),
+                                "0_chatcmpl-g3": (7, 4), "1_chatcmpl-g3": (7, 4)}
+    assert book.lookup(["cmpl-g1-0-aaaaaaaa"]) == {"cmpl-g1-0-aaaaaaaa": (9, 5)}
+    assert book.running(ids) == []
+    assert sum(sim.tokens[r] for r in sim.tokens if r.startswith("cmpl-g2")) == aborted
 
 
 def test_idle_wait_when_every_request_is_throttled(tiny_model, is_async):

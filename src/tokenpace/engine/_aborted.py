@@ -1,22 +1,30 @@
-"""How many tokens an aborted request had generated: asked by a gateway after a client left.
+"""What each ended request was prompted with and generated: asked by a gateway.
 
-Chat and completion streams tell the gateway their token count in every chunk; the
-Responses and Messages APIs only at their end. When a client leaves such a stream, the
-gateway closes its engine connection, vLLM aborts the request, and only the engine knows
-how many tokens it generated. The scheduler keeps that count for its last aborted
-requests, and ``POST /tokenpace/v1/aborted`` answers it:
+A gateway meters each request from the usage the engine reports, but a request can end
+without that usage reaching the gateway: the client left, the gateway's time for it ran
+out, a non-streamed answer never arrived, the gateway itself restarted. vLLM aborts such a
+request when its connection goes, and only the engine knows what it had generated. The
+scheduler keeps, for its last ended requests (finished, by a stop or ``max_tokens``, or
+aborted), the prompt and output token counts, and ``POST /tokenpace/v1/aborted`` answers
+them (the path names its first use: aborted requests; finished ones are answered too):
 
-    {"request_ids": ["resp_tpg-1f..._0"]}  ->  {"output_tokens": {"resp_tpg-1f..._0": 37}}
+    {"request_ids": ["chatcmpl-tpg-1f...", "resp_tpg-1f..._0", "resp_tpg-1f..._1"]}
+    ->  {"output_tokens": {"chatcmpl-tpg-1f...": 37, "resp_tpg-1f..._0": 12},
+         "prompt_tokens": {"chatcmpl-tpg-1f...": 21, "resp_tpg-1f..._0": 9},
+         "running": ["resp_tpg-1f..._1"]}
 
-An id the engine has not aborted (yet, or ever, or so long ago that it was forgotten) is
-left out of the answer; the gateway asks again for a moment, then falls back to its own
-lower bound. Ids are the API server's (vLLM appends ``-`` and 8 random characters to the id
-of each request it sends to the engine; both forms are answered).
+``running`` lists the ids asked for that the scheduler still holds (not ended yet: ask
+again). An id in none of the three is unknown here: not arrived yet, never sent, or ended
+so long ago that it was forgotten (``KEEP``). Ids are the API server's: vLLM appends ``-``
+and 8 random characters to the id of each request it sends to the engine (and a request
+with ``n`` > 1 becomes ``n`` requests named ``{i}_`` and that id); both forms are answered,
+with and without the random part.
 
 The route is served by ``RequestGuard`` behind the engine's key when it has one
-(``EngineAuth``): a count is all it tells, of a request whose id the caller must know. The
+(``EngineAuth``): counts are all it tells, of requests whose ids the caller must know. The
 call reaches the scheduler as rate control does (``_control``): a utility call that runs
 in the engine process between two steps, on every data-parallel rank, answers merged.
+Cost of one call in the engine loop: two dict lookups per id asked.
 """
 
 from __future__ import annotations
@@ -32,36 +40,73 @@ from ._control import install_utility
 ABORTED_PATH = "/tokenpace/v1/aborted"
 UTILITY_METHOD = "tokenpace_aborted_outputs"
 KEEP = 65_536
-"""Aborted requests remembered (two dict entries each, ~200 bytes): minutes of aborts at
-hundreds per second, far longer than a gateway takes to ask."""
+"""Ended requests remembered, oldest forgotten first: minutes of requests at hundreds
+per second (every request that ends is kept, not only aborted ones), far longer than a
+gateway takes to ask, restarts included. Each costs two dict entries (the id with and
+without vLLM's random part) and one shared pair of counts: about 400 bytes, some 26 MB
+when full."""
 MAX_IDS_PER_CALL = 1024
 MAX_BODY_BYTES = 1 << 20
 
 
-class AbortedOutputs:
-    """Output token counts of the last ``keep`` aborted requests, by request id."""
+def _api_id(request_id: str) -> str | None:
+    """The API server's id of an engine request: its id without vLLM's ``-`` and random
+    part (None when it has no ``-``: ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``)."""
+    base, dash, _ = request_id.rpartition("-")
+    return base if dash and base else None
+
+
+class EndedRequests:
+    """The prompt and output token counts of the last ``keep`` requests that ended, by
+    request id; and which requests are still held, by the API server's id.
+
+    The scheduler calls ``started`` once per new request and ``ended`` once per request
+    that ends (``_scheduler``). Memory: ``keep`` ended requests (``KEEP``), plus one dict
+    entry per request in the scheduler.
+    """
 
     def __init__(self, keep: int = KEEP) -> None:
-        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._counts: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (prompt, output)
         self._keep = 2 * keep
+        self._live: dict[str, int] = {}  # API server's id -> requests held under it
 
-    def record(self, requests: Iterable[Any]) -> None:
-        """Remember each request's ``num_output_tokens`` under its id, and under the id
-        without vLLM's random suffix (what the API server and the gateway know).
-        Cost per aborted request: two dict inserts."""
+    def started(self, request_id: str) -> None:
+        """A new request entered the scheduler. Cost: one ``rpartition`` and one dict
+        update."""
+        key = _api_id(request_id)
+        if key is not None:
+            live = self._live
+            live[key] = live.get(key, 0) + 1
+
+    def ended(self, request: Any) -> None:
+        """Keep the request's ``num_prompt_tokens`` and ``num_output_tokens`` under its id
+        and under the API server's id. Cost per ended request: one ``rpartition``, two
+        dict inserts, one dict update, and (once the book is full) two evictions."""
         counts = self._counts
-        for request in requests:
-            request_id, tokens = request.request_id, request.num_output_tokens
-            counts[request_id] = tokens
-            base, dash, _ = request_id.rpartition("-")
-            if dash and base:
-                counts[base] = tokens
+        request_id = request.request_id
+        pair = (request.num_prompt_tokens, request.num_output_tokens)
+        counts[request_id] = pair
+        key = _api_id(request_id)
+        if key is not None:
+            counts[key] = pair
+            live = self._live
+            held = live.get(key, 0)
+            if held > 1:
+                live[key] = held - 1
+            else:
+                live.pop(key, None)
         while len(counts) > self._keep:
             counts.popitem(last=False)
 
-    def lookup(self, request_ids: Iterable[str]) -> dict[str, int]:
+    def lookup(self, request_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """(prompt tokens, output tokens) of each ended request among ``request_ids``."""
         counts = self._counts
         return {r: counts[r] for r in request_ids if r in counts}
+
+    def running(self, request_ids: Iterable[str]) -> list[str]:
+        """The ids among ``request_ids`` (API server's ids) of requests still held."""
+        live = self._live
+        return [r for r in request_ids if r in live]
 
 
 def parse_ids(body: Any) -> list[str]:
@@ -77,14 +122,23 @@ def parse_ids(body: Any) -> list[str]:
 
 
 def tokenpace_aborted_outputs(core: Any, request_ids: Any) -> dict[str, Any]:
-    """Runs in the engine process (as ``EngineCoreProc.tokenpace_aborted_outputs``)."""
-    book = getattr(core.scheduler, "aborted_outputs", None)
+    """Runs in the engine process (as ``EngineCoreProc.tokenpace_aborted_outputs``): the
+    route's answer for this rank, or ``{"error": ..., "status": ...}``."""
+    scheduler = core.scheduler
+    book = getattr(scheduler, "ended_requests", None)
     if book is None:
         return {"error": "this engine does not run tokenpace's scheduler", "status": 404}
     try:
-        return {"output_tokens": book.lookup(parse_ids({"request_ids": request_ids}))}
+        ids = parse_ids({"request_ids": request_ids})
     except ValueError as exc:
         return {"error": str(exc), "status": 400}
+    found = book.lookup(ids)
+    missing = [r for r in ids if r not in found]
+    live = set(book.running(missing))
+    held = getattr(scheduler, "requests", {})  # by the engine's own id (no random part)
+    return {"output_tokens": {r: output for r, (_, output) in found.items()},
+            "prompt_tokens": {r: prompt for r, (prompt, _) in found.items()},
+            "running": [r for r in missing if r in live or r in held]}
 
 
 def install_aborted_outputs(engine_core_proc_cls: type) -> bool:
@@ -131,10 +185,16 @@ async def handle_aborted(scope: Scope, receive: Receive, send: Send) -> None:
     every = getattr(client, "call_utility_all_async", None)
     results = (await every(UTILITY_METHOD, ids) if every is not None
                else [await client.call_utility_async(UTILITY_METHOD, ids)])
-    merged: dict[str, int] = {}
+    output: dict[str, int] = {}
+    prompt: dict[str, int] = {}
+    running: set[str] = set()
     for result in results:
         if "error" in result:
             await refuse(int(result.get("status", 500)), result["error"], "NotFoundError")
             return
-        merged.update(result["output_tokens"])
-    await send_json(send, 200, {"output_tokens": merged})
+        output.update(result["output_tokens"])
+        prompt.update(result.get("prompt_tokens", {}))
+        running.update(result.get("running", ()))
+    # A request ended on one rank is not running on another: ended wins.
+    await send_json(send, 200, {"output_tokens": output, "prompt_tokens": prompt,
+                                "running": [r for r in ids if r in running and r not in output]})

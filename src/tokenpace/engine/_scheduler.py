@@ -24,6 +24,10 @@ The subclasses reuse vLLM's ``schedule()`` unchanged and steer it through three 
 
 Throttling a request whose next chunk may be its last prefill chunk waits for quota
 (it is skipped whole); chunks that cannot be the last run without quota.
+
+Pacing on or off, the subclasses also keep the book of ended requests for the gateway
+(``_aborted``): ``add_request`` notes each new request, ``_free_request`` (which every
+request that ends passes once) keeps its prompt and output counts.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from ..pacing import (
 )
 from ._config import PacingConfig
 from ._events import EventLog
-from ._aborted import AbortedOutputs, install_aborted_outputs
+from ._aborted import EndedRequests, install_aborted_outputs
 from ._control import install_rate_control
 from ._metrics import install_pacing_stats
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
@@ -116,6 +120,8 @@ class _PacingMixin:
     # that a scheduler built without __init__ (vLLM's own tests do) behaves as stock.
     _draft_results: dict[int, tuple[SchedulerOutput, int, list[_DraftsOut]]] = (
         MappingProxyType({}))  # type: ignore[assignment]
+    # Likewise for the book of ended requests: None without __init__ (nothing is kept).
+    ended_requests: EndedRequests | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,8 +143,10 @@ class _PacingMixin:
         # [(request id, stream, drafts scheduled, dispatch instant)]).
         self._drafts: DraftBook | None = None
         self._draft_results = {}
-        # What aborted requests had generated, for the gateway (``_aborted``).
-        self.aborted_outputs = AbortedOutputs()
+        # What each ended request was prompted with and generated, for the gateway
+        # (``_aborted``): kept whenever this class is the engine's scheduler, pacing on
+        # or off (a gateway meters requests through an unpaced engine too).
+        self.ended_requests = EndedRequests()
         engine_core = sys.modules.get("vllm.v1.engine.core")
         if engine_core is not None:
             install_aborted_outputs(engine_core.EngineCoreProc)
@@ -257,6 +265,10 @@ class _PacingMixin:
         replaces every override, so gateway-sent rates are forgotten then and each user's
         next request sends its rate again; until it does, the user's running requests
         get the default rate (or, without a default, are not paced).
+
+        A new request is noted as held in the book of ended requests (``_aborted``:
+        the gateway learns it is still running). Cost: a dict lookup, an ``rpartition``
+        and a dict update per request.
         """
         if self._planner is not None:
             stream = self._stream_of(request)
@@ -280,7 +292,12 @@ class _PacingMixin:
                     self._adopt_application_rate(request, extra[field], own_end_users)
                 else:
                     _report_untrusted_rate(request)
+        # An id already held is the next input of a streaming session, not a new request.
+        book = self.ended_requests
+        new = book is not None and request.request_id not in self.requests
         super().add_request(request)  # type: ignore[misc]
+        if new:
+            book.started(request.request_id)  # type: ignore[union-attr]
 
     def _adopt_end_user_rate(self, request: Request, value: Any) -> None:
         """Make the rate a trusted gateway sent the end-user rate of the request's user
@@ -394,13 +411,17 @@ class _PacingMixin:
             limiter.set_limits(UserRateLimits(limits.default, {**limits.overrides, **changed}))
             logger.debug("tokenpace: paced at %s tok/s (sent by the gateway)", changed)
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
-        """vLLM's, then the output counts of the requests it aborted are kept (the client
-        left: the API server aborts them). Cost: two dict inserts per aborted request."""
-        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
-        if finished_status == RequestStatus.FINISHED_ABORTED and finished:
-            self.aborted_outputs.record(finished)
-        return finished
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's, after the request's prompt and output counts are kept for the gateway
+        (``_aborted``). Every request that ends passes here once: one that stopped or
+        reached ``max_tokens`` (``update_from_output``), one aborted or failed
+        (``finish_requests``). Cost per ended request: ``EndedRequests.ended``, one
+        ``rpartition``, two ordered-dict inserts and one dict update (two evictions once
+        the book is full), nothing per step."""
+        book = self.ended_requests
+        if book is not None:
+            book.ended(request)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         release_step_hint()

@@ -53,7 +53,11 @@ SCHEDULER_METHODS = (
     "_reserve_prefill_lookahead",  # sees the final chunk size of a waiting request
     # (bound on the instance for a step that starts with requests waiting, see _scheduler)
     "shutdown",
-    "finish_requests",  # (request_ids, status) -> the requests it finished: aborts (_aborted)
+    # (request, delay_free_blocks=False): the one place every request that ends passes,
+    # once, with its status already finished: from update_from_output (a stop, max_tokens)
+    # and from finish_requests (an abort, an error); its counts are kept there (_aborted).
+    # (0.32 calls it from those two places only.)
+    "_free_request",
     "update_from_output",  # (SchedulerOutput, ModelRunnerOutput): rejected drafts go back
 )
 # Speculative decoding (_scheduler._grant_drafts): the drafts a decode step will verify are
@@ -76,7 +80,10 @@ REQUEST_ATTRIBUTES = (
     "num_output_placeholders",
     "next_decode_eligible_step",
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
-    "num_output_tokens",  # an aborted request's count, kept for the gateway (_aborted)
+    # An ended request's counts, kept for the gateway (_aborted): the tokens generated
+    # (delivered ones; under async scheduling not the step still in flight) and the prompt.
+    "num_output_tokens",
+    "num_prompt_tokens",
 )
 
 # Methods wrapped outside the scheduler (see _hooks), as (module, class, method), and the
@@ -105,7 +112,10 @@ HOOKED_METHODS = (
 # endpoint calls it with the SamplingParams whose extra_args hold the body's vllm_xargs
 # (or an EngineCoreRequest as prompt, whose sampling_params are its own).
 # The API server gives each request an id of its own plus "-" and 8 random characters
-# (InputProcessor.assign_request_id), the id the scheduler's Request has.
+# (InputProcessor.assign_request_id), the id the scheduler's Request has; a request with
+# n > 1 becomes n engine requests "{i}_" + that id (ParentRequest.get_child_info). Its own
+# ids (X: the X-Request-Id header): chat and Messages "chatcmpl-X", completions "cmpl-X-{p}"
+# per prompt p, Responses the body's request_id + "_{turn}" (gateway.relay names them).
 # SchedulerConfig: scheduler_cls, async_scheduling. The worker's rpc_broadcast_mq has a
 # _spin_condition whose busy_loop_s is the spin time after each message.
 SPIN_CONDITION = ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")

@@ -2,13 +2,17 @@
 
 ``call`` (non-streamed) and ``open_stream`` (server-sent events) end in
 ``Exchange.finish``; ``ClientWatch`` interrupts any wait when the client goes away or the
-request's time runs out.
+request's time runs out. A request cut short before the engine's final usage is settled
+with what the engine says it generated; ``ask_engine_counts`` is that question, for any
+caller that holds a gateway request id (crash recovery of the ledger's open rows).
 """
 
+from ._counts import ask_engine_counts
 from ._relay import NotReached, call, not_taken, open_stream
 from ._watch import ClientWatch, Guard
 
 __all__ = [
+    "ask_engine_counts",
     "NotReached",
     "not_taken",
     "call",

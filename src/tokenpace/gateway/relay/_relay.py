@@ -3,7 +3,11 @@
 Non-streamed requests pass the engine's answer on as it is (usage read from it); streamed
 ones relay the engine's SSE events as they come, one ``send`` per network read, counting
 tokens from the usage the engine reports in the stream. However either ends, it ends in
-one ``Exchange.finish`` with its ``Outcome``.
+one ``Exchange.finish`` with its ``Outcome``. One cut short before the engine's final
+usage (the client left, ``request_timeout``, the engine stream broke) is settled in the
+background once the engine said what it generated (``_counts``): the larger of that and
+what was relayed, or where the engine cannot tell, what was relayed (streams) or the
+reservation (non-streamed requests).
 """
 
 from __future__ import annotations
@@ -13,11 +17,9 @@ import json
 from collections.abc import Mapping
 
 import anyio
-import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ...engine import ABORTED_PATH
 from ..engines import ConnectFailed, Upstream, UpstreamError, UpstreamResponse
 from ..exchange import Exchange, Outcome
 from ..wire import (
@@ -32,59 +34,70 @@ from ..wire import (
     anthropic_error_body,
     error_body,
     headroom_headers,
+    parse_request,
     stream_error_event,
 )
+from ._counts import ABORT_WAIT_S, ask_engine_counts
 from ._watch import ClientWatch
 
 PATHS = ROUTES
 
 
-ABORT_WAIT_S = 2.0
-"""How long the gateway asks an engine for an aborted request's count: the abort reaches
-the engine's scheduler a few milliseconds after the connection closes, unless the engine
-is slow to notice; past this, the stream's own lower bound is charged."""
-ASK_EVERY_S = 0.05
-
-TURNS_ASKED = 8
-
-
-def _engine_ids(ex: Exchange) -> list[str]:
-    """The ids vLLM's API server gives the engine requests of the gateway's request ``ex``:
-    Messages, ``chatcmpl-`` and its ``x-request-id`` header; Responses, the ``request_id``
-    the gateway set, then ``_`` and the turn (``_0``; a response with built-in tools may take
-    more turns, the first ``TURNS_ASKED`` are asked for)."""
-    if ex.kind == "messages":
-        return [f"chatcmpl-{ex.id}"]
-    return [f"resp_{ex.id}_{turn}" for turn in range(TURNS_ASKED)]
-
-
-async def engine_output_count(ex: Exchange) -> int | None:
-    """The tokens the engine generated for ``ex``'s aborted request, from tokenpace's
-    engine (``POST /tokenpace/v1/aborted``); None where the engine cannot tell (plain
-    vLLM answers 404, the request finished rather than aborted, no answer in time).
-    Called only for a Responses or Messages stream that ended early: about 1 to 3 calls."""
+async def engine_output_count(ex: Exchange, n: int | None = 1,
+                              prompts: int | None = 1) -> int | None:
+    """The tokens the engine generated for ``ex``, a request cut short
+    (``ask_engine_counts``, within ``ABORT_WAIT_S``); None where the engine cannot tell.
+    Where the engine gives the prompt's count and the gateway never got one (admitted on
+    the prompt's byte bound), the exchange learns it (``Exchange.learn_prompt``).
+    ``n``, ``prompts``: the request's shape (None: not known, the engine's answers tell).
+    Called only for a request whose usage did not arrive whole: about 1 to 3 calls."""
     assert ex.lease is not None
-    ids = _engine_ids(ex)
-    client = ex.rt.clients[ex.lease.engine.url]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + ABORT_WAIT_S
-    while True:
+    client = ex.rt.clients.get(ex.lease.engine.url)
+    if client is None:  # the engine left the configuration meanwhile
+        return None
+    counts = await ask_engine_counts(client, ex.kind, ex.id, ABORT_WAIT_S, n=n,
+                                     prompts=prompts)
+    if counts is None:
+        return None
+    prompt, output = counts
+    if prompt is not None and ex.prompt_bound is not None:
+        ex.learn_prompt(prompt)
+    return output
+
+
+def _settle_with_engine(ex: Exchange, watch: ClientWatch, outcome: Outcome,
+                        detail: str | None, n: int | None, prompts: int | None,
+                        unknown: int) -> None:
+    """Settle ``ex`` in the background once the engine said what it generated: the
+    larger of that and what the gateway relayed (``ex.completion_tokens``), or
+    ``unknown`` where the engine cannot tell. The slot is held until then: the engine
+    works on the request until the abort lands. The task is kept in ``rt.settling``."""
+
+    async def settle() -> None:
         try:
-            resp = await client.post(ABORTED_PATH, json={"request_ids": ids},
-                                     timeout=ABORT_WAIT_S)
-            counts = resp.json().get("output_tokens") if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        if not isinstance(counts, dict):
-            return None  # plain vLLM (404), or an engine that cannot tell
-        found = [c for c in counts.values() if isinstance(c, int)]
-        if found:
-            # Earlier turns that finished (not aborted) are not in the book: a response
-            # with built-in tools cut short in a later turn is charged that turn's count.
-            return sum(found)
-        if loop.time() >= deadline:
-            return None
-        await asyncio.sleep(ASK_EVERY_S)
+            count = await engine_output_count(ex, n, prompts)
+            ex.completion_tokens = (unknown if count is None
+                                    else max(count, ex.completion_tokens))
+        finally:
+            ex.finish(outcome, detail)
+            watch.stop()
+
+    task = asyncio.get_running_loop().create_task(settle())
+    ex.rt.settling.add(task)
+    task.add_done_callback(ex.rt.settling.discard)
+
+
+def _shape(ex: Exchange, body: bytes) -> tuple[int | None, int | None]:
+    """(n, prompts) of a chat or completion request from its engine body (None, None when
+    it cannot be read: the engine's answers tell). Only for a request cut short: one
+    ``json.loads`` of the body."""
+    if ex.kind not in ("chat", "completion"):
+        return 1, 1
+    try:
+        parsed = parse_request(ex.kind, json.loads(body))
+    except (ValueError, RecursionError, GatewayError):
+        return None, None
+    return parsed.n, parsed.prompts
 
 
 def _ratelimit_headers(ex: Exchange) -> dict[str, str]:
@@ -143,6 +156,7 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
     outcome, detail = Outcome.CANCELLED, None
     resp = None
     reached = True
+    cut = False
     try:
         async with watch.guard(deadline) as scope:
             try:
@@ -157,9 +171,10 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                 raise GatewayError(502, f"engine failed: {type(exc).__name__}",
                                    reason="engine_error", code="engine_error") from None
         if scope.cancelled_caught:
-            # A non-streaming answer never arrived, so the engine's count is unknown: the
+            # The answer never arrived: the engine is asked what it generated (settled in
+            # the background, ``_settle_with_engine``); where it cannot tell, the
             # reservation (max_tokens) stands as the charge.
-            ex.completion_tokens = ex.max_completion_tokens
+            cut = True
             if watch.gone:
                 return Response(status_code=499)
             outcome = Outcome.TIMEOUT
@@ -193,7 +208,14 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                 resp.close()  # the engine sees the connection go and aborts the request
             else:
                 resp.release()
-        if reached:
+        if not reached:
+            pass
+        elif cut and ex.lease is not None and ex.charge_usage:
+            _settle_with_engine(ex, watch, outcome, detail, *_shape(ex, body),
+                                unknown=ex.max_completion_tokens)
+        else:
+            if cut:
+                ex.completion_tokens = ex.max_completion_tokens
             ex.finish(outcome, detail)
             watch.stop()
 
@@ -268,6 +290,7 @@ class StreamResponse:
                  watch: ClientWatch, deadline: float) -> None:
         self.ex = ex
         self.upstream = upstream
+        self.n, self.prompts = req.n, req.prompts
         self.batch = req.prompts > 1
         # Chat and completion chunks are rewritten (usage cut out as the client asked);
         # Responses and Messages events go through unchanged, only read (``wire._usage``).
@@ -323,28 +346,15 @@ class StreamResponse:
                 ex.learn_prompt(progress.prompt_tokens)
             # Read with the final usage (wire: nothing per token); None when not reported.
             ex.learn_cached(progress.cached_tokens)
-            if self.scanner is not None and not progress.final and ex.lease is not None \
-                    and ex.charge_usage:
-                # A Responses or Messages stream cut short: only the engine knows its count.
-                task = asyncio.get_running_loop().create_task(
-                    self._settle_with_engine_count(outcome, detail))
-                ex.rt.settling.add(task)
-                task.add_done_callback(ex.rt.settling.discard)
+            if not progress.final and ex.lease is not None and ex.charge_usage:
+                # A stream cut short, before the engine's final usage: the engine may have
+                # generated more than was relayed (Responses and Messages events carry no
+                # count at all until the end), and only it knows how much more.
+                _settle_with_engine(ex, self.watch, outcome, detail, self.n, self.prompts,
+                                    unknown=ex.completion_tokens)
             else:
                 ex.finish(outcome, detail)
                 self.watch.stop()
-
-    async def _settle_with_engine_count(self, outcome: Outcome, detail: str | None) -> None:
-        """Settle once the engine said what the aborted request generated (the slot is
-        held until then: the engine works on it until the abort lands)."""
-        ex = self.ex
-        try:
-            count = await engine_output_count(ex)
-            if count is not None:
-                ex.completion_tokens = count
-        finally:
-            ex.finish(outcome, detail)
-            self.watch.stop()
 
     async def _relay(self, send: Send) -> str | None:
         """Copy events until the engine ends the stream; return a failure description.
