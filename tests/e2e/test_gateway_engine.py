@@ -633,6 +633,98 @@ def test_a_batch_runs_on_the_engine_with_no_batch_configuration(gateway: Gateway
         assert row.prompt_tokens == usage.get("prompt_tokens", usage.get("input_tokens"))
 
 
+def _stream_until_cut(url: str, path: str, body: dict[str, Any], ids: dict[str, str],
+                      chunks: dict[str, int], name: str) -> None:
+    """Read a stream of the paced tenant until the gateway dies under it."""
+    try:
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {KEY_SLOW}"}) as resp:
+            ids[name] = resp.headers["x-request-id"]
+            for _ in resp.iter_lines():
+                chunks[name] = chunks.get(name, 0) + 1
+    except httpx.HTTPError:
+        pass  # the gateway was killed: the connection breaks
+
+
+def test_requests_in_flight_when_the_gateway_is_sigkilled_are_charged_what_the_engine_generated(
+        gateway: GatewayProcess, engine: Server) -> None:
+    """Streams of the paced tenant (20 tok/s, so each runs for seconds) on chat,
+    completions and Responses, and a non-streamed chat request, are at the engine when
+    the gateway dies by SIGKILL. The journal written before each was sent names them;
+    the restarted gateway asks the engine what each generated (the engine aborted them
+    when the connections closed) and writes one row each, ``interrupted``, with exactly the
+    engine's count of dispatched tokens (its event log) and the prompt the engine counted,
+    not an estimate. Before the journal, the ledger had no row for any of them."""
+    import threading
+
+    events = engine.log_path.parent / "events.jsonl"
+    since = time.monotonic()
+    ids: dict[str, str] = {}
+    chunks: dict[str, int] = {}
+    streams = {
+        "chat": ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stream": True,
+                                          "max_tokens": 400, "ignore_eos": True}),
+        "completion": ("/v1/completions", {"model": "tiny", "prompt": "Once upon",
+                                           "stream": True, "max_tokens": 400,
+                                           "ignore_eos": True}),
+        "responses": ("/v1/responses", {"model": "tiny", "input": "Hello", "stream": True,
+                                        "max_output_tokens": 400, "ignore_eos": True}),
+    }
+    threads = [threading.Thread(target=_stream_until_cut, daemon=True,
+                                args=(gateway.url, path, body, ids, chunks, name))
+               for name, (path, body) in streams.items()]
+    plain: dict[str, Any] = {}
+
+    def non_streamed() -> None:
+        try:
+            resp = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=60,
+                              headers={"authorization": f"Bearer {KEY_SLOW}"},
+                              json={"model": "tiny", "messages": CHAT, "max_tokens": 400,
+                                    "ignore_eos": True})
+            plain["status"] = resp.status_code
+        except httpx.HTTPError:
+            plain["cut"] = True
+
+    threads.append(threading.Thread(target=non_streamed, daemon=True))
+    for thread in threads:
+        thread.start()
+    # All four at the engine, each with some tokens generated.
+    deadline = time.monotonic() + 30
+    while True:
+        at_engine = engine_requests(events, {"slow"}, since)
+        if len(at_engine) >= 4 and len(ids) == 3 and all(len(r.times) >= 3 for r in at_engine):
+            break
+        assert time.monotonic() < deadline, (at_engine, ids, chunks)
+        time.sleep(0.1)
+    assert gateway.server is not None
+    os.kill(gateway.server.proc.pid, signal.SIGKILL)
+    gateway.server.proc.wait(10)
+    gateway.stop()
+    for thread in threads:
+        thread.join(10)
+    assert "status" not in plain  # the non-streamed request never got an answer
+    time.sleep(0.6)  # the engine writes its event log every 200 ms: the aborts' last tokens
+    at_engine = engine_requests(events, {"slow"}, since)
+    assert len(at_engine) == 4, at_engine
+    gateway.start()
+    deadline = time.monotonic() + 30
+    while True:
+        rows = [r for r in gateway.rows(0, timeout_s=0) if r.finish_reason == "interrupted"
+                and any(r.request_id in e.request_id for e in at_engine)]
+        if len(rows) >= 4:
+            break
+        assert time.monotonic() < deadline, gateway.log()
+        time.sleep(0.2)
+    assert len({r.request_id for r in rows}) == 4  # each once
+    assert set(ids.values()) <= {r.request_id for r in rows}
+    for row in rows:
+        [request] = [e for e in at_engine if row.request_id in e.request_id]
+        assert not row.estimated and row.served, row
+        assert row.completion_tokens == len(request.times) > 0, (row, request)
+        assert row.prompt_tokens > 0
+        assert row.cost == row.prompt_tokens * 1.0 + row.completion_tokens * 2.0
+
+
 def test_a_batch_survives_the_gateway_killed_with_sigkill(gateway: GatewayProcess,
                                                          engine: Server) -> None:
     """Lines of the paced tenant (20 tok/s, so the batch takes seconds) run, the gateway

@@ -6,8 +6,9 @@ appended to by the gateway's event loop and read, in order, by the ledger's writ
 which writes the rows to the database and deletes a segment once everything in it is
 written. Two kinds of entry:
 
-- ``{"row": {...}}``: a request's ledger row (the columns of ``_schema.RECORD_COLUMNS``).
-- ``{"open": {...}, "engine": url, "kind": route kind, ...}``: a request about to be sent
+- ``{"row": [...]}``: a request's ledger row (its values in ``_schema.RECORD_COLUMNS``
+  order; a row of an older version has fewer, columns being only added at the end).
+- ``{"open": [...], "engine": url, "kind": route kind, ...}``: a request about to be sent
   to an engine, with the row it would have if it died there (its reservation as the
   charge, marked ``estimated``). An open whose row never came is a request that was in
   flight when the process died; ``Ledger.orphans`` hands them to the gateway at start-up,
@@ -66,8 +67,10 @@ def _segment_name(n: int) -> str:
 
 def entry_id(entry: dict[str, Any]) -> str:
     """The request id of a journal entry."""
-    body = entry.get("row") or entry.get("open") or {}
-    return str(body.get("request_id", ""))
+    body = entry.get("row") or entry.get("open")
+    if isinstance(body, list):
+        return str(body[0]) if body else ""
+    return str(body.get("request_id", "")) if isinstance(body, dict) else ""
 
 
 class Journal:

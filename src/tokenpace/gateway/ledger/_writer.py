@@ -76,10 +76,23 @@ def check_settings(flush_interval_s: float, max_batch: int, journal_bytes: int,
         raise ValueError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
 
 
-def _row_tuple(row: dict[str, Any]) -> tuple[Any, ...]:
-    """A journaled row in column order; a column the journal's writer did not know yet
-    (an older version wrote it) gets the column's default."""
-    return tuple(row.get(c, _DEFAULTS.get(c)) for c in RECORD_COLUMNS)
+def _row_tuple(row: Any) -> tuple[Any, ...] | None:
+    """A journaled row (a list in ``RECORD_COLUMNS`` order, or a mapping by column) as a
+    row tuple; a column its writer did not know yet (an older version, fewer columns:
+    columns are only ever added at the end) gets the column's default. None: malformed."""
+    if isinstance(row, list):
+        if len(row) > len(RECORD_COLUMNS) or not row:
+            return None
+        return (*row, *(_DEFAULTS.get(c) for c in RECORD_COLUMNS[len(row):]))
+    if isinstance(row, dict):
+        return tuple(row.get(c, _DEFAULTS.get(c)) for c in RECORD_COLUMNS)
+    return None
+
+
+def _fields(row: Any) -> dict[str, Any]:
+    """A journaled row by column name (empty when malformed)."""
+    values = _row_tuple(row)
+    return {} if values is None else dict(zip(RECORD_COLUMNS, values))
 
 
 _DEFAULTS: dict[str, Any] = {"served": 1, "route": "", "application": "",
@@ -173,9 +186,8 @@ class Ledger:
         journal's reserve beyond its bound (their tokens were generated).
 
         Cost: ``record_row``, one ``json.dumps`` and one ``os.write``."""
-        row = record_row(rec)
         if self._closed or not self._journal.append(
-                {"row": dict(zip(RECORD_COLUMNS, row))}, reserve=rec.served):
+                {"row": list(record_row(rec))}, reserve=rec.served):
             self._drop(1)
             return
         self._unwritten += 1
@@ -194,8 +206,7 @@ class Ledger:
         ``tokenpace_gateway_ledger_unjournaled_requests``).
 
         Cost: one ``json.dumps`` of the row and one ``os.write``."""
-        entry = {"open": dict(zip(RECORD_COLUMNS, record_row(rec))),
-                 "engine": engine, "kind": kind, **facts}
+        entry = {"open": list(record_row(rec)), "engine": engine, "kind": kind, **facts}
         if not self._closed and self._journal.append(entry):
             return True
         if self._on_full == "refuse":
@@ -205,7 +216,7 @@ class Ledger:
 
     def orphans(self) -> list[dict[str, Any]]:
         """The open entries of requests that were in flight when an earlier process using
-        this journal died (no row was journaled for them): ``{"open": row columns,
+        this journal died (no row was journaled for them): ``{"open": {column: value},
         "engine": url, "kind": route kind}`` each, the latest open of each request. Each
         stays in the journal until a row with its request id is recorded."""
         return list(self._orphans)
@@ -330,8 +341,12 @@ class Ledger:
                     request_id = entry_id(entry)
                     if "open" in entry:
                         self._note_open(request_id, segment)
-                    elif "row" in entry and isinstance(entry["row"], dict):
-                        self._batch.append((request_id, _row_tuple(entry["row"])))
+                    elif "row" in entry:
+                        row = _row_tuple(entry["row"])
+                        if row is None:
+                            self._journal.corrupt += 1
+                        else:
+                            self._batch.append((request_id, row))
                     elif "budgets" in entry:
                         _merge_budgets(self._budgets, entry["budgets"])
             if not self._batch and not self._budgets:
@@ -445,9 +460,9 @@ class Ledger:
         for _, entry in self._journal.entries():
             request_id = entry_id(entry)
             if "open" in entry:
-                opens[request_id] = entry
-            elif "row" in entry and isinstance(entry["row"], dict):
-                row = entry["row"]
+                opens[request_id] = {**entry, "open": _fields(entry["open"])}
+            elif "row" in entry:
+                row = _fields(entry["row"])
                 try:
                     answered[request_id] = (float(row.get("cost") or 0.0),
                                             float(row.get("ended_at") or 0.0))

@@ -1,8 +1,10 @@
 """The gateway's ASGI application: routes, start-up and shutdown, reload.
 
-Start-up opens the ledger and restores budget levels from it (budgets survive a restart),
-then starts two background loops: engine health checks and budget snapshots. Shutdown
-writes a last snapshot and flushes the ledger.
+Start-up opens the ledger and its journal, restores budget levels from it (budgets survive
+a restart), records the requests the process before left in flight (``_recovery``), then
+starts the background loops (engine health, load and discovery; budget snapshots; idle
+series). Shutdown waits a bounded time for settlements, writes a last snapshot and closes
+the ledger, whose journal keeps what it could not write.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from ..engines import (
     reported_policy,
 )
 from ..exchange import Runtime
-from ..ledger import BudgetState, open_ledger
+from ..ledger import BudgetState, open_ledger, redact
+from ._recovery import correct_settled, recover_in_flight, snapshot_times
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
 from ..wire import GatewayError, Kind, error_response
@@ -70,6 +73,9 @@ LOAD_INTERVAL_S = 0.5
 LOAD_SOON_S = 0.025
 START_MODELS_TIMEOUT_S = 3.0
 SNAPSHOT_INTERVAL_S = 1.0
+SETTLE_WAIT_S = 5.0
+"""How long shutdown waits for settlements still running (a shared store's scripts, an
+engine asked what a cut stream generated) before it writes the last rows and levels."""
 PUBLISH_SLICE = 100
 """Tenants whose fairness gauges a scrape sets between two turns for requests."""
 
@@ -150,9 +156,14 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        ledger = open_ledger(self.config.ledger)
+        config = self.config
+        ledger = open_ledger(config.ledger, journal=config.ledger_journal,
+                             journal_bytes=config.ledger_journal_max_bytes,
+                             on_full=config.on_ledger_full, wait=True)
+        metrics.LEDGER_JOURNAL_MAX_BYTES.set(config.ledger_journal_max_bytes)
         try:
-            tenants = Tenants(self.config, self.clock, _restore_levels(ledger.load_budgets()))
+            levels = ledger.load_budgets()
+            tenants = Tenants(self.config, self.clock, _restore_levels(levels))
             # Connections to the engines named by address now; DNS-named ones and those a
             # reload adds get theirs as they join (``_apply_engines``).
             connections = self.connections = Connections()
@@ -205,11 +216,15 @@ class Gateway:
                 self._watch(engine)
             self._watching = True
             await self.batches.start()  # after the pools: a resumed batch's lines may run
+            # After the engines' clients: each is asked what its orphans generated.
+            snapshots = snapshot_times(levels)
+            correct_settled(self.rt, ledger.journaled_settlements(), snapshots)
+            self._spawn(recover_in_flight(self.rt, ledger.orphans(), snapshots))
             if self._discovery is not None:
                 tasks.append(asyncio.create_task(self._discovery_loop()))
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.rt.dispatcher.engines),
-                        self.config.ledger)
+                        redact(self.config.ledger))
             # What start-up made (modules, configuration, clients) lives as long as the
             # process: out of the collector's sight, a full collection no longer walks it
             # (one took 29 ms here, a pause every request in flight waits out).
@@ -223,6 +238,10 @@ class Gateway:
                     task.cancel()
                 self._load_tasks.clear()
                 self._watching = False
+                # Settlements in the background (a shared store's scripts, the engines'
+                # counts of cut streams) finish before their rows and levels are written.
+                if self.rt.settling:
+                    await asyncio.wait(list(self.rt.settling), timeout=SETTLE_WAIT_S)
                 await self.rt.dispatcher.close()
                 if self.rt.rate_split is not None:
                     await self.rt.rate_split.close()
@@ -429,8 +448,8 @@ class Gateway:
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
         new = keep_engine_keys(load_config(self.config.source), self.config).build_indexes()
-        if new.ledger != self.config.ledger:
-            raise ConfigError("ledger: changing the ledger needs a restart")
+        if (new.ledger, new.ledger_journal) != (self.config.ledger, self.config.ledger_journal):
+            raise ConfigError("ledger: changing the ledger or its journal needs a restart")
         if new.state != self.config.state:
             raise ConfigError("state: changing the state store needs a restart")
         assert self.rt is not None

@@ -36,11 +36,13 @@ from ..admission import (
 from ..dispatch import EngineSlots, Lease, Pool, QueueFull, engine_retry_headers
 from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
+from ..ledger import INTERRUPTED, UsageRecord
 from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
 from ..tenants import ApplicationState, TenantState
 from ..wire import (
     GatewayError,
+    ROUTES,
     Kind,
     ParsedRequest,
     conversation_key,
@@ -135,6 +137,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
                 priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
                 end_user=end_user))
             upstream = rt.upstreams.get(engine.url)
+            _journal_open(ex, engine.url, admitted)
             try:
                 if upstream is None:  # it left the configuration as the request went to it
                     raise NotReached()
@@ -185,6 +188,39 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
         if watch is not None:
             watch.stop()
         raise
+
+
+def _journal_open(ex: Exchange, engine: str, admitted: float) -> None:
+    """Journal the request before it is sent to ``engine``: the row it gets if this
+    process dies before it ends (``ledger.Ledger.open``). Raises the 503 when the journal
+    is full and ``on_ledger_full`` is ``refuse``. Cost per dispatch: building one record,
+    one ``json.dumps`` and one ``os.write`` (a few microseconds): what makes a request in
+    flight survive a SIGKILL of the gateway. ``admitted``: the clock when its budgets were
+    reserved (the entry carries the reservation, for the budgets' recovery)."""
+    rt = ex.rt
+    prompt = ex.prompt_bound if ex.prompt_bound is not None else ex.prompt_tokens
+    completion = ex.max_completion_tokens
+    now = time.time()
+    rec = UsageRecord(
+        request_id=ex.id, tenant=ex.tenant.id, model=ex.model, lane=ex.lane,
+        prompt_tokens=prompt, completion_tokens=completion,
+        cost=ex.cost.of(prompt, completion) if ex.charge_usage else 0.0,
+        queue_ms=None if ex.queue_s is None else ex.queue_s * 1000.0, ttft_ms=None,
+        e2e_ms=(rt.clock() - ex.arrived) * 1000.0, finish_reason=INTERRUPTED,
+        started_at=ex.started_at, ended_at=now, served=True, route=ROUTES[ex.kind],
+        application=ex.application.id if ex.application is not None else "",
+        batch_id=ex.batch_id, estimated=True)
+    shared = ex.reservation is not None
+    if not rt.ledger.open(
+            rec, engine=engine, kind=ex.kind,
+            cost=[ex.cost.prompt, ex.cost.completion, ex.cost.cached_price],
+            prompt_bound=ex.prompt_bound is not None,
+            reserved=ex.reservation.cost if shared else ex.reserved,  # type: ignore[union-attr]
+            reserved_at=now - (rt.clock() - admitted), shared=shared):
+        raise GatewayError(
+            503, "the gateway cannot record usage now (its ledger journal is full while the "
+            "database is unreachable); retry later", reason="ledger_full", code="ledger_full",
+            headers={"retry-after": "10"})
 
 
 def _named_end_user(req: ParsedRequest) -> str | None:
