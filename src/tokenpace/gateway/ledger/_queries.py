@@ -1,5 +1,5 @@
-"""The ledger's reads: saved budget levels at start-up, rows, and the totals of
-``tokenpace usage``.
+"""The ledger's reads: saved budget levels at start-up, rows (since a time, or by request
+id), and the totals of ``tokenpace usage``.
 
 Each takes the ledger's locked ``query`` function and the driver's placeholder rather than
 a connection, so that every read goes through the one lock the writer thread also takes.
@@ -7,7 +7,7 @@ a connection, so that every read goes through the one lock the writer thread als
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._records import BudgetState, UsageRecord, UsageTotal
@@ -34,6 +34,26 @@ def rows(query: Query, placeholder: str, since: float | None) -> list[UsageRecor
         params,
     )
     return [record_from_row(r) for r in selected]
+
+
+ROWS_PER_READ = 500
+"""Request ids per ``SELECT`` of :func:`rows_of`: under SQLite's oldest limit on a
+statement's parameters (999), a statement of some 20 KB."""
+
+
+def rows_of(query: Query, placeholder: str, request_ids: Iterable[str]) -> dict[str, UsageRecord]:
+    """The rows of ``request_ids`` (those the ledger has), by request id. One ``SELECT``
+    per ``ROWS_PER_READ`` ids, each an index lookup per id (the request id is unique)."""
+    ids = list(dict.fromkeys(request_ids))
+    found: dict[str, UsageRecord] = {}
+    for at in range(0, len(ids), ROWS_PER_READ):
+        chunk = tuple(ids[at:at + ROWS_PER_READ])
+        marks = ", ".join([placeholder] * len(chunk))
+        for row in query(f"SELECT {', '.join(RECORD_COLUMNS)} FROM requests "
+                         f"WHERE request_id IN ({marks})", chunk):
+            rec = record_from_row(row)
+            found[rec.request_id] = rec
+    return found
 
 
 def usage(query: Query, placeholder: str, since: float | None, by: str) -> list[UsageTotal]:

@@ -500,6 +500,12 @@ class Ledger:
         """Rows that ended at or after ``since`` (unix seconds), oldest first."""
         return queries.rows(self._query, self._backend.placeholder, since)
 
+    def rows_of(self, request_ids: Iterable[str]) -> dict[str, UsageRecord]:
+        """The rows of ``request_ids`` the database has, by request id (rows still in the
+        journal are not: they are written within ``flush_interval_s``). Blocks on the
+        database: call it off the event loop. See :func:`._queries.rows_of`."""
+        return queries.rows_of(self._query, self._backend.placeholder, request_ids)
+
     def usage(self, since: float | None = None, by: str = "tenant") -> list[UsageTotal]:
         """Totals per tenant, model, lane, route or application for rows that ended at or
         after ``since``, ordered by key (see :func:`._queries.usage`)."""
