@@ -375,3 +375,35 @@ def test_budget_levels_survive_a_crash_before_the_database_had_them(tmp_path: Pa
     finally:
         restarted.close()
         hung.release.set()
+
+
+def test_the_reader_spills_to_disk_past_its_memory_and_comes_back(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20, segment_bytes=300, memory_entries=5)
+    try:
+        for i in range(20):
+            assert journal.append({"row": [f"r{i}"]})
+        first = [e["row"][0] for _, e in journal.read(7)]
+        assert first == [f"r{i}" for i in range(7)]  # 5 from memory, then the disk
+        for i in range(20, 23):
+            journal.append({"row": [f"r{i}"]})  # appended while the reader is on disk
+        rest = [e["row"][0] for _, e in journal.read(100)]
+        assert rest == [f"r{i}" for i in range(7, 23)]
+        journal.append({"row": ["r23"]})  # caught up: memory again
+        assert [e["row"][0] for _, e in journal.read(100)] == ["r23"]
+        assert not journal._spilled and journal.corrupt == 0
+    finally:
+        journal.close()
+
+
+def test_segments_read_only_in_memory_are_not_deleted_before_they_are_written(
+        tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", max_bytes=1 << 20, segment_bytes=200, memory_entries=12)
+    try:
+        for i in range(20):  # about 9 a segment: the spill starts in segment 2
+            journal.append({"row": [f"r{i}" * 5]})
+        assert journal._spilled and journal._read_seg == 2
+        assert journal.read_segment == 1  # memory holds segment 1's entries, unread
+        journal.remove(journal.read_segment, set())
+        assert "segment-000000000001.jsonl" in _segments(journal.directory)
+    finally:
+        journal.close()

@@ -24,6 +24,11 @@ Bound: ``max_bytes`` of segments. Opens and rows of unserved requests are refuse
 (tokens already generated) may exceed it by ``ROW_RESERVE_BYTES`` so that the requests in
 flight when the bound is reached are still recorded.
 
+Reading back: while the writer keeps up, the entries it has not read yet are also held in
+memory (at most ``MEMORY_ENTRIES``), so it reads them without parsing the file; past that
+(a long database outage) or at start-up (what an earlier process left), it reads the
+segments from its cursor until it has caught up, then uses memory again.
+
 One process a directory: the journal takes an exclusive ``flock`` on one slot
 (``<directory>/<k>``, the first free ``k``), so several gateway processes (``--workers``)
 may share a configured directory, and a process started after one died takes the slot the
@@ -38,6 +43,7 @@ import logging
 import os
 import re
 import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +56,9 @@ SEGMENT_BYTES = 8 * 1024 * 1024
 ROW_RESERVE_BYTES = 64 * 1024 * 1024
 """How far served requests' rows may go past ``max_bytes``: about 200,000 rows, far more
 than the requests a gateway has in flight when the bound is reached."""
+
+MEMORY_ENTRIES = 65_536
+"""Entries held in memory for the reader besides the disk (a few hundred bytes each)."""
 
 MAX_SLOTS = 1024
 """Slots tried before giving up (one per gateway process sharing the directory)."""
@@ -81,7 +90,8 @@ class Journal:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int,
-                 segment_bytes: int = SEGMENT_BYTES) -> None:
+                 segment_bytes: int = SEGMENT_BYTES,
+                 memory_entries: int = MEMORY_ENTRIES) -> None:
         if max_bytes < 1 or segment_bytes < 1:
             raise ValueError(f"max_bytes and segment_bytes must be >= 1, got {max_bytes}, "
                              f"{segment_bytes}")
@@ -103,10 +113,15 @@ class Journal:
         self._current = (existing[-1] + 1) if existing else 1
         self._fd = self._open_segment(self._current)
         self._dirty = False
-        # The reader: the segment and byte offset of the next entry to read.
+        # The reader: the entries appended since it caught up (memory mode), or, once
+        # spilled, the segment and byte offset of the next entry to read from disk.
+        self._memory: deque[tuple[int, dict[str, Any]]] = deque()
+        self._memory_entries = memory_entries
+        self._spilled = bool(existing)
         self._read_seg = existing[0] if existing else self._current
         self._read_off = 0
         self._read_file: Any = None
+        self._read_file_seg = 0
         self.corrupt = 0  # lines that were not JSON objects (skipped)
 
     # -- appending (any thread) ---------------------------------------------------------
@@ -119,6 +134,7 @@ class Journal:
         every ``SEGMENT_BYTES``, an ``open`` of the next segment.
         """
         line = (json.dumps(entry, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        # (``entry`` itself is kept for the reader: callers hand over fresh objects.)
         size = len(line)
         limit = self.max_bytes + (ROW_RESERVE_BYTES if reserve else 0)
         with self._lock:
@@ -131,10 +147,17 @@ class Journal:
             except OSError as exc:
                 _log.error("ledger journal %s: write failed: %s", self.directory, exc)
                 return False
+            at = self._sizes.get(self._current, 0)
             if written != size:  # a full disk: cut the partial line off again
-                os.ftruncate(self._fd, self._sizes.get(self._current, 0))
+                os.ftruncate(self._fd, at)
                 return False
-            self._sizes[self._current] = self._sizes.get(self._current, 0) + size
+            self._sizes[self._current] = at + size
+            if not self._spilled:
+                if len(self._memory) < self._memory_entries:
+                    self._memory.append((self._current, entry))
+                else:  # the reader is far behind: it reads the disk from this entry on
+                    self._spilled = True
+                    self._read_seg, self._read_off = self._current, at
             self._bytes += size
             self._dirty = True
         return True
@@ -157,16 +180,29 @@ class Journal:
 
     def read(self, max_rows: int) -> list[tuple[int, dict[str, Any]]]:
         """The next entries after the read cursor, with the segment each is in, up to and
-        including the ``max_rows``-th row entry. A line still being written is left for the
-        next call; a line that is not a JSON object is skipped and counted in ``corrupt``."""
+        including the ``max_rows``-th row entry: from memory while the reader keeps up,
+        else from disk. On disk, a line still being written is left for the next call; a
+        line that is not a JSON object is skipped and counted in ``corrupt``."""
         out: list[tuple[int, dict[str, Any]]] = []
         rows = 0
-        if self._read_file is not None:
-            self._read_file.seek(self._read_off)  # drops what a partial line left buffered
         while rows < max_rows:
             with self._lock:
-                current = self._current
-                later = [n for n in self._sizes if n > self._read_seg]
+                # What memory holds comes first: a spill starts after its last entry.
+                if self._memory:
+                    item = self._memory.popleft()
+                elif not self._spilled:
+                    return out
+                else:
+                    item = None
+                    current = self._current
+                    later = [n for n in self._sizes if n > self._read_seg]
+            if item is not None:
+                out.append(item)
+                rows += "row" in item[1]
+                continue
+            if self._read_file is not None and self._read_file_seg != self._read_seg:
+                self._read_file.close()
+                self._read_file = None
             if self._read_file is None:
                 try:
                     self._read_file = open(self.directory / _segment_name(self._read_seg), "rb")
@@ -175,7 +211,8 @@ class Journal:
                         return out
                     self._read_seg, self._read_off = min(later) if later else current, 0
                     continue
-                self._read_file.seek(self._read_off)
+                self._read_file_seg = self._read_seg
+            self._read_file.seek(self._read_off)  # drops what a partial line left buffered
             line = self._read_file.readline()
             if line.endswith(b"\n"):
                 self._read_off += len(line)
@@ -188,7 +225,13 @@ class Journal:
                     rows += 1
                 continue
             if self._read_seg >= current:
-                return out  # the end of what was written (or a line being written)
+                with self._lock:  # caught up, unless an append came meanwhile
+                    if (self._read_seg == self._current
+                            and self._read_off == self._sizes.get(self._current, 0)):
+                        self._spilled = False
+                if self._spilled:
+                    return out  # a line being written: the next call reads it
+                continue
             if line:
                 self.corrupt += 1  # a torn line at the end of a closed segment
             self._read_file.close()
@@ -203,21 +246,23 @@ class Journal:
         after a batch was written."""
         with self._lock:
             size = self._sizes.get(self._current, 0)
-            if (self._read_seg != self._current or self._read_off < size
-                    or size < min(self._segment_bytes, max(4096, self.max_bytes // 8))
-                    or self._fd < 0):
+            caught_up = (not self._memory if not self._spilled else
+                         self._read_seg == self._current and self._read_off >= size)
+            if (not caught_up or self._fd < 0
+                    or size < min(self._segment_bytes, max(4096, self.max_bytes // 8))):
                 return False
             self._rotate()
             self._read_seg, self._read_off = self._current, 0
-        if self._read_file is not None:
-            self._read_file.close()
-            self._read_file = None
         return True
 
     @property
     def read_segment(self) -> int:
-        """The segment the reader is in: every segment before it was read to its end."""
-        return self._read_seg
+        """The segment of the next entry to read: every segment before it was read to its
+        end."""
+        with self._lock:
+            if self._memory:
+                return self._memory[0][0]
+            return self._read_seg if self._spilled else self._current
 
     def remove(self, before: int, keep: set[int]) -> int:
         """Delete the segments numbered below ``before`` except those in ``keep`` (never
