@@ -407,3 +407,37 @@ def test_segments_read_only_in_memory_are_not_deleted_before_they_are_written(
         assert "segment-000000000001.jsonl" in _segments(journal.directory)
     finally:
         journal.close()
+
+
+def test_a_slot_whose_process_is_gone_is_taken_over(tmp_path: Path) -> None:
+    """Two processes shared a directory (two workers) and both died; one process comes back
+    (the gateway now runs one worker): it writes both slots' rows and finds both slots'
+    requests in flight."""
+    import fcntl
+
+    db, directory = tmp_path / "usage.db", tmp_path / "journal"
+
+    def child(worker: int) -> None:
+        script = (_CHILD.replace('"row-{i}"', f'"w{worker}-row-{{i}}"')
+                  .replace('"open-{i}"', f'"w{worker}-open-{{i}}"')
+                  .replace('"open-0"', f'"w{worker}-open-0"'))
+        done = subprocess.run([sys.executable, "-c", script, _url(db), str(directory), "50",
+                               "3"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+
+    child(0)  # slot 0
+    held = open(directory / "0" / "lock", "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)  # slot 0 busy: the second worker takes slot 1
+    child(1)
+    held.close()
+    assert list((directory / "1").glob("segment-*.jsonl"))
+    ledger = open_ledger(_url(db), journal=str(directory))
+    try:
+        assert ledger.journal.directory.name == "0"
+        assert sorted(o["open"]["request_id"] for o in ledger.orphans()) == [
+            f"w{w}-open-{i}" for w in (0, 1) for i in (1, 2)]
+        ledger.flush()
+        assert _count(db) == 2 * 51
+        assert not list((directory / "1").glob("segment-*.jsonl"))
+    finally:
+        ledger.close()

@@ -123,6 +123,7 @@ class Journal:
         self._read_file: Any = None
         self._read_file_seg = 0
         self.corrupt = 0  # lines that were not JSON objects (skipped)
+        self.adopted = self._adopt(root)
 
     # -- appending (any thread) ---------------------------------------------------------
 
@@ -318,6 +319,49 @@ class Journal:
 
     # -- segments ---------------------------------------------------------------------
 
+    def _adopt(self, root: Path) -> int:
+        """Take over what other slots under ``root`` hold whose process is gone (a worker
+        of a gateway started with more ``--workers`` before, or a replica whose journal
+        directory is mounted here): their entries are copied into this slot's segments,
+        synced, then deleted, so they are written and their requests in flight recovered
+        like this slot's own. Returns the entries taken over. Cost: one pass over those
+        bytes, at start-up."""
+        taken = 0
+        for slot in sorted(root.iterdir()) if root.is_dir() else ():
+            if slot == self.directory or not slot.name.isdigit() or not slot.is_dir():
+                continue
+            fd = _lock_slot(slot)
+            if fd is None:
+                continue  # a live process's
+            try:
+                names = sorted(n for n in os.listdir(slot) if _SEGMENT.match(n))
+                for name in names:
+                    with open(slot / name, "rb") as f:
+                        for line in f:
+                            if line.endswith(b"\n") and _parse(line) is not None:
+                                self._append_line(line)
+                                taken += 1
+                if names:
+                    os.fsync(self._fd)
+                    for name in names:
+                        os.unlink(slot / name)
+                    _log.warning("ledger journal %s: took over the entries of slot %s, "
+                                 "whose process is gone", self.directory, slot.name)
+            finally:
+                os.close(fd)
+        if taken:
+            self._spilled = True  # the reader reads what was copied from disk
+        return taken
+
+    def _append_line(self, line: bytes) -> None:
+        """Append a line as it is, outside the bound (start-up only: it was on disk)."""
+        with self._lock:
+            if self._sizes.get(self._current, 0) >= self._segment_bytes:
+                self._rotate()
+            os.write(self._fd, line)
+            self._sizes[self._current] = self._sizes.get(self._current, 0) + len(line)
+            self._bytes += len(line)
+
     def _segments(self) -> list[int]:
         return sorted(int(m.group(1)) for name in os.listdir(self.directory)
                       if (m := _SEGMENT.match(name)))
@@ -381,20 +425,27 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) else None
 
 
+def _lock_slot(slot: Path) -> int | None:
+    """The slot's lock file, flock'ed; None when another process holds it."""
+    try:
+        slot.mkdir(exist_ok=True)
+        fd = os.open(slot / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise JournalError(f"cannot use the ledger journal slot {slot}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _take_slot(root: Path) -> tuple[Path, int]:
     """The first slot directory under ``root`` that no other process holds, locked."""
     for k in range(MAX_SLOTS):
         slot = root / str(k)
-        try:
-            slot.mkdir(exist_ok=True)
-            fd = os.open(slot / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise JournalError(f"cannot use the ledger journal {root}: {exc}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return slot, fd
+        fd = _lock_slot(slot)
+        if fd is not None:
+            return slot, fd
     raise JournalError(f"ledger journal {root}: all {MAX_SLOTS} slots are held by other "
                        "processes")
