@@ -20,7 +20,6 @@ import pytest
 from tests._postgres import PostgresServer
 from tests.gateway._engine import EngineServer
 from tests.gateway.conftest import KEY_B, GatewayProcess, base_config
-from tokenpace.gateway.ledger import UsageRecord, open_ledger
 
 _names = itertools.count()
 
@@ -45,19 +44,6 @@ def _chat(gw: GatewayProcess, model: str = "fake", max_tokens: int = 5) -> httpx
                       headers={"authorization": f"Bearer {KEY_B}"},
                       json={"model": model, "max_tokens": max_tokens,
                             "messages": [{"role": "user", "content": "Hi"}]})
-
-
-def _rows(url: str, expected: int, timeout_s: float = 30.0) -> list[UsageRecord]:
-    reader = open_ledger(url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            rows = reader.rows()
-            if len(rows) >= expected or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.2)
-    finally:
-        reader.close()
 
 
 def test_an_outage_and_a_sigkill_lose_no_row_and_bad_values_stop_nothing(
@@ -86,7 +72,7 @@ def test_an_outage_and_a_sigkill_lose_no_row_and_bad_values_stop_nothing(
             assert resp.status_code == 200, resp.text
             answered.append(resp.headers["x-request-id"])
         postgres.start()
-        rows = _rows(url, len(answered) + len(refused))
+        rows = gw.rows(len(answered) + len(refused), timeout_s=30)
     finally:
         gw.stop()
     ids = [r.request_id for r in rows]
@@ -128,7 +114,7 @@ def test_a_full_journal_refuses_new_requests_until_the_database_is_back(
             assert time.monotonic() < deadline, resp.text
             time.sleep(0.2)
         answered.append(resp.headers["x-request-id"])
-        rows = _rows(url, len(answered))
+        rows = gw.rows(len(answered), timeout_s=30)
     finally:
         gw.stop()
     assert sorted(r.request_id for r in rows if r.served) == sorted(answered)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tokenpace.gateway import metrics as _metrics
@@ -54,20 +55,28 @@ def test_ledger_failures_and_dropped_rows_are_counted(tmp_path: Path) -> None:
     failures = value("tokenpace_gateway_ledger_write_failures_total") or 0.0
     dropped = value("tokenpace_gateway_ledger_dropped_rows_total") or 0.0
     path = tmp_path / "usage.db"
-    ledger = open_ledger(f"sqlite:///{path}", flush_interval_s=0.02, max_queue=3)
+    # A journal of 400 bytes (about 4 rows): refused requests' rows beyond it are dropped.
+    ledger = open_ledger(f"sqlite:///{path}", journal=str(tmp_path / "journal"),
+                         journal_bytes=400, flush_interval_s=0.02)
     blocker = sqlite3.connect(path, isolation_level=None, timeout=0)
     try:
         blocker.execute("BEGIN EXCLUSIVE")  # every flush fails while this holds the file
-        for i in range(5):
-            ledger.record(row(i))  # 3 queued, 2 dropped
+        for i in range(10):
+            ledger.record(replace(row(i), served=False))
+        lost = ledger.dropped
+        assert 0 < lost < 10
         deadline = time.monotonic() + 30
         while value("tokenpace_gateway_ledger_write_failures_total") == failures \
                 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert value("tokenpace_gateway_ledger_write_failures_total") > failures
-        assert value("tokenpace_gateway_ledger_dropped_rows_total") == dropped + 2
+        assert value("tokenpace_gateway_ledger_dropped_rows_total") == dropped + lost
+        assert value("tokenpace_gateway_ledger_journal_bytes") > 0
         blocker.execute("ROLLBACK")
     finally:
         blocker.close()
         ledger.close()
-    assert value("tokenpace_gateway_ledger_dropped_rows_total") == dropped + 2  # the 3 were written
+    assert value("tokenpace_gateway_ledger_dropped_rows_total") == dropped + lost
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 10 - lost
+    conn.close()
