@@ -282,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gateway", help="the tenant gateway (tokenpace gateway --help)", add_help=False)
     sub.add_parser("up", help="paced engines and the gateway together (tokenpace up --help)",
                    add_help=False)
-    sub.add_parser("usage", help="usage totals from the gateway's ledger (tokenpace usage --help)",
-                   add_help=False)
+    sub.add_parser("usage", help="usage totals from the gateway's ledger (tokenpace usage "
+                   "--help); usage reconcile: the ledger against the engines", add_help=False)
 
     tiny = sub.add_parser(
         "tiny-model",
@@ -552,6 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import up
 
         return up.main(args_list[1:])
+    if args_list[:2] == ["usage", "reconcile"]:
+        from .gateway.reconcile import reconcile_main
+
+        return reconcile_main(args_list[2:])
     if args_list[:1] == ["usage"]:
         from .gateway.ledger import usage_main
 

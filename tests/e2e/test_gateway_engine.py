@@ -12,8 +12,12 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -631,6 +635,71 @@ def test_a_batch_runs_on_the_engine_with_no_batch_configuration(gateway: Gateway
         usage = x["response"]["body"]["usage"]
         assert row.completion_tokens == usage.get("completion_tokens", usage.get("output_tokens"))
         assert row.prompt_tokens == usage.get("prompt_tokens", usage.get("input_tokens"))
+
+
+def reconcile(gw: GatewayProcess, since: float, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``tokenpace usage reconcile`` on the gateway's configuration, for requests the
+    engine ended since ``since`` (no grace: every row asked for is written)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tokenpace.cli", "usage", "reconcile", "--config",
+         str(gw.config_path), "--since", datetime.fromtimestamp(since, timezone.utc).isoformat(),
+         "--grace", "0", *extra], capture_output=True, text=True, timeout=60)
+
+
+def test_usage_reconcile_finds_the_request_whose_row_was_lost(gateway: GatewayProcess,
+                                                              engine: Server) -> None:
+    """The engine lists every request it ended (``GET /tokenpace/v1/ended``) with its
+    tenant as pacing user and its count, equal to the row's; ``tokenpace usage reconcile``
+    finds no drift, then, once a row is deleted by hand, that request under its tenant
+    with its tokens, and exits 1."""
+    t0 = time.time()
+    ids = {}
+    for name, key, path, body in [
+            ("chat", KEY_FAST, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 6}),
+            ("completion", KEY_BUDGET, "/v1/completions", {"prompt": "Hello", "max_tokens": 5}),
+            ("stream", KEY_FAST, "/v1/chat/completions",
+             {"messages": CHAT, "max_tokens": 4, "stream": True})]:
+        resp = httpx.post(f"{gateway.url}{path}", timeout=60, json={"model": "tiny", **body},
+                          headers={"authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, resp.text
+        ids[name] = resp.headers["x-request-id"]
+    rows = {r.request_id: r for r in gateway.rows_since(t0, 3)}
+    assert set(rows) == set(ids.values())
+
+    listed = httpx.get(f"{engine.base_url}/tokenpace/v1/ended", params={"limit": 10000},
+                       timeout=10).json()
+    by_id = {e["request_id"]: e for e in listed["requests"]}
+    for name, engine_id, tenant in [("chat", "chatcmpl-{}", "fast"),
+                                    ("completion", "cmpl-{}-0", "budgeted"),
+                                    ("stream", "chatcmpl-{}", "fast")]:
+        e = by_id[engine_id.format(ids[name])]
+        row = rows[ids[name]]
+        assert (e["user"], e["output_tokens"], e["prompt_tokens"]) == (
+            tenant, row.completion_tokens, row.prompt_tokens), (e, row)
+        assert t0 <= e["ended_at"] <= time.time()
+    assert len(listed["oldest"]) == 1 and listed["next"].count(":") == 1
+
+    clean = reconcile(gateway, t0, "--json")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    report = json.loads(clean.stdout)
+    tenants = {t["tenant"]: t for t in report["tenants"]}
+    assert tenants["fast"]["requests"] == 2 and tenants["budgeted"]["requests"] == 1
+    assert all(t["drift"] == 0 for t in tenants.values()) and report["requests"] == []
+
+    lost = ids["chat"]
+    with sqlite3.connect(gateway.config["ledger"].removeprefix("sqlite:///")) as conn:
+        assert conn.execute("DELETE FROM requests WHERE request_id = ?", (lost,)).rowcount == 1
+    drift = reconcile(gateway, t0, "--json")
+    assert drift.returncode == 1, drift.stdout + drift.stderr
+    report = json.loads(drift.stdout)
+    [fault] = report["requests"]
+    assert (fault["request_id"], fault["tenant"], fault["kind"], fault["engine_tokens"],
+            fault["ledger_tokens"]) == (lost, "fast", "unrecorded", rows[lost].completion_tokens,
+                                        None)
+    fast = {t["tenant"]: t for t in report["tenants"]}["fast"]
+    assert (fast["unrecorded_requests"], fast["drift"]) == (1, -rows[lost].completion_tokens)
+    table = reconcile(gateway, t0)
+    assert table.returncode == 1 and lost in table.stdout and "unrecorded" in table.stdout
 
 
 def _stream_until_cut(url: str, path: str, body: dict[str, Any], ids: dict[str, str],

@@ -2,9 +2,9 @@
 
 It speaks the parts of vLLM's API the gateway uses (``/tokenize``, ``/v1/completions``,
 ``/v1/chat/completions`` streaming and not, ``stream_options`` usage, ``/health``,
-``/v1/models``) and records what it received, how many tokens each request streamed and
-whether the request was aborted, so tests can check the gateway's book-keeping against
-the engine's. Its "tokenizer" counts bytes; prompts steer it:
+``/v1/models``; with ``book_extra`` set, tokenpace's book of ended requests) and records
+what it received, how many tokens each request streamed and whether the request was
+aborted, so tests can check the gateway's book-keeping against the engine's. Its "tokenizer" counts bytes; prompts steer it:
 
 - ``FAIL_AFTER:k`` in the prompt: stream ``k`` tokens, then drop the connection.
 - ``SLOW`` in the prompt: 50 ms per token instead of ``token_delay_s``.
@@ -36,6 +36,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests._servers import free_port
+
+
+BOOK = "fa6e"
+"""The fake engine's one book (``/tokenpace/v1/ended``)."""
 
 
 @dataclass
@@ -84,6 +88,10 @@ class FakeEngine:
     # engine does that generated on until the abort landed. None: 404, as plain vLLM.
     book_extra: int | None = None
     book_calls: int = 0
+    # The same book in order (``GET /tokenpace/v1/ended``): each request as the book
+    # first saw it ended, with the time then; engine ids as in ``_book``.
+    ended: list[tuple[Seen, float]] = field(default_factory=list)
+    ended_calls: int = 0
 
     def usage_details(self, prompt_tokens: int) -> dict[str, Any]:
         """The ``prompt_tokens_details`` part of a final usage, as vLLM 0.32 writes it."""
@@ -134,6 +142,7 @@ class FakeEngine:
             Route("/v1/completions", _validated(self._complete), methods=["POST"]),
             Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
             Route("/tokenpace/v1/aborted", self._book, methods=["POST"]),
+            Route("/tokenpace/v1/ended", self._ended, methods=["GET"]),
         ])
 
     async def _book(self, request: Request) -> Response:
@@ -157,6 +166,33 @@ class FakeEngine:
                 running.append(rid)
         return JSONResponse({"output_tokens": output, "prompt_tokens": prompt,
                              "running": running})
+
+    async def _ended(self, request: Request) -> Response:
+        """Every request that ended, oldest first, from the cursor ``after`` (one book,
+        ``BOOK``), as tokenpace's engine lists them: the API server's id (``chatcmpl-X``,
+        ``cmpl-X-0``), the pacing user, prompt and output counts (``book_extra`` more)."""
+        self.ended_calls += 1
+        if self.book_extra is None:
+            return Response(status_code=404)
+        listed = {id(seen) for seen, _ in self.ended}
+        for seen in self.requests:
+            if (seen.finished or seen.aborted) and id(seen) not in listed:
+                self.ended.append((seen, time.time()))
+        after = int(request.query_params.get("after", f"{BOOK}:-1").partition(":")[2])
+        limit = int(request.query_params.get("limit", "1000"))
+        items = []
+        for seq in range(after + 1, min(len(self.ended), after + 1 + limit)):
+            seen, ended_at = self.ended[seq]
+            x = seen.headers.get("x-request-id")
+            chat = seen.path.endswith("chat/completions")
+            items.append({"book": BOOK, "seq": seq,
+                          "request_id": f"chatcmpl-{x}" if chat else f"cmpl-{x}-0",
+                          "user": (seen.body.get("vllm_xargs") or {}).get("output_rate_user", ""),
+                          "prompt_tokens": self.prompt_tokens(seen.body),
+                          "output_tokens": seen.streamed + self.book_extra,
+                          "ended_at": ended_at})
+        last = items[-1]["seq"] if items else after
+        return JSONResponse({"requests": items, "next": f"{BOOK}:{last}", "oldest": {BOOK: 0}})
 
     def _note(self, request: Request) -> None:
         self.other_calls.append((request.url.path, dict(request.headers)))

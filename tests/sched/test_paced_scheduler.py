@@ -12,6 +12,7 @@ import pytest
 
 from tests.sched._harness import NS, Sim, make_sim, max_in_window
 from tokenpace.engine._aborted import tokenpace_aborted_outputs
+from tokenpace.engine._ended import install_ended_requests, tokenpace_ended_requests
 from tokenpace.pacing import MAX_IDLE_WAIT_S
 
 pytestmark = pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -270,6 +271,43 @@ def test_finished_and_aborted_requests_are_both_in_the_book(tiny_model, is_async
     assert book.lookup(["cmpl-g1-0-aaaaaaaa"]) == {"cmpl-g1-0-aaaaaaaa": (9, 5)}
     assert book.running(ids) == []
     assert sum(sim.tokens[r] for r in sim.tokens if r.startswith("cmpl-g2")) == aborted
+
+
+@pytest.mark.parametrize("pacing", [paced(20), None], ids=["paced", "pacing-off"])
+def test_the_book_lists_ended_requests_in_order_with_their_users(tiny_model, is_async, pacing):
+    """``GET /tokenpace/v1/ended``'s source: every ended request once, numbered in the
+    order it ended, with the API server's id, its pacing user ("" for none), its counts
+    and its end time; a cursor gives what ended after it."""
+    sim = make_sim(tiny_model, is_async=is_async, pacing=pacing)
+    sim.add("chatcmpl-g1-aaaaaaaa", "u", max_tokens=3, prompt_len=9)
+    sim.add("cmpl-g2-0-bbbbbbbb", "v", max_tokens=1000, prompt_len=5)
+    sim.add("chatcmpl-g3-cccccccc", None, max_tokens=2, prompt_len=4)
+    sim.run(0.5)
+    sim.drain()
+    aborted = sim.scheduler.requests["cmpl-g2-0-bbbbbbbb"].num_output_tokens
+    sim.abort("cmpl-g2-0-bbbbbbbb")
+    sim.drain()
+
+    class Core:  # what the engine process runs for the utility call
+        scheduler = sim.scheduler
+
+    book = sim.scheduler.ended_requests.book
+    answer = tokenpace_ended_requests(Core, {"after": {}, "limit": 10})
+    entries = answer["requests"]
+    assert [e[0] for e in entries] == [0, 1, 2] and answer["after"] == -1
+    assert entries[-1][1:5] == ["cmpl-g2-0", "v", 5, aborted]
+    assert sorted(e[1:5] for e in entries[:2]) == [["chatcmpl-g1", "u", 9, 3],
+                                                   ["chatcmpl-g3", "", 4, 2]]
+    assert entries[0][5] <= entries[1][5] <= entries[2][5]
+    after = tokenpace_ended_requests(Core, {"after": {book: 1}, "limit": 10})
+    assert after["requests"] == entries[2:] and after["book"] == book
+    # As vLLM's engine process calls it: its arguments checked against the method's.
+    from vllm.v1.engine.core import EngineCoreProc
+
+    install_ended_requests(EngineCoreProc)  # done by the plugin (or the scheduler) in vLLM
+    method = EngineCoreProc.tokenpace_ended_requests.__get__(Core)
+    assert method(*EngineCoreProc._convert_msgspec_args(
+        method, ({"after": {}, "limit": 10},))) == answer
 
 
 def test_idle_wait_when_every_request_is_throttled(tiny_model, is_async):

@@ -287,3 +287,17 @@ def test_cached_prompt_coefficient_top_level_and_per_model() -> None:
     # there, it is that model's prompt coefficient.
     config["models"] = [{"name": "big", "cost": {"prompt": 2, "completion": 6}}]
     assert parse_config(config).cost_of("big").cached_prompt == 2
+
+
+# -- the ledger checked against the engines ----------------------------------------------
+
+
+def test_reconcile_interval_and_grace_default_and_may_be_zero() -> None:
+    config = parse_config(GOOD)
+    assert (config.reconcile_interval_s, config.reconcile_grace_s) == (60.0, 30.0)
+    off = parse_config({**GOOD, "reconcile_interval": 0, "reconcile_grace": "0"})
+    assert (off.reconcile_interval_s, off.reconcile_grace_s) == (0.0, 0.0)
+    assert parse_config({**GOOD, "reconcile_interval": "5m"}).reconcile_interval_s == 300.0
+    for value in (-1, False, "soon"):
+        with pytest.raises(ConfigError, match="reconcile_interval"):
+            parse_config({**GOOD, "reconcile_interval": value})

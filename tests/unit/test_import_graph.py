@@ -24,7 +24,7 @@ GATEWAY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("tenants", "engines"),
     ("dispatch",),
     ("exchange",),
-    ("admission", "relay", "batch"),
+    ("admission", "relay", "batch", "reconcile"),
     ("server",),
 )
 """The gateway's rooms from the bottom up: a room imports rooms of lower rows only (and,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ._identity import ANONYMOUS_USER, request_user
     from ._scheduler import PacedAsyncScheduler, PacedScheduler
     from ._aborted import ABORTED_PATH
+    from ._ended import ENDED_PATH, parse_cursor, format_cursor
     from ._control import RATES_PATH
     from ._xargs import (
         APPLICATION_END_USER_RATE_EXTRA_ARG,
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "ABORTED_PATH": "_aborted",
+    "ENDED_PATH": "_ended",
+    "format_cursor": "_ended",
+    "parse_cursor": "_ended",
     "EngineAuth": "_auth",
     "PacingConfig": "_config",
     "PacingConfigError": "_config",

@@ -20,6 +20,10 @@ and 8 random characters to the id of each request it sends to the engine (and a 
 with ``n`` > 1 becomes ``n`` requests named ``{i}_`` and that id); both forms are answered,
 with and without the random part.
 
+The same book lists its entries in the order they ended, with each request's pacing
+user and end time, for a gateway reconciling its ledger (``GET /tokenpace/v1/ended``,
+``_ended``).
+
 The route is served by ``RequestGuard`` behind the engine's key when it has one
 (``EngineAuth``): counts are all it tells, of requests whose ids the caller must know. The
 call reaches the scheduler as rate control does (``_control``): a utility call that runs
@@ -30,8 +34,10 @@ Cost of one call in the engine loop: two dict lookups per id asked.
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._asgi import Receive, Scope, Send, error_payload, send_json
@@ -43,8 +49,9 @@ KEEP = 65_536
 """Ended requests remembered, oldest forgotten first: minutes of requests at hundreds
 per second (every request that ends is kept, not only aborted ones), far longer than a
 gateway takes to ask, restarts included. Each costs two dict entries (the id with and
-without vLLM's random part) and one shared pair of counts: about 400 bytes, some 26 MB
-when full."""
+without vLLM's random part), one shared pair of counts and its place in the ring of ended
+requests in order (``_ended``): about 420 bytes, some 27 MB when full (the ring's part:
+about 110 bytes a request, 7 MB)."""
 MAX_IDS_PER_CALL = 1024
 MAX_BODY_BYTES = 1 << 20
 
@@ -56,19 +63,36 @@ def _api_id(request_id: str) -> str | None:
     return base if dash and base else None
 
 
+Ended = tuple[str, str, int, int, float]
+"""One ended request as the book lists it: (the engine's request id, its pacing user or
+``""``, prompt tokens, output tokens, when it ended in unix seconds)."""
+
+
 class EndedRequests:
     """The prompt and output token counts of the last ``keep`` requests that ended, by
-    request id; and which requests are still held, by the API server's id.
+    request id; which requests are still held, by the API server's id; and the same
+    ``keep`` requests in the order they ended, numbered, with their pacing user and end
+    time, for a gateway that reconciles its ledger (``ENDED_PATH``, ``since``).
 
     The scheduler calls ``started`` once per new request and ``ended`` once per request
-    that ends (``_scheduler``). Memory: ``keep`` ended requests (``KEEP``), plus one dict
-    entry per request in the scheduler.
+    that ends (``_scheduler``). Memory: ``keep`` ended requests (``KEEP``) in the dicts and
+    as many in the ring of the order they ended in, plus one dict entry per request in the
+    scheduler.
+
+    Numbering: each book has an id of its own (``book``, random: a restarted engine or
+    another data-parallel rank has another), and numbers its entries 0, 1, 2, ... in the
+    order they ended; the ring keeps the last ``keep``.
     """
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, clock: Callable[[], float] = time.time) -> None:
         self._counts: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (prompt, output)
         self._keep = 2 * keep
         self._live: dict[str, int] = {}  # API server's id -> requests held under it
+        self.book = secrets.token_hex(8)
+        self._clock = clock
+        self._size = keep
+        self._ring: list[Ended] = []  # entry n at n % keep once full
+        self._next = 0  # the number the next ended request gets
 
     def started(self, request_id: str) -> None:
         """A new request entered the scheduler. Cost: one ``rpartition`` and one dict
@@ -78,14 +102,23 @@ class EndedRequests:
             live = self._live
             live[key] = live.get(key, 0) + 1
 
-    def ended(self, request: Any) -> None:
+    def ended(self, request: Any, user: str = "") -> None:
         """Keep the request's ``num_prompt_tokens`` and ``num_output_tokens`` under its id
-        and under the API server's id. Cost per ended request: one ``rpartition``, two
-        dict inserts, one dict update, and (once the book is full) two evictions."""
+        and under the API server's id, and append it, with ``user`` (its pacing user) and
+        the time, to the ring. Cost per ended request: one ``rpartition``, two dict
+        inserts, one dict update, (once the book is full) two evictions, one clock read,
+        one tuple and one list store."""
         counts = self._counts
         request_id = request.request_id
         pair = (request.num_prompt_tokens, request.num_output_tokens)
         counts[request_id] = pair
+        entry = (request_id, user, pair[0], pair[1], self._clock())
+        ring, n = self._ring, self._next
+        if n < self._size:
+            ring.append(entry)
+        else:
+            ring[n % self._size] = entry
+        self._next = n + 1
         key = _api_id(request_id)
         if key is not None:
             counts[key] = pair
@@ -107,6 +140,24 @@ class EndedRequests:
         """The ids among ``request_ids`` (API server's ids) of requests still held."""
         live = self._live
         return [r for r in request_ids if r in live]
+
+    @property
+    def oldest(self) -> int:
+        """The number of the oldest entry kept (the next one's when the book is empty)."""
+        return max(0, self._next - self._size)
+
+    def since(self, after: int | None, limit: int) -> tuple[int, list[Ended]]:
+        """At most ``limit`` entries numbered after ``after`` (None: from the oldest kept),
+        oldest first, and the number of the entry they follow (their first's minus one;
+        with none, where the next read starts). Entries forgotten since (beyond ``keep``)
+        are skipped: the entries then follow a number above ``after``. An ``after`` beyond
+        the last number given is not this book's: answered from the oldest.
+        Cost: O(entries returned)."""
+        oldest, end = self.oldest, self._next
+        start = oldest if after is None or after >= end else max(after + 1, oldest)
+        stop = min(end, start + max(0, limit))
+        ring, size = self._ring, self._size
+        return start - 1, [ring[n % size] for n in range(start, stop)]
 
 
 def parse_ids(body: Any) -> list[str]:

@@ -15,7 +15,9 @@ An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.Reques
   the guard does not know the engine's configuration, and the engine decides.
 
 It also serves ``POST /tokenpace/v1/rates``, the rate control of a trusted gateway
-(``_control``: authenticated with the engine key by itself), and tells a gateway the engine's scheduling policy: ``/health`` answers carry
+(``_control``: authenticated with the engine key by itself), the book of ended requests
+(``POST /tokenpace/v1/aborted``, ``_aborted``; ``GET /tokenpace/v1/ended``, ``_ended``),
+and tells a gateway the engine's scheduling policy: ``/health`` answers carry
 ``x-tokenpace-scheduling-policy`` (``fcfs`` or ``priority``, read from the running
 server's own configuration), because vLLM 0.32 silently ignores a request's ``priority``
 under ``fcfs`` and a gateway whose lanes rely on it would otherwise never know.
@@ -40,6 +42,7 @@ from typing import Any
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
 from ._aborted import ABORTED_PATH, handle_aborted
+from ._ended import ENDED_PATH, handle_ended
 from ._config import PacingConfig
 from ._control import RATES_PATH, handle_rates
 from ._header_identity import HeaderIdentity, HeaderRefused, enter, leave, read_identity
@@ -164,6 +167,9 @@ class RequestGuard:
             return
         if scope["type"] == "http" and scope.get("path") == ABORTED_PATH:
             await handle_aborted(scope, receive, send)  # behind EngineAuth when keyed
+            return
+        if scope["type"] == "http" and scope.get("path") == ENDED_PATH:
+            await handle_ended(scope, receive, send)  # the engine's key, when it has one
             return
         if scope["type"] == "http" and scope.get("method") == "GET" \
                 and scope.get("path") in METRICS_PATHS:

@@ -50,6 +50,7 @@ from typing import Any
 
 from ._config import PacingConfig
 from ._aborted import install_aborted_outputs
+from ._ended import install_ended_requests
 from ._control import install_rate_control
 from ._header_identity import install_header_identity
 from ._metrics import install_pacing_stats
@@ -101,6 +102,7 @@ def register() -> None:
         install_idle_wait(core.EngineCoreProc)
         install_rate_control(core.EngineCoreProc)
         install_aborted_outputs(core.EngineCoreProc)
+        install_ended_requests(core.EngineCoreProc)
         install_pacing_stats(core.EngineCoreProc)
     executor = sys.modules.get("vllm.v1.executor.multiproc_executor")
     if executor is not None:

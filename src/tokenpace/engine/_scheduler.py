@@ -27,7 +27,8 @@ Throttling a request whose next chunk may be its last prefill chunk waits for qu
 
 Pacing on or off, the subclasses also keep the book of ended requests for the gateway
 (``_aborted``): ``add_request`` notes each new request, ``_free_request`` (which every
-request that ends passes once) keeps its prompt and output counts.
+request that ends passes once) keeps its prompt and output counts, its pacing user and
+when it ended (listed in order by ``_ended``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from ..pacing import (
 from ._config import PacingConfig
 from ._events import EventLog
 from ._aborted import EndedRequests, install_aborted_outputs
+from ._ended import install_ended_requests
 from ._control import install_rate_control
 from ._metrics import install_pacing_stats
 from ._hooks import data_parallel_of, install_idle_wait, release_step_hint
@@ -150,6 +152,7 @@ class _PacingMixin:
         engine_core = sys.modules.get("vllm.v1.engine.core")
         if engine_core is not None:
             install_aborted_outputs(engine_core.EngineCoreProc)
+            install_ended_requests(engine_core.EngineCoreProc)
             install_pacing_stats(engine_core.EngineCoreProc)
         if not config.enabled:
             return
@@ -413,14 +416,16 @@ class _PacingMixin:
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         """vLLM's, after the request's prompt and output counts are kept for the gateway
-        (``_aborted``). Every request that ends passes here once: one that stopped or
-        reached ``max_tokens`` (``update_from_output``), one aborted or failed
-        (``finish_requests``). Cost per ended request: ``EndedRequests.ended``, one
-        ``rpartition``, two ordered-dict inserts and one dict update (two evictions once
-        the book is full), nothing per step."""
+        (``_aborted``), with its pacing user (``_ended_user``). Every request that ends
+        passes here once: one that stopped or reached ``max_tokens``
+        (``update_from_output``), one aborted or failed (``finish_requests``). Cost per
+        ended request: ``EndedRequests.ended`` (one ``rpartition``, two ordered-dict
+        inserts, one dict update, two evictions once the book is full, a clock read and a
+        list store) and an attribute read (pacing on) or a ``vllm_xargs`` lookup (off);
+        nothing per step."""
         book = self.ended_requests
         if book is not None:
-            book.ended(request)
+            book.ended(request, _ended_user(request))
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
@@ -737,6 +742,21 @@ def _check_rank(request: Request, user: str, rank: int, ranks: int) -> None:
             "pinned to rank %d: this user's requests meet more than one limiter. Is "
             "tokenpace installed in every API-server process?", request.request_id, user,
             rank, pinned)
+
+
+def _ended_user(request: Request) -> str:
+    """The pacing user an ended request is listed under: the one its stream was paced as
+    (pacing on), else the one its ``vllm_xargs`` names (validated as pacing would);
+    ``""`` for none (anonymous)."""
+    stream: Stream | None = getattr(request, STREAM_ATTRIBUTE, None)
+    if stream is not None:
+        user = stream.user
+    else:
+        extra = _extra_args(request)
+        if extra is None or USER_EXTRA_ARG not in extra:
+            return ""
+        user = request_user(request)
+    return "" if user == ANONYMOUS_USER else user
 
 
 def _report_untrusted_rate(request: Request) -> None:

@@ -107,7 +107,10 @@ HOOKED_METHODS = (
 # Rate control (_control): the API server's app.state.engine_client (AsyncLLM) has
 # engine_core with call_utility_async(method, *args); EngineCoreProc._handle_client_request
 # runs a UTILITY request as getattr(engine_core, method)(*args) in the engine's busy loop;
-# call_utility_all_async(method, *args) gives one answer per data-parallel rank (_aborted).
+# call_utility_all_async(method, *args) gives one answer per data-parallel rank, in the
+# order of the client's core_engines (_aborted, _ended: each rank's book answers alone).
+# EngineCoreProc._convert_msgspec_args asserts a call has no more arguments than the
+# method's signature lists: our utilities take one (``*args`` counts as one).
 # AsyncLLM.add_request(request_id, prompt, params, ...) (API server): every generating
 # endpoint calls it with the SamplingParams whose extra_args hold the body's vllm_xargs
 # (or an EngineCoreRequest as prompt, whose sampling_params are its own).

@@ -381,6 +381,23 @@ LEDGER_RECOVERED = Counter(
     "estimate (the engine could not tell: the reservation is charged).", ["source"],
     registry=REGISTRY,
 )
+LEDGER_UNRECORDED_TOKENS = Counter(
+    "tokenpace_gateway_ledger_unrecorded_tokens", "Output tokens the engines generated that "
+    "the usage ledger does not hold: requests without a row, and a row's shortfall against "
+    "the engines' count (the periodic check against the engines' books, reconcile_interval; "
+    "every replica checks the whole fleet). tenant: the row's, else the pacing user's "
+    "configured tenant, else \"\".", ["tenant"], registry=REGISTRY,
+)
+LEDGER_OVERCHARGED_TOKENS = Counter(
+    "tokenpace_gateway_ledger_overcharged_tokens", "Output tokens ledger rows hold beyond "
+    "what the engines generated for those requests (the periodic check, as "
+    "tokenpace_gateway_ledger_unrecorded_tokens).", ["tenant"], registry=REGISTRY,
+)
+LEDGER_UNRECORDED_REQUESTS = Counter(
+    "tokenpace_gateway_ledger_unrecorded_requests", "Requests the engines ended that have no "
+    "usage-ledger row past the grace (the periodic check, as "
+    "tokenpace_gateway_ledger_unrecorded_tokens).", ["tenant"], registry=REGISTRY,
+)
 ENGINE_INFLIGHT = Gauge(
     "tokenpace_gateway_engine_inflight_requests", "Requests in flight per engine.",
     ["engine"], registry=REGISTRY,
@@ -419,6 +436,9 @@ _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     FAIRNESS_DEBT: ("tenant",),
     QUEUED_COST: ("tenant",),
     OUTPUT_RATE: ("tenant",),
+    LEDGER_UNRECORDED_TOKENS: ("tenant",),
+    LEDGER_OVERCHARGED_TOKENS: ("tenant",),
+    LEDGER_UNRECORDED_REQUESTS: ("tenant",),
 }
 _TENANT_AT = {metric: names.index("tenant") for metric, names in _LABELS.items()}
 

@@ -261,6 +261,10 @@ class GatewayConfig:
     metrics_idle_after_s: float = 900.0
     # How often engines with ``discovery: dns`` are resolved again.
     discovery_interval_s: float = 10.0
+    # How often the ledger is checked against the engines' books of ended requests
+    # (``reconcile``); 0: never. A request is compared once it ended this grace ago.
+    reconcile_interval_s: float = 60.0
+    reconcile_grace_s: float = 30.0
     batch: BatchConfig = field(default_factory=BatchConfig)
     source: Path | None = None
 
@@ -497,7 +501,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "routing", "pool_affinity", "conversation_affinity",
                       "metrics_idle_after",
                       "discovery_interval", "locality", "batch", "ledger_journal",
-                      "ledger_journal_max_bytes", "on_ledger_full"))
+                      "ledger_journal_max_bytes", "on_ledger_full", "reconcile_interval",
+                      "reconcile_grace"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -573,6 +578,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         locality=_locality(root.get("locality", "conversation")),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
+        reconcile_interval_s=_duration_or_off(root, "reconcile_interval", 60.0),
+        reconcile_grace_s=_duration_or_off(root, "reconcile_grace", 30.0),
         batch=_batch(root.get("batch"), lanes, base_dir),
         source=source,
     )
@@ -1198,6 +1205,14 @@ def _int(m: Mapping[str, Any], key: str, where: str, default: int | None, minimu
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{_path(where, key)}: expected an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _duration_or_off(m: Mapping[str, Any], key: str, default: float) -> float:
+    """A top-level duration that may be 0 (a number, or ``"0"``): off, or no wait."""
+    value = m.get(key)
+    if (value == 0 and not isinstance(value, bool)) or value == "0":
+        return 0.0
+    return _duration(m, key, "", default)
 
 
 def _duration(m: Mapping[str, Any], key: str, where: str, default: float) -> float:

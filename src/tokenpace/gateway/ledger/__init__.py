@@ -24,7 +24,7 @@ journal's reader thread, the dead-letter file and the connection's lock), ``_que
 (URL to ledger), ``_cli`` (``tokenpace usage``). Other modules import only the names below.
 """
 
-from ._cli import main as usage_main, parse_since
+from ._cli import format_table, main as usage_main, parse_since
 from ._open import default_journal, open_ledger
 from ._records import BudgetState, LedgerError, UsageRecord, UsageTotal
 from ._schema import RECORD_COLUMNS, record_from_row
@@ -42,6 +42,7 @@ __all__ = [
     "UsageRecord",
     "UsageTotal",
     "default_journal",
+    "format_table",
     "open_ledger",
     "redact",
     "parse_since",

@@ -31,7 +31,8 @@ from ._open import open_ledger
 from ._records import LedgerError, UsageTotal
 from ._url import parse_ledger_url, resolve_ledger_url
 
-__all__ = ["DEFAULT_LEDGER_URL", "main", "parse_since", "resolve_ledger_url"]
+__all__ = ["DEFAULT_LEDGER_URL", "format_table", "main", "parse_since",
+           "resolve_ledger_url"]
 
 DEFAULT_LEDGER_URL = "sqlite:///tokenpace-usage.db"
 """The ledger when the config has no ``ledger:`` key; relative to the config's directory."""
@@ -105,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenpace usage",
         description="Print request and token totals from the gateway's usage ledger.",
+        epilog="tokenpace usage reconcile --config gateway.yaml compares the ledger with "
+        "what the engines generated (tokenpace usage reconcile --help).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -183,16 +186,25 @@ def _table(totals: list[UsageTotal], by: str) -> str:
         str(sum(t.unserved_prompt_tokens for t in totals)),
         str(sum(t.estimated_rows for t in totals)),
     ]
-    widths = [max(len(row[i]) for row in [header, *lines, total]) for i in range(len(header))]
+    return format_table(header, lines, total, names=len(labels))
+
+
+def format_table(header: list[str], lines: list[list[str]], total: list[str] | None = None,
+                 names: int = 1) -> str:
+    """A text table: the first ``names`` columns left-aligned, the others (numbers)
+    right-aligned, and ``total`` under a rule when given."""
+    every = [header, *lines, *([total] if total is not None else [])]
+    widths = [max(len(row[i]) for row in every) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
-        n = len(labels)  # names left-aligned, numbers right-aligned
-        cells = [c.ljust(w) for c, w in zip(row[:n], widths[:n])]
-        cells += [c.rjust(w) for c, w in zip(row[n:], widths[n:])]
+        cells = [c.ljust(w) for c, w in zip(row[:names], widths[:names])]
+        cells += [c.rjust(w) for c, w in zip(row[names:], widths[names:])]
         return "  ".join(cells).rstrip()
 
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(header), *(fmt(row) for row in lines), rule, fmt(total)])
+    out = [fmt(header), *(fmt(row) for row in lines)]
+    if total is not None:
+        out += ["  ".join("-" * w for w in widths), fmt(total)]
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:

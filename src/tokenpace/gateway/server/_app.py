@@ -3,8 +3,9 @@
 Start-up opens the ledger and its journal, restores budget levels from it (budgets survive
 a restart), records the requests the process before left in flight (``_recovery``), then
 starts the background loops (engine health, load and discovery; budget snapshots; idle
-series). Shutdown waits a bounded time for settlements, writes a last snapshot and closes
-the ledger, whose journal keeps what it could not write.
+series; the ledger checked against the engines' books, ``reconcile``). Shutdown waits a
+bounded time for settlements, writes a last snapshot and closes the ledger, whose journal
+keeps what it could not write.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from ..engines import (
     reported_policy,
 )
 from ..exchange import Runtime
-from ..ledger import BudgetState, open_ledger, redact
+from ..ledger import BudgetState, UsageRecord, open_ledger, redact
+from ..reconcile import Reconciler, tenant_of_user
 from ._recovery import correct_settled, recover_in_flight, snapshot_times
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
@@ -76,6 +78,8 @@ SNAPSHOT_INTERVAL_S = 1.0
 SETTLE_WAIT_S = 5.0
 """How long shutdown waits for settlements still running (a shared store's scripts, an
 engine asked what a cut stream generated) before it writes the last rows and levels."""
+RECONCILE_OFF_POLL_S = 10.0
+"""With ``reconcile_interval: 0``, how often the loop looks whether a reload turned it on."""
 PUBLISH_SLICE = 100
 """Tenants whose fairness gauges a scrape sets between two turns for requests."""
 
@@ -220,6 +224,7 @@ class Gateway:
             snapshots = snapshot_times(levels)
             correct_settled(self.rt, ledger.journaled_settlements(), snapshots)
             self._spawn(recover_in_flight(self.rt, ledger.orphans(), snapshots))
+            self._spawn(self._reconcile_loop())
             if self._discovery is not None:
                 tasks.append(asyncio.create_task(self._discovery_loop()))
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
@@ -271,6 +276,42 @@ class Gateway:
         while True:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
             self._snapshot()
+
+    async def _reconcile_loop(self) -> None:
+        """The ledger against the engines' books every ``reconcile_interval``
+        (``reconcile.Reconciler``: drift counted per tenant in metrics). The interval, the
+        grace and ``request_timeout`` are read again before each check (a reload may
+        change them; an interval of 0 turns the check off). Cost per check: see
+        ``reconcile._check``; the ledger's flush and reads run in a thread."""
+        rt = self.rt
+        assert rt is not None
+
+        def is_tenant(tenant: str) -> bool:
+            return rt.tenants.get(tenant) is not None
+
+        def rows_of(request_ids: list[str]) -> dict[str, UsageRecord]:
+            rt.ledger.flush()  # this process's rows journaled so far: in the database
+            return rt.ledger.rows_of(request_ids)
+
+        reconciler = Reconciler(grace_s=self.config.reconcile_grace_s, hold_s=0.0,
+                                tenant_of=lambda user: tenant_of_user(user, is_tenant),
+                                since=time.time() - self.config.reconcile_interval_s)
+        while True:
+            interval = self.config.reconcile_interval_s
+            await asyncio.sleep(interval or RECONCILE_OFF_POLL_S)
+            if not interval:
+                continue
+            config = self.config
+            reconciler.grace_s = config.reconcile_grace_s
+            reconciler.hold_s = config.request_timeout_s + config.reconcile_grace_s
+            clients = {e.url: rt.clients[e.url] for e in rt.dispatcher.engines
+                       if e.url in rt.clients}
+            try:
+                await reconciler.check(clients, rows_of)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("ledger check against the engines failed")
 
     async def _sweep_loop(self) -> None:
         """Idle tenants' series leave /metrics (``metrics_idle_after``)."""
