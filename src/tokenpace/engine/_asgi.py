@@ -28,3 +28,9 @@ async def send_json(send: Send, status: int, payload: dict[str, Any],
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
         *headers]})
     await send({"type": "http.response.body", "body": data})
+
+
+async def send_error(send: Send, status: int, message: str, kind: str,
+                     param: str | None = None) -> None:
+    """An error answer in OpenAI's format (``error_payload``)."""
+    await send_json(send, status, error_payload(status, message, kind, param))

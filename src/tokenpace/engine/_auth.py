@@ -64,6 +64,16 @@ def bearer_matches(headers: list[tuple[bytes, bytes]], digests: list[bytes]) -> 
     return match
 
 
+def keys_of(scope: Scope) -> list[str]:
+    """The API keys of the vLLM server serving ``scope`` (its parsed arguments)."""
+    return configured_keys(getattr(getattr(scope.get("app"), "state", None), "args", None))
+
+
+def carries_key(scope: Scope, keys: list[str]) -> bool:
+    """Whether the request's ``Authorization: Bearer`` is one of ``keys``."""
+    return bearer_matches(list(scope.get("headers", ())), [key_digest(k) for k in keys])
+
+
 class EngineAuth:
     """ASGI middleware: every route but ``/health`` needs one of the engine's API keys."""
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import Receive, Scope, Send, error_payload, send_json
-from ._auth import bearer_matches, configured_keys, key_digest
+from ._auth import carries_key, keys_of
 
 
 RATES_PATH = "/tokenpace/v1/rates"
@@ -127,12 +127,12 @@ async def handle_rates(scope: Scope, receive: Receive, send: Send) -> None:
         await refuse(405, "use POST", "MethodNotAllowed")
         return
     state = getattr(scope.get("app"), "state", None)
-    keys = configured_keys(getattr(state, "args", None))
+    keys = keys_of(scope)
     if not keys:
         await refuse(403, "rate control needs the engine's API key: start it with "
                           "--trusted-gateway and --api-key (or VLLM_API_KEY)", "PermissionDenied")
         return
-    if not bearer_matches(list(scope.get("headers", ())), [key_digest(k) for k in keys]):
+    if not carries_key(scope, keys):
         await refuse(401, "send the engine's API key as 'Authorization: Bearer <key>'",
                      "AuthenticationError")
         return

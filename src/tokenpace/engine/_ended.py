@@ -49,8 +49,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from ._aborted import _api_id
-from ._asgi import Receive, Scope, Send, error_payload, send_json
-from ._auth import bearer_matches, configured_keys, key_digest
+from ._asgi import Receive, Scope, Send, send_error, send_json
+from ._auth import carries_key, keys_of
 from ._control import install_utility
 
 ENDED_PATH = "/tokenpace/v1/ended"
@@ -166,27 +166,23 @@ def merge(results: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 async def handle_ended(scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /tokenpace/v1/ended`` (any other method: 405)."""
 
-    async def refuse(status: int, message: str, kind: str, param: str | None = None) -> None:
-        await send_json(send, status, error_payload(status, message, kind, param))
-
     if scope.get("method") != "GET":
-        await refuse(405, "use GET", "MethodNotAllowed")
+        await send_error(send, 405, "use GET", "MethodNotAllowed")
         return
-    state = getattr(scope.get("app"), "state", None)
-    keys = configured_keys(getattr(state, "args", None))
-    if keys and not bearer_matches(list(scope.get("headers", ())),
-                                   [key_digest(k) for k in keys]):
-        await refuse(401, "send the engine's API key as 'Authorization: Bearer <key>'",
-                     "AuthenticationError")
+    keys = keys_of(scope)
+    if keys and not carries_key(scope, keys):
+        await send_error(send, 401, "send the engine's API key as 'Authorization: Bearer "
+                         "<key>'", "AuthenticationError")
         return
     try:
         cursor, limit = parse_query(scope.get("query_string", b""))
     except ValueError as exc:
-        await refuse(400, str(exc), "BadRequestError")
+        await send_error(send, 400, str(exc), "BadRequestError")
         return
+    state = getattr(scope.get("app"), "state", None)
     client = getattr(getattr(state, "engine_client", None), "engine_core", None)
     if client is None:
-        await refuse(503, "the engine is not running", "ServiceUnavailable")
+        await send_error(send, 503, "the engine is not running", "ServiceUnavailable")
         return
     every = getattr(client, "call_utility_all_async", None)
     query = {"after": cursor, "limit": limit}
@@ -194,6 +190,7 @@ async def handle_ended(scope: Scope, receive: Receive, send: Send) -> None:
                else [await client.call_utility_async(UTILITY_METHOD, query)])
     for result in results:
         if "error" in result:
-            await refuse(int(result.get("status", 500)), result["error"], "NotFoundError")
+            await send_error(send, int(result.get("status", 500)), result["error"],
+                             "NotFoundError")
             return
     await send_json(send, 200, merge(results, limit))
