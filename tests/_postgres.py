@@ -1,63 +1,20 @@
-"""A real, throwaway PostgreSQL server for tests: own port, own directory, stoppable.
-
-The cluster is created with ``initdb`` in a temporary directory and listens on a free
-loopback port with trust authentication; ``stop()`` and ``start()`` take it down and bring
-it back on the same port with its data (a database outage). Postgres refuses to run as
-root, so as root the server runs as ``nobody`` (through ``setpriv`` or ``runuser``). A
-machine without the server binaries or psycopg skips with the reason; in CI (``CI=true``,
-where ``make test`` installs Debian's server) that is a failure instead.
+"""The throwaway PostgreSQL server of the ledger tests: ``tokenpace.bench._postgres_server``
+(shared with ``tokenpace bench metering``), with "this machine cannot run one" turned into
+a skip with the reason, or, in CI (``CI=true``, where ``make test`` installs Debian's
+server), a failure.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-psycopg: Any
-try:
-    import psycopg
-except ImportError:
-    psycopg = None
+from tokenpace._process import free_port
+from tokenpace.bench._postgres_server import PostgresServer as _Server
+from tokenpace.bench._postgres_server import PostgresUnavailable, missing, psycopg
 
-
-def _binary(name: str) -> str | None:
-    """A Postgres server binary: on PATH, in /usr/local/bin, or in Debian's versioned dir."""
-    candidates = [Path("/usr/local/bin") / name, *Path("/usr/lib/postgresql").glob(f"*/bin/{name}")]
-    return shutil.which(name) or next((str(p) for p in candidates if p.is_file()), None)
-
-
-def _as_unprivileged() -> tuple[list[str], int, int] | str:
-    """The command prefix that drops root, with the uid and gid it runs as, or why that
-    is impossible here. Empty prefix when not root."""
-    if os.geteuid() != 0:
-        return [], os.geteuid(), os.getegid()
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        return "running as root and there is no 'nobody' user to run Postgres as"
-    uid, gid = nobody.pw_uid, nobody.pw_gid
-    if shutil.which("setpriv"):
-        # setpriv execs the command itself, so the Popen pid is the server's own pid.
-        return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"], uid, gid
-    if shutil.which("runuser"):
-        return ["runuser", "-u", "nobody", "--"], uid, gid
-    return "running as root and neither setpriv nor runuser is available to drop privileges"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["PostgresServer", "free_port", "psycopg", "require_postgres", "unavailable"]
 
 
 def unavailable(why: str) -> None:
@@ -66,75 +23,18 @@ def unavailable(why: str) -> None:
     pytest.skip(why)
 
 
-class PostgresServer:
-    """One throwaway cluster; ``url`` is its admin URL (database ``postgres``)."""
+def require_postgres() -> None:
+    """Skip (fail in CI) unless a throwaway Postgres can run here; starts nothing."""
+    why = missing()
+    if why is not None:
+        unavailable(why)
+
+
+class PostgresServer(_Server):
+    """One throwaway cluster (see ``tokenpace.bench._postgres_server.PostgresServer``)."""
 
     def __init__(self) -> None:
-        if psycopg is None:
-            unavailable("psycopg 3 is not installed (pip install 'psycopg[binary]>=3.1')")
-        initdb, postgres = _binary("initdb"), _binary("postgres")
-        if initdb is None or postgres is None:
-            unavailable("Postgres server binaries (initdb, postgres) are not installed "
-                        "(apt-get install postgresql; make test does it as root)")
-        drop = _as_unprivileged()
-        if isinstance(drop, str):
-            unavailable(drop)
-        assert initdb is not None and postgres is not None and not isinstance(drop, str)
-        self._prefix, uid, gid = drop
-        self._postgres = postgres
-        self.base = Path(tempfile.mkdtemp(prefix="tokenpace-pg-"))
-        os.chown(self.base, uid, gid)
-        self.data, self.log = self.base / "data", self.base / "server.log"
-        self._env = {**os.environ, "HOME": str(self.base), "LC_ALL": "C"}
-        done = subprocess.run(
-            [*self._prefix, initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust",
-             "--no-sync", "-E", "UTF8", "--locale=C"],
-            cwd=self.base, env=self._env, capture_output=True, text=True, timeout=120,
-        )
-        assert done.returncode == 0, f"initdb failed:\n{done.stdout}\n{done.stderr}"
-        self.port = free_port()
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> PostgresServer:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [*self._prefix, self._postgres, "-D", str(self.data), "-p", str(self.port),
-                 "-k", str(self.base), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
-                 "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                 "-c", "shared_buffers=16MB", "-c", "max_connections=20"],
-                cwd=self.base, env=self._env, stdout=out, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"postgres exited with {self.proc.returncode}:\n"
-                            f"{self.log.read_text()}")
-            try:
-                psycopg.connect(self.url, connect_timeout=2).close()
-                return self
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"postgres did not accept connections:\n{self.log.read_text()}")
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        """A fast shutdown (ends sessions, no wait); the data stays for ``start``."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def database(self, name: str) -> str:
-        """Create database ``name``; its URL."""
-        with psycopg.connect(self.url, autocommit=True) as admin:
-            admin.execute(f"CREATE DATABASE {name}")
-        return self.url.rsplit("/", 1)[0] + f"/{name}"
-
-    def remove(self) -> None:
-        self.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
+        try:
+            super().__init__()
+        except PostgresUnavailable as exc:
+            unavailable(str(exc))
