@@ -200,6 +200,26 @@ def _cmd_bench_failover(args: argparse.Namespace) -> int:
     return _bench_outputs(args, failover, result)
 
 
+def _cmd_bench_metering(args: argparse.Namespace) -> int:
+    from .bench import metering
+
+    if args.plot:
+        raise SystemExit("tokenpace bench metering: error: --plot is not supported (use --json)")
+    if args.quick:
+        args.duration, args.kills, args.outage = 20.0, 1, 4.0
+    if args.outage < 0:
+        raise SystemExit("tokenpace bench metering: error: --outage must not be negative")
+    if args.gateway_src is not None and not (args.gateway_src / "tokenpace" / "cli.py").is_file():
+        raise SystemExit(f"tokenpace bench metering: error: --gateway-src: no tokenpace package "
+                         f"in {args.gateway_src} (give the src/ directory of a checkout)")
+    try:
+        result = metering.run(_bench_model(args), args.duration, args.kills, args.outage,
+                              args.loops, args.seed, gateway_src=args.gateway_src)
+    except metering.PostgresUnavailable as exc:
+        raise SystemExit(f"tokenpace bench metering: error: needs a PostgreSQL server: {exc}")
+    return _bench_outputs(args, metering, result)
+
+
 def _cmd_bench_state(args: argparse.Namespace) -> int:
     from .bench import state
 
@@ -499,6 +519,37 @@ def build_parser() -> argparse.ArgumentParser:
     fov.add_argument("--restart-timeout", type=_positive_float, default=600.0,
                      help="seconds to wait for the restarted engine (default 600)")
     fov.set_defaults(func=_cmd_bench_failover)
+
+    met = bench_sub.add_parser(
+        "metering",
+        help="the usage ledger against the engines' own counts, through gateway SIGKILLs "
+        "and a Postgres outage",
+        description="Two engines on the tiny model in one pool behind the gateway, its "
+        "ledger in a throwaway PostgreSQL (initdb and postgres must be installed) with a "
+        "journal on disk; three paced tenants stream and call chat and completions, some "
+        "clients leaving mid-stream. The gateway is SIGKILLed --kills times and started "
+        "again at once, Postgres is stopped for --outage seconds, and a NUL and a 6 MiB "
+        "model name are sent. At the end, per tenant, the ledger's completion tokens "
+        "against what the engines counted (their event logs, and their books of ended "
+        "requests), and per request: ids with no row, counts that differ, ids twice, "
+        "estimated and dead-letter rows.",
+    )
+    _bench_common(met)
+    met.add_argument("--duration", type=_positive_float, default=80.0,
+                     help="seconds of load (default 80)")
+    met.add_argument("--kills", type=int, default=3, choices=range(0, 21), metavar="N",
+                     help="gateway SIGKILLs, evenly spaced through the load (default 3)")
+    met.add_argument("--outage", type=float, default=20.0, metavar="S",
+                     help="seconds Postgres is stopped, from halfway between the first kill "
+                     "and the next on (default 20; 0: none)")
+    met.add_argument("--loops", type=_positive_int, default=4,
+                     help="client loops per tenant, each sending without pause (default 4)")
+    met.add_argument("--seed", type=int, default=1, help="seed of the clients' choices")
+    met.add_argument("--gateway-src", type=Path, default=None, metavar="DIR",
+                     help="run the gateway from this source tree (the src/ directory of "
+                     "another checkout, e.g. an older commit's worktree; PYTHONPATH=DIR); "
+                     "the engines stay this installation's")
+    met.set_defaults(func=_cmd_bench_metering)
 
     stb = bench_sub.add_parser(
         "state", help="state work per request: Redis (several replicas) against in process",
