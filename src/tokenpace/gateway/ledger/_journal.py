@@ -63,6 +63,9 @@ MEMORY_ENTRIES = 65_536
 MAX_SLOTS = 1024
 """Slots tried before giving up (one per gateway process sharing the directory)."""
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""One encoder for every entry (``json.dumps`` with arguments builds one per call)."""
+
 _SEGMENT = re.compile(r"^segment-(\d{12})\.jsonl$")
 
 
@@ -134,7 +137,7 @@ class Journal:
         Cost: one ``json.dumps`` of the entry and one ``os.write`` (a few microseconds);
         every ``SEGMENT_BYTES``, an ``open`` of the next segment.
         """
-        line = (json.dumps(entry, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        line = (_ENCODER.encode(entry) + "\n").encode()
         # (``entry`` itself is kept for the reader: callers hand over fresh objects.)
         size = len(line)
         limit = self.max_bytes + (ROW_RESERVE_BYTES if reserve else 0)
