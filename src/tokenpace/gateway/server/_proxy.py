@@ -210,13 +210,19 @@ def _journal_open(ex: Exchange, engine: str, admitted: float) -> None:
         started_at=ex.started_at, ended_at=now, served=True, route=ROUTES[ex.kind],
         application=ex.application.id if ex.application is not None else "",
         batch_id=ex.batch_id, estimated=True)
-    shared = ex.reservation is not None
+    # The enforced reservations (the tenant's, its application's): [application id or
+    # "", cost, in the shared store].
+    holders = [["", ex.reservation.cost if ex.reservation is not None else ex.reserved,
+                ex.reservation is not None]]
+    holders += [[ex.application.id if ex.application is not None else "",
+                 hold.reservation.cost if hold.reservation is not None else hold.reserved,
+                 hold.reservation is not None]
+                for hold in ex.holds if hold.level is not None and hold.level is not ex.tenant]
     if not rt.ledger.open(
             rec, engine=engine, kind=ex.kind,
             cost=[ex.cost.prompt, ex.cost.completion, ex.cost.cached_price],
-            prompt_bound=ex.prompt_bound is not None,
-            reserved=ex.reservation.cost if shared else ex.reserved,  # type: ignore[union-attr]
-            reserved_at=now - (rt.clock() - admitted), shared=shared):
+            prompt_bound=ex.prompt_bound is not None, holders=holders,
+            reserved_at=now - (rt.clock() - admitted)):
         raise GatewayError(
             503, "the gateway cannot record usage now (its ledger journal is full while the "
             "database is unreachable); retry later", reason="ledger_full", code="ledger_full",

@@ -17,9 +17,9 @@ by their times. An orphan's reservation is replaced by what it cost (given back 
 when the snapshot holds it, its cost taken when it does not); a request journaled as
 dispatched and ended after the snapshot gets its settlement again. With a shared store
 (Redis), where levels never left the store, an orphan's reservation is settled there.
-Not corrected: application budgets, and requests that were only queued (no dispatch
-journaled) or that were admitted on a prompt's byte bound and corrected after dispatch
-(off by the bound's slack).
+The same holds for the request's application's budgets. Not corrected: requests that were
+only queued (no dispatch journaled), and those admitted on a prompt's byte bound whose
+reservation was corrected after dispatch (off by the bound's slack).
 
 Bound: one call per orphan to its engine, at most ``CONCURRENCY`` at once, each retried
 for at most ``ASK_FOR_S``; nothing waits for it (requests are served meanwhile).
@@ -49,7 +49,8 @@ CONCURRENCY = 16
 
 
 def snapshot_times(levels: list[BudgetState]) -> dict[str, float]:
-    """Tenant -> when its restored budget levels were saved (the latest of its budgets)."""
+    """Owner (a tenant, or an application under its owner name) -> when its restored
+    budget levels were saved (the latest of its budgets)."""
     out: dict[str, float] = {}
     for state in levels:
         out[state.tenant] = max(out.get(state.tenant, state.at), state.at)
@@ -59,8 +60,8 @@ def snapshot_times(levels: list[BudgetState]) -> dict[str, float]:
 def correct_settled(rt: Runtime, settled: list[tuple[dict[str, Any], float, float]],
                     snapshots: dict[str, float]) -> int:
     """Apply to in-process budgets the settlements of requests the journal saw dispatched
-    and ended after their tenant's restored snapshot; returns how many were applied.
-    O(entries), once at start-up."""
+    and ended after their tenant's (or application's) restored snapshot; returns how many
+    reservations were replaced. O(entries), once at start-up."""
     if rt.store is not None:
         return 0
     applied = 0
@@ -69,42 +70,59 @@ def correct_settled(rt: Runtime, settled: list[tuple[dict[str, Any], float, floa
     return applied
 
 
+def _holders(rt: Runtime, entry: dict[str, Any]) -> list[tuple[Any, float, bool]]:
+    """(the tenant's or application's state, cost it reserved, whether in the shared
+    store) for each enforced reservation the entry names and this process still has."""
+    tenant = rt.tenants.get(str(entry["open"].get("tenant", "")))
+    out: list[tuple[Any, float, bool]] = []
+    if tenant is None:
+        return out
+    holders = entry.get("holders")
+    for item in holders if isinstance(holders, list) else ():
+        try:
+            application, reserved, shared = str(item[0]), float(item[1]), bool(item[2])
+        except (TypeError, ValueError, IndexError):
+            continue
+        level = tenant.applications.get(application) if application else tenant
+        if level is not None:
+            out.append((level, reserved, shared))
+    return out
+
+
 def _settle_local(rt: Runtime, entry: dict[str, Any], actual: float, ended_at: float | None,
                   snapshots: dict[str, float]) -> int:
-    tenant = rt.tenants.get(str(entry["open"].get("tenant", "")))
-    if tenant is None or entry.get("shared"):
-        return 0
-    snapshot = snapshots.get(tenant.id)
-    if snapshot is not None and ended_at is not None and ended_at <= snapshot:
-        return 0  # reserved and settled before the snapshot: in the levels already
+    """Replace the entry's in-process reservations by ``actual`` in the levels restored
+    from ``snapshots`` (owner -> when saved); returns how many were replaced."""
     try:
-        reserved = float(entry.get("reserved") or 0.0)
         reserved_at = float(entry.get("reserved_at") or 0.0)
     except (TypeError, ValueError):
         return 0
-    held = snapshot is not None and reserved_at <= snapshot
-    tenant.settle(reserved if held else 0.0, actual, rt.clock())
-    return 1
+    applied = 0
+    for level, reserved, shared in _holders(rt, entry):
+        snapshot = snapshots.get(level.owner)
+        if shared or (snapshot is not None and ended_at is not None and ended_at <= snapshot):
+            continue  # in the store, or reserved and settled before the snapshot
+        held = snapshot is not None and reserved_at <= snapshot
+        level.settle(reserved if held else 0.0, actual, rt.clock())
+        applied += 1
+    return applied
 
 
 async def _settle_orphan(rt: Runtime, entry: dict[str, Any], actual: float,
                          snapshots: dict[str, float]) -> None:
-    if not entry.get("shared"):
-        _settle_local(rt, entry, actual, None, snapshots)
+    _settle_local(rt, entry, actual, None, snapshots)
+    if rt.store is None:
         return
-    tenant = rt.tenants.get(str(entry["open"].get("tenant", "")))
-    if tenant is None or rt.store is None:
-        return
-    try:
-        reserved = float(entry.get("reserved") or 0.0)
-    except (TypeError, ValueError):
-        return
-    try:
-        await rt.store.settle(
-            Reservation(tenant.id, tuple(tenant.config.budgets), reserved, rt.store), actual)
-    except Exception as exc:  # the store down: the reservation stays charged, as in flight
-        logger.warning("usage ledger: could not settle request %s's reservation in the "
-                       "shared store: %s", entry["open"].get("request_id"), exc)
+    for level, reserved, shared in _holders(rt, entry):
+        if not shared:
+            continue
+        try:
+            await rt.store.settle(Reservation(level.owner, tuple(level.config.budgets),
+                                              reserved, rt.store), actual)
+        except Exception as exc:  # the store down: the reservation stays charged
+            logger.warning("usage ledger: could not settle request %s's reservation of %r "
+                           "in the shared store: %s", entry["open"].get("request_id"),
+                           level.owner, exc)
 
 
 async def recover_in_flight(rt: Runtime, orphans: list[dict[str, Any]],
