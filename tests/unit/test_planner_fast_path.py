@@ -4,6 +4,7 @@ follows rate changes and idle cleanup."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 from tokenpace.pacing import (
@@ -115,12 +116,14 @@ def test_fast_path_decides_exactly_as_the_exact_path() -> None:
             for s, kind in zip(batch, samples):
                 s.samples = kind
             plan = planner.plan_running(batch, len(batch))
+            refused = dict(planner._refused)  # who was refused, and when it has quota again
             settled = planner.settle(dispatched, lambda key: False, report=True)
             limiter = planner.limiter
             outcome.append((
                 sorted(plan.throttled), sorted(settled),
                 [s.account.service for s in streams],
                 {u: limiter.ready_at_ns(u) for u in users},
+                refused,
                 # How much of its burst is left (consumed alike in both twins).
                 [limiter.take(u, 10**9, clock.ns) for u in ("g", "h") if step % 50 == 0],
             ))
@@ -133,3 +136,33 @@ def test_fast_path_decides_exactly_as_the_exact_path() -> None:
         assert outcome[0] == outcome[1], step
         throttled += len(outcome[0][0])
     assert throttled > 1000  # the boundary was crossed often, not only the easy grants
+
+
+def test_an_all_throttled_step_sets_off_no_garbage_collection() -> None:
+    """A throttled stream costs no object of its own: a step of 4,096 throttled users
+    (one request each) stays far below the collector's threshold (700 objects), so such
+    steps never pay for a collection, nor for the process's next full one."""
+    clock = Clock()
+    planner = _planner(1e-6, clock)  # one token, then none for days
+    streams = [planner.open_stream(f"r{i}", f"u{i}") for i in range(4096)]
+    assert len(_ran(planner, streams)) == 4096  # each user's one token
+    collections: list[int] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(note)
+    try:
+        for _ in range(3):
+            clock.ns += NS // 100
+            planner.begin_step()
+            for s in streams:
+                s.samples = SAMPLES
+            plan = planner.plan_running(streams, len(streams))
+            planner.settle((), lambda key: False)
+    finally:
+        gc.callbacks.remove(note)
+    assert len(plan.throttled) == 4096
+    assert collections == []

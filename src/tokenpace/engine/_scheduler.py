@@ -25,6 +25,14 @@ The subclasses reuse vLLM's ``schedule()`` unchanged and steer it through three 
 Throttling a request whose next chunk may be its last prefill chunk waits for quota
 (it is skipped whole); chunks that cannot be the last run without quota.
 
+A throttled request costs a step about 1.5 us of CPU (at 1,024 running, all throttled:
+0.10 of a stock step that runs them, ``tokenpace bench scheduler``): its stream's
+preparation (as any running request's), the planner's decision (``pacing._planner``:
+about 0.7 us), the skip around ``schedule()`` (a dict lookup, two attribute reads and
+two writes, a set insert and test for the move to the tail) and vLLM's own skip. None of
+it makes an object per request, so an all-throttled step never sets off the garbage
+collector.
+
 Pacing on or off, the subclasses also keep the book of ended requests for the gateway
 (``_aborted``): ``add_request`` notes each new request, ``_free_request`` (which every
 request that ends passes once) keeps its prompt and output counts, its pacing user and
@@ -483,10 +491,13 @@ class _PacingMixin:
             can_admit=len(self.running) < self.max_num_running_reqs,
         )
 
+        # Per skipped request: a dict lookup, two attribute reads and two writes, and the
+        # move to the tail (a set insert and test); no object of its own (see the module
+        # docstring: what a throttled request costs).
         skip_step = self.current_step + 2  # schedule() increments current_step first
         throttled = [requests[k] for k in plan.throttled]
         skipped = throttled + [requests[k] for k in plan.deferred] if plan.deferred else throttled
-        saved_eligible = [(r, r.next_decode_eligible_step) for r in skipped]
+        saved_eligible = [r.next_decode_eligible_step for r in skipped]
         for r in skipped:
             r.next_decode_eligible_step = skip_step
         bumped: list[Request] = []
@@ -507,7 +518,7 @@ class _PacingMixin:
             if admits:
                 del self.__dict__["_reserve_prefill_lookahead"]
             self.max_num_active_reqs = active_slots
-            for r, eligible in saved_eligible:
+            for r, eligible in zip(skipped, saved_eligible):
                 r.next_decode_eligible_step = eligible
             if bumped:
                 self._restore_arrival_times(bumped)

@@ -24,13 +24,23 @@ one pass over the charged streams in ``settle`` that only stamps the rotation wh
 caller knows every planned stream was dispatched. Sorting, heaps and the per-user limiter call (``take_claims``) only
 happen for a user that is short of quota, after an earlier refusal, or when slots bind.
 
+Cost of a throttled stream (its user out of quota; one request per user, the usual case):
+in the same pass the same operations, the GCRA test that refuses it and a dict store for
+its user; then, per refused user, the instant it has quota again (integer operations on
+its cached state, no call); in ``_take_turns`` two dict lookups, an append and a
+decrement, no sort; one throttled-steps count; and in the next ``begin_step`` one
+throttled-time count. No object is made per throttled stream: a step that throttles
+thousands of requests allocates a few containers, so it never sets off the garbage
+collector (a list per refused user did, every step, and then took the process's next
+full collection too). About 0.7 us per throttled stream at 1,024 of them.
+
 Nothing here knows vLLM: keys are opaque, and the clock lives in the limiter.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -479,8 +489,10 @@ class StepPlanner:
             self._lift(streams, present, fresh)
         plan = RunningPlan()
         if short:
+            refused = self._refused
             for user, a in short.items():
-                self._refused[user] = limiter.ready_at_ns(user)
+                b = a.bucket  # when it has quota again (``ready_at_ns``: later than now)
+                refused[user] = -((b.burst - b.tat) // b.scale)  # type: ignore[union-attr]
                 a.granted = 0
             kept = []
             for s in charged:
@@ -489,7 +501,7 @@ class StepPlanner:
                 else:
                     kept.append(s)
             charged = kept
-            self._take_turns(streams, set(short), charged, plan)
+            self._take_turns(streams, short, charged, plan)
         self._charged_streams = charged
         return plan
 
@@ -517,27 +529,52 @@ class StepPlanner:
         self._charged_streams = charged
         return plan
 
-    def _take_turns(self, streams: Sequence[Stream], short_users: set[str],
+    def _take_turns(self, streams: Sequence[Stream], short_users: Collection[str],
                     charged: list[Stream], plan: RunningPlan) -> None:
         """Users granted fewer tokens than they have sampling streams: their streams take
         turns (least recently served first) for the ``granted`` tokens; the others are
-        throttled. Appends to ``charged`` and ``plan.throttled``."""
-        by_user: dict[str, list[Stream]] = {u: [] for u in short_users}
+        throttled. Appends to ``charged`` and ``plan.throttled``.
+
+        A user with one sampling stream (one request, the usual case) has nothing to take
+        turns for: its stream is decided on the spot. Cost per stream of a short user: two
+        dict lookups, and for a throttled one an append and a decrement; no allocation.
+        Only a user with several sampling streams gets a list, sorted by turn. (A list per
+        user cost more than the decision: with many throttled users the step held one
+        object per throttled request, enough to trigger the garbage collector every step,
+        and the process's next full collection then fell on a step like this one.)
+        """
+        sampling = dict.fromkeys(short_users, 0)
         for s in streams:
-            if s.user in short_users:
-                by_user[s.user].append(s)
-        for mine in by_user.values():
+            if s.samples and s.user in sampling:
+                sampling[s.user] += 1
+        throttled = plan.throttled
+        several: dict[str, list[Stream]] = {}
+        for s in streams:
+            if not s.samples:
+                continue
+            n = sampling.get(s.user)
+            if n is None:
+                continue
+            if n > 1:
+                mine = several.get(s.user)
+                if mine is None:
+                    mine = several[s.user] = []
+                mine.append(s)
+            elif s.account.granted:
+                charged.append(s)
+            else:
+                throttled.append(s.key)
+                s.account.service -= 1  # counted as served by the step's pass
+        for mine in several.values():
             mine.sort(key=_turn)
             account = mine[0].account
             left = account.granted or 0
             for s in mine:
-                if not s.samples:
-                    continue
                 if left > 0:
                     left -= 1
                     charged.append(s)
                 else:
-                    plan.throttled.append(s.key)
+                    throttled.append(s.key)
                     account.service -= 1  # counted as served by the step's pass
 
     def _plan_contended(self, streams: Sequence[Stream], slots: int) -> RunningPlan:
