@@ -8,10 +8,9 @@ heap) often fell on it: at 1,024 running that doubled the step's CPU
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
+from tests._gc import collections_during
 from tests.sched._harness import make_sim
 
 RUNNING = 1024
@@ -26,18 +25,8 @@ def test_an_all_throttled_step_sets_off_no_garbage_collection(tiny_model, is_asy
         sim.add(f"r{i}", f"u{i}", prompt_len=16, max_tokens=100)
     for _ in range(4):  # admitted, prefilled, each user's one token spent
         sim.step()
-    collections: list[int] = []
-
-    def note(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(note)
-    try:
+    with collections_during() as collections:
         outputs = [sim.step() for _ in range(3)]
-    finally:
-        gc.callbacks.remove(note)
     assert all(not out.num_scheduled_tokens for out in outputs)
     assert len(sim.scheduler.running) == RUNNING
     assert collections == []

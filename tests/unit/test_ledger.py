@@ -572,14 +572,17 @@ def test_usage_by_application_keeps_tenants_apart(tmp_path: Path) -> None:
     check_usage_by_application(_url(tmp_path / "usage.db"))
 
 
-def test_a_ledger_without_application_is_migrated(tmp_path: Path) -> None:
-    path = tmp_path / "usage.db"
-
+def _executor(path: Path) -> Any:
+    """Runs one statement on the SQLite file (an old ledger made by hand)."""
     def execute(sql: str) -> None:
         with sqlite3.connect(path) as conn:
             conn.execute(sql)
+    return execute
 
-    check_a_ledger_without_application_is_migrated(_url(path), execute, "INTEGER", "REAL")
+
+def test_a_ledger_without_application_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "usage.db"
+    check_a_ledger_without_application_is_migrated(_url(path), _executor(path), "INTEGER", "REAL")
     with sqlite3.connect(path) as conn:
         column = [c for c in conn.execute("PRAGMA table_info(requests)") if c[1] == "application"]
     assert [(c[2], c[3], c[4]) for c in column] == [("TEXT", 1, "''")]  # NOT NULL DEFAULT ''
@@ -587,12 +590,7 @@ def test_a_ledger_without_application_is_migrated(tmp_path: Path) -> None:
 
 def test_a_ledger_without_cached_tokens_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "usage.db"
-
-    def execute(sql: str) -> None:
-        with sqlite3.connect(path) as conn:
-            conn.execute(sql)
-
-    check_a_ledger_without_cached_tokens_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    check_a_ledger_without_cached_tokens_is_migrated(_url(path), _executor(path), "INTEGER", "REAL")
     with sqlite3.connect(path) as conn:
         column = [c for c in conn.execute("PRAGMA table_info(requests)")
                   if c[1] == "cached_prompt_tokens"]
@@ -601,22 +599,12 @@ def test_a_ledger_without_cached_tokens_is_migrated(tmp_path: Path) -> None:
 
 def test_a_ledger_without_batch_id_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "usage.db"
-
-    def execute(sql: str) -> None:
-        with sqlite3.connect(path) as conn:
-            conn.execute(sql)
-
-    check_a_ledger_without_batch_id_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    check_a_ledger_without_batch_id_is_migrated(_url(path), _executor(path), "INTEGER", "REAL")
 
 
 def test_a_ledger_without_estimated_is_migrated(tmp_path: Path) -> None:
     path = tmp_path / "usage.db"
-
-    def execute(sql: str) -> None:
-        with sqlite3.connect(path) as conn:
-            conn.execute(sql)
-
-    check_a_ledger_without_estimated_is_migrated(_url(path), execute, "INTEGER", "REAL")
+    check_a_ledger_without_estimated_is_migrated(_url(path), _executor(path), "INTEGER", "REAL")
     with sqlite3.connect(path) as conn:
         column = [c for c in conn.execute("PRAGMA table_info(requests)") if c[1] == "estimated"]
     assert [(c[2], c[3], c[4]) for c in column] == [("INTEGER", 1, "0")]  # NOT NULL DEFAULT 0

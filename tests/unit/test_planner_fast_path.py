@@ -4,9 +4,9 @@ follows rate changes and idle cleanup."""
 
 from __future__ import annotations
 
-import gc
 import random
 
+from tests._gc import collections_during
 from tokenpace.pacing import (
     NO_SAMPLE,
     SAMPLES,
@@ -146,15 +146,7 @@ def test_an_all_throttled_step_sets_off_no_garbage_collection() -> None:
     planner = _planner(1e-6, clock)  # one token, then none for days
     streams = [planner.open_stream(f"r{i}", f"u{i}") for i in range(4096)]
     assert len(_ran(planner, streams)) == 4096  # each user's one token
-    collections: list[int] = []
-
-    def note(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(note)
-    try:
+    with collections_during() as collections:
         for _ in range(3):
             clock.ns += NS // 100
             planner.begin_step()
@@ -162,7 +154,5 @@ def test_an_all_throttled_step_sets_off_no_garbage_collection() -> None:
                 s.samples = SAMPLES
             plan = planner.plan_running(streams, len(streams))
             planner.settle((), lambda key: False)
-    finally:
-        gc.callbacks.remove(note)
     assert len(plan.throttled) == 4096
     assert collections == []
