@@ -9,19 +9,21 @@ across restarts; a row the database refuses for its values goes to a dead-letter
 every other row is written. An open without its row, found at start-up, is a request that
 was in flight when the process died (:meth:`Ledger.orphans`).
 
-Budget levels are written in the same transaction as the rows, so that after a restart the
-buckets carry on from the last flush instead of starting full (which would hand every tenant
-a fresh burst on each restart).
+Budget levels are journaled too and written in the same transaction as the rows, so that
+after a restart the buckets carry on from the last snapshot instead of starting full (which
+would hand every tenant a fresh burst on each restart).
 
 SQLite (the default) is the standard library's; psycopg 3 is imported only when a
 ``postgresql://`` URL is opened, so it is an optional dependency.
 
 One module a concern, so that each database's code and the writer's threading can be read
 alone: ``_records`` (the values and the error), ``_url`` (ledger URLs), ``_schema`` (tables,
-migrations and the row layout both databases share), ``_sqlite`` and ``_postgres`` (one
-connection each), ``_journal`` (the segments on disk), ``_writer`` (:class:`Ledger`: the
-journal's reader thread, the dead-letter file and the connection's lock), ``_queries`` (the reads: saved budgets, rows, ``tokenpace usage`` totals), ``_open``
-(URL to ledger), ``_cli`` (``tokenpace usage``). Other modules import only the names below.
+migrations, the row layout both databases share and the cleaning that makes any record a
+row both accept), ``_sqlite`` and ``_postgres`` (one connection each; Postgres's time
+limits), ``_journal`` (the segments on disk), ``_writer`` (:class:`Ledger`: the journal's
+reader thread, the dead-letter file and the connection's lock), ``_queries`` (the reads:
+saved budgets, rows, ``tokenpace usage`` totals), ``_open`` (URL to ledger), ``_cli``
+(``tokenpace usage``). Other modules import only the names below.
 """
 
 from ._cli import format_table, main as usage_main, parse_since
