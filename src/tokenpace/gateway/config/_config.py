@@ -133,6 +133,12 @@ class ApplicationConfig:
         return f"{tenant_id}{APPLICATION_SEPARATOR}{self.id}"
 
 
+DEFAULT_MAX_QUEUED = 64
+"""A tenant's requests waiting for an engine slot when its entry names no ``max_queued``:
+each holds its parsed body (up to ``max_body_bytes``) while it waits, so the bound is also
+the tenant's queued memory; beyond it a request is refused at once (429 ``queue_full``)."""
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     id: str
@@ -143,6 +149,8 @@ class TenantConfig:
     # Each end user's rate inside output_tokens_per_second (the request's OpenAI ``user``).
     end_user_output_tokens_per_second: float | None = None
     max_concurrency: int | None = None
+    # A configuration file's tenant gets DEFAULT_MAX_QUEUED when it names none; None (a
+    # value built in code): no bound.
     max_queued: int | None = None
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
@@ -230,6 +238,18 @@ class GatewayConfig:
     admin_key_hashes: tuple[bytes, ...] = ()
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
+    # Slow clients (docs/gateway.md, "Slow clients and connections"): a request's headers
+    # within header_timeout of its first byte (of the connection, for its first request);
+    # its body within body_timeout plus one second per body_min_rate bytes received; at
+    # most max_connections client connections; a streamed answer buffered for a slow
+    # reader up to stream_buffer_bytes per request and tenant_stream_buffer_bytes per
+    # tenant, so the engine's slot is free once the engine finished.
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 30.0
+    body_min_rate: int = 64 * 1024
+    max_connections: int = 1000
+    stream_buffer_bytes: int = 1024 * 1024
+    tenant_stream_buffer_bytes: int = 16 * 1024 * 1024
     lane_share_window_s: float = 30.0
     repin_after_s: float | None = None
     # "fcfs" keeps lanes but serves tenants in arrival order: the baseline for comparisons.
@@ -497,6 +517,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
+                      "header_timeout", "body_timeout", "body_min_rate", "max_connections",
+                      "stream_buffer_bytes", "tenant_stream_buffer_bytes",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
                       "routing", "pool_affinity", "conversation_affinity",
                       "metrics_idle_after",
@@ -566,6 +588,13 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         admin_key_hashes=admin,
         request_timeout_s=_duration(root, "request_timeout", "", 600.0),
         max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
+        header_timeout_s=_duration(root, "header_timeout", "", 20.0),
+        body_timeout_s=_duration(root, "body_timeout", "", 30.0),
+        body_min_rate=_int(root, "body_min_rate", "", 64 * 1024, minimum=0) or 0,
+        max_connections=_int(root, "max_connections", "", 1000, minimum=1) or 0,
+        stream_buffer_bytes=_int(root, "stream_buffer_bytes", "", 1024 * 1024, minimum=0) or 0,
+        tenant_stream_buffer_bytes=_int(root, "tenant_stream_buffer_bytes", "",
+                                        16 * 1024 * 1024, minimum=0) or 0,
         lane_share_window_s=_duration(root, "lane_share_window", "", 30.0),
         repin_after_s=_duration(root, "repin_after", "", 0.0) or None,
         dispatch_order=_dispatch_order(root.get("dispatch_order", "vtc")),
@@ -950,7 +979,7 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         models=_allowed_models(m, where, aliases or {}, served),
         applications=applications,
         batch_cost=_batch_cost(m, where),
-        max_queued=_int(m, "max_queued", where, None, minimum=0),
+        max_queued=_int(m, "max_queued", where, DEFAULT_MAX_QUEUED, minimum=0),
         **_limits(m, where),
     )
 
