@@ -8,6 +8,7 @@ and its lines. The HTTP routes and the gateway side of the runner (``BatchHost``
 ``server``: a line runs through the same request path as a live one.
 """
 
+from ._count import LineCounter
 from ._feed import BatchFeed, Ticket
 from ._lines import ENDPOINTS, Line, Problem, count_lines, parse_lines
 from ._objects import (
@@ -18,6 +19,7 @@ from ._objects import (
     BatchRecord,
     FileRecord,
     LineResult,
+    StoreLimit,
     Usage,
     check_move,
     result_line,
@@ -39,8 +41,10 @@ __all__ = [
     "FileRecord",
     "Line",
     "LineAnswer",
+    "LineCounter",
     "LineResult",
     "Problem",
+    "StoreLimit",
     "Ticket",
     "Usage",
     "batch_store_url",

@@ -39,6 +39,17 @@ class BadMove(ValueError):
     """A status change the machine does not allow (a finished batch is never changed)."""
 
 
+class StoreLimit(Exception):
+    """A bound on what a tenant keeps refused a write, checked in the write's own
+    transaction: ``key`` names the configuration key (``batch.max_files``,
+    ``batch.max_stored_bytes``, ``batch.max_batches``), ``limit`` its value and ``used``
+    what the tenant already had."""
+
+    def __init__(self, key: str, limit: int, used: int) -> None:
+        super().__init__(f"{key} ({limit}) reached: {used} in use")
+        self.key, self.limit, self.used = key, limit, used
+
+
 def check_move(old: str, new: str) -> None:
     if new not in MOVES.get(old, ()):
         raise BadMove(f"a batch cannot go from {old!r} to {new!r}")

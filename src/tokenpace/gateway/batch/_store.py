@@ -17,6 +17,13 @@ files are written from these rows in the same transaction that moves the batch o
 Every method is blocking (one short transaction); the gateway calls them in a worker
 thread (``asyncio.to_thread``) so its event loop never waits on the disk. One connection,
 behind a lock: the work is a few statements per line, far below what one connection does.
+
+A file's content is kept in parts of ``PART_BYTES`` (``batch_file_parts``), so that
+reading a file holds the lock for one part at a time: a tenant downloading a large file
+never keeps the other tenants' batches from the store for longer than one part's read.
+Rows written before parts existed keep their content in ``batch_files.content`` and are
+read whole. The bounds on what a tenant stores (files, bytes, unfinished batches) are
+checked in the transaction that writes, so concurrent requests cannot pass them together.
 """
 
 from __future__ import annotations
@@ -37,11 +44,15 @@ from ._objects import (
     BatchRecord,
     FileRecord,
     LineResult,
+    StoreLimit,
     Usage,
     check_move,
 )
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
+
+PART_BYTES = 1024 * 1024
+"""Bytes of a file's content per stored part: what one locked read copies."""
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS batch_files (
@@ -49,6 +60,9 @@ _SCHEMA = (
         filename TEXT NOT NULL, bytes {integer} NOT NULL, created_at {integer} NOT NULL,
         content {blob} NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS batch_files_tenant ON batch_files (tenant, created_at)",
+    """CREATE TABLE IF NOT EXISTS batch_file_parts (
+        file_id TEXT NOT NULL, part {integer} NOT NULL, data {blob} NOT NULL,
+        PRIMARY KEY (file_id, part))""",
     """CREATE TABLE IF NOT EXISTS batches (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, application TEXT NOT NULL,
         endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
@@ -169,19 +183,54 @@ class BatchStore:
 
     # -- files -------------------------------------------------------------------------
 
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes,
-                 file_id: str | None = None) -> FileRecord:
+    def add_file(self, tenant: str, purpose: str, filename: str,
+                 content: bytes | bytearray, file_id: str | None = None, *,
+                 max_files: int | None = None, max_bytes: int | None = None) -> FileRecord:
+        """Keep a file. With ``max_files`` / ``max_bytes``, raise ``StoreLimit`` instead
+        when the tenant already keeps that many files, or when its files' bytes (outputs
+        included) plus this one would pass ``max_bytes``: counted and written in one
+        transaction (one per tenant at a time in Postgres), so concurrent uploads cannot
+        pass a bound together. Holds the lock while the content is written."""
         record = FileRecord(file_id or new_id("file-"), tenant, purpose, filename,
                             len(content), int(time.time()))
         with self._transaction():
+            if max_files is not None or max_bytes is not None:
+                self._serialize(tenant)
+                files, stored = self._stored_locked(tenant)
+                if max_files is not None and files >= max_files:
+                    raise StoreLimit("batch.max_files", max_files, files)
+                if max_bytes is not None and stored + len(content) > max_bytes:
+                    raise StoreLimit("batch.max_stored_bytes", max_bytes, stored)
             self._insert_file(record, content)
         return record
 
-    def _insert_file(self, record: FileRecord, content: bytes) -> None:
+    def _insert_file(self, record: FileRecord, content: bytes | bytearray) -> None:
+        """The file's row (its content column empty) and its parts; inside a transaction."""
         self._execute(f"INSERT INTO batch_files ({_FILE_COLUMNS}, content) VALUES "
                       "(?, ?, ?, ?, ?, ?, ?)",
                       (record.id, record.tenant, record.purpose, record.filename,
-                       record.bytes, record.created_at, content))
+                       record.bytes, record.created_at, b""))
+        view = memoryview(content)
+        for part, start in enumerate(range(0, len(view), PART_BYTES)):
+            self._execute("INSERT INTO batch_file_parts (file_id, part, data) VALUES "
+                          "(?, ?, ?)", (record.id, part, view[start:start + PART_BYTES]))
+
+    def _serialize(self, tenant: str) -> None:
+        """In Postgres, one writer per tenant until the transaction ends (SQLite's
+        ``BEGIN IMMEDIATE`` already serializes every writer)."""
+        if self._mark != "?":
+            self._execute("SELECT pg_advisory_xact_lock(hashtext('tokenpace.batch'), "
+                          "hashtext(?))", (tenant,))
+
+    def _stored_locked(self, tenant: str) -> tuple[int, int]:
+        row = self._execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM batch_files "
+                            "WHERE tenant = ?", (tenant,)).fetchall()[0]
+        return int(row[0]), int(row[1])
+
+    def stored(self, tenant: str) -> tuple[int, int]:
+        """How many files the tenant keeps, and their bytes (outputs included)."""
+        with self._lock:
+            return self._stored_locked(tenant)
 
     def file(self, tenant: str, file_id: str) -> FileRecord | None:
         rows = self._rows(f"SELECT {_FILE_COLUMNS} FROM batch_files WHERE id = ? AND "
@@ -189,9 +238,33 @@ class BatchStore:
         return FileRecord(*rows[0]) if rows else None
 
     def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        rows = self._rows("SELECT content FROM batch_files WHERE id = ? AND tenant = ?",
-                          (file_id, tenant))
-        return bytes(rows[0][0]) if rows else None
+        """The whole content (read part by part, the lock held for one part at a time)."""
+        found = self.file_parts(tenant, file_id)
+        return None if found is None else b"".join(found[1])
+
+    def file_parts(self, tenant: str, file_id: str) -> tuple[FileRecord, Iterator[bytes]] | None:
+        """The file and its content as an iterator of parts of at most ``PART_BYTES``:
+        each ``next`` one short locked read. A file deleted while it is read raises
+        ``LedgerError`` at the first part gone."""
+        rows = self._rows(f"SELECT {_FILE_COLUMNS}, length(content) FROM batch_files "
+                          "WHERE id = ? AND tenant = ?", (file_id, tenant))
+        if not rows:
+            return None
+        record, inline = FileRecord(*rows[0][:6]), int(rows[0][6] or 0)
+        return record, self._parts(record, inline)
+
+    def _parts(self, record: FileRecord, inline: int) -> Iterator[bytes]:
+        if inline:  # a row written before parts: its content whole, in its own column
+            rows = self._rows("SELECT content FROM batch_files WHERE id = ?", (record.id,))
+            if rows:
+                yield bytes(rows[0][0])
+                return
+        for part in range(-(-record.bytes // PART_BYTES)):
+            rows = self._rows("SELECT data FROM batch_file_parts WHERE file_id = ? AND "
+                              "part = ?", (record.id, part))
+            if not rows:
+                raise LedgerError(f"file {record.id} was deleted while it was read")
+            yield bytes(rows[0][0])
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
               ascending: bool) -> tuple[list[FileRecord], bool]:
@@ -204,7 +277,10 @@ class BatchStore:
         with self._transaction():
             cur = self._execute("DELETE FROM batch_files WHERE id = ? AND tenant = ?",
                                 (file_id, tenant))
-            return bool(cur.rowcount)
+            if not cur.rowcount:
+                return False
+            self._execute("DELETE FROM batch_file_parts WHERE file_id = ?", (file_id,))
+            return True
 
     def count_files(self, tenant: str) -> int:
         return int(self._rows("SELECT COUNT(*) FROM batch_files WHERE tenant = ?",
@@ -219,8 +295,26 @@ class BatchStore:
 
     # -- batches -----------------------------------------------------------------------
 
-    def add_batch(self, batch: BatchRecord) -> None:
+    def add_batch(self, batch: BatchRecord, max_unfinished: int | None = None,
+                  max_bytes: int | None = None) -> None:
+        """Keep a new batch. With ``max_unfinished`` / ``max_bytes``, raise ``StoreLimit``
+        instead when its tenant already has that many unfinished batches, or already keeps
+        ``max_bytes`` of files (its output would have no room): counted and written in one
+        transaction, so concurrent creates cannot pass a bound together."""
         with self._transaction():
+            if max_unfinished is not None or max_bytes is not None:
+                self._serialize(batch.tenant)
+            if max_unfinished is not None:
+                marks = ", ".join("?" * len(UNFINISHED))
+                running = int(self._execute(
+                    f"SELECT COUNT(*) FROM batches WHERE tenant = ? AND status IN ({marks})",
+                    (batch.tenant, *UNFINISHED)).fetchall()[0][0])
+                if running >= max_unfinished:
+                    raise StoreLimit("batch.max_batches", max_unfinished, running)
+            if max_bytes is not None:
+                stored = self._stored_locked(batch.tenant)[1]
+                if stored >= max_bytes:
+                    raise StoreLimit("batch.max_stored_bytes", max_bytes, stored)
             self._execute(f"INSERT INTO batches ({_BATCH_COLUMNS}) VALUES "
                           "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", _batch_row(batch))
 
