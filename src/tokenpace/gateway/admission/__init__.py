@@ -6,7 +6,7 @@ request limits and reserves the budgets (enforced, then observed). Each refusal 
 ``GatewayError`` made in ``_refusals``, with OpenAI's headers.
 """
 
-from ._admit import Admission, admit, prompt_bytes, read_body
+from ._admit import MAX_BYTES_PER_TOKEN, Admission, admit, count_request, prompt_bytes, read_body
 from ._identity import authenticate, authorization_of, bearer_key, identify, route, tenant_models
 from ._refusals import (
     budget_error,
@@ -17,12 +17,14 @@ from ._refusals import (
 )
 
 __all__ = [
+    "MAX_BYTES_PER_TOKEN",
     "Admission",
     "admit",
     "authenticate",
     "authorization_of",
     "bearer_key",
     "budget_error",
+    "count_request",
     "identify",
     "prompt_bytes",
     "queue_full",

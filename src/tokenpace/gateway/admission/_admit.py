@@ -23,7 +23,7 @@ from ...fairness import BudgetRefusal, Headroom, TenantBudgets, tightest
 from ..engines import prompt_bound
 from ..exchange import Exchange, Runtime, settle_in_store
 from ..state import Reservation, StateStore, StateUnavailable
-from ..tenants import Hold, LimitState, TenantState
+from ..tenants import ApplicationState, Hold, LimitState, TenantState
 from ..wire import GatewayError, ParsedRequest, count_calls, prompt_token_ids
 from . import _observe as observe
 from ._refusals import budget_error, queue_full, request_limit_error, state_unavailable
@@ -271,6 +271,16 @@ async def _take_request(rt: Runtime, level: LimitState) -> Headroom | None:
     if refusal is not None:
         raise request_limit_error(refusal, level)
     return level.request_limits.headroom(now)
+
+
+async def count_request(rt: Runtime, tenant: TenantState,
+                        application: ApplicationState | None) -> None:
+    """Count a request that is not a generation (the side routes: ``/tokenize`` and the
+    like) against the ``max_requests`` of its application and its tenant, or refuse it
+    (429), as ``admit`` counts a generation. Cost: ``_take_request`` per level with limits."""
+    for level in (tenant,) if application is None else (application, tenant):
+        if level.config.max_requests:
+            await _take_request(rt, level)
 
 
 def _needs_count(ex: Exchange, req: ParsedRequest) -> bool:

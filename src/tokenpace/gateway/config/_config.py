@@ -216,6 +216,14 @@ class BatchConfig:
     max_lines: int = 50_000
     max_files: int = 1000  # stored files per tenant (inputs and outputs)
     max_batches: int = 10  # unfinished batches per tenant
+    # Bytes a tenant keeps in files, its batches' outputs included (uploads and new batches
+    # are refused beyond it; outputs of batches already running are always written).
+    max_stored_bytes: int = 1024 * 1024 * 1024
+    # Uploads read at once per gateway process (all tenants, then per tenant), and the
+    # bytes they may hold together while they are read (``server._upload``).
+    max_uploads: int = 4
+    max_tenant_uploads: int = 1
+    upload_memory: int = 256 * 1024 * 1024
     expire_after_s: float = 24 * 3600.0  # the "24h" completion window, as run
     headroom: int = 1  # slots per engine left free for live requests
     concurrency: int = 64  # lines in flight per gateway process, all batches together
@@ -279,6 +287,16 @@ class GatewayConfig:
     conversation_affinity: int = 8
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
+    # Side routes, metrics and dispatch tables (docs/gateway.md, "Limits that protect other
+    # tenants"): a /tokenize, /detokenize or count_tokens body of at most
+    # max_tokenize_bytes; /metrics behind one of metrics_api_keys (or an admin key) when
+    # any is set, its page rendered at most once per metrics_cache; the conversation
+    # homes remembered, in all and per tenant.
+    max_tokenize_bytes: int = 1024 * 1024
+    metrics_key_hashes: tuple[bytes, ...] = ()
+    metrics_cache_s: float = 2.0
+    max_conversation_homes: int = 100_000
+    max_conversation_homes_per_tenant: int = 10_000
     # How often engines with ``discovery: dns`` are resolved again.
     discovery_interval_s: float = 10.0
     # How often the ledger is checked against the engines' books of ended requests
@@ -376,6 +394,13 @@ class GatewayConfig:
         self.tenant("")
         self.tenant_for_key("")
         return self
+
+    def is_metrics_key(self, key: str) -> bool:
+        """Whether ``key`` may read /metrics and /health's details: one of
+        ``metrics_api_keys`` or of ``admin_api_keys``."""
+        digest = hash_key(key)
+        return any(hmac.compare_digest(known, digest)
+                   for known in (*self.metrics_key_hashes, *self.admin_key_hashes))
 
     def is_admin_key(self, key: str) -> bool:
         digest = hash_key(key)
@@ -521,7 +546,9 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "stream_buffer_bytes", "tenant_stream_buffer_bytes",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
                       "routing", "pool_affinity", "conversation_affinity",
-                      "metrics_idle_after",
+                      "metrics_idle_after", "max_tokenize_bytes", "metrics_api_keys",
+                      "metrics_cache", "max_conversation_homes",
+                      "max_conversation_homes_per_tenant",
                       "discovery_interval", "locality", "batch", "ledger_journal",
                       "ledger_journal_max_bytes", "on_ledger_full", "reconcile_interval",
                       "reconcile_grace"))
@@ -606,6 +633,14 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         conversation_affinity=_int(root, "conversation_affinity", "", 8, minimum=0) or 0,
         locality=_locality(root.get("locality", "conversation")),
         metrics_idle_after_s=_duration(root, "metrics_idle_after", "", 900.0),
+        max_tokenize_bytes=_int(root, "max_tokenize_bytes", "", 1024 * 1024,
+                                minimum=1024) or 0,
+        metrics_key_hashes=tuple(_keys(root.get("metrics_api_keys", []), "metrics_api_keys")),
+        metrics_cache_s=_duration_or_off(root, "metrics_cache", 2.0),
+        max_conversation_homes=_int(root, "max_conversation_homes", "", 100_000,
+                                    minimum=1) or 0,
+        max_conversation_homes_per_tenant=_int(root, "max_conversation_homes_per_tenant", "",
+                                               10_000, minimum=1) or 0,
         discovery_interval_s=_duration(root, "discovery_interval", "", 10.0),
         reconcile_interval_s=_duration_or_off(root, "reconcile_interval", 60.0),
         reconcile_grace_s=_duration_or_off(root, "reconcile_grace", 30.0),
@@ -620,7 +655,9 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
     m = _mapping(value, "batch")
     where = "batch"
     _known(m, where, ("lane", "cost", "max_file_bytes", "max_lines", "max_files",
-                      "max_batches", "expire_after", "headroom", "concurrency", "store"))
+                      "max_batches", "expire_after", "headroom", "concurrency", "store",
+                      "max_stored_bytes", "max_uploads", "max_tenant_uploads",
+                      "upload_memory"))
     lane = m.get("lane")
     if lane is not None and lane not in {x.name for x in lanes}:
         raise ConfigError(f"batch.lane: unknown lane {lane!r}; lanes are "
@@ -640,10 +677,23 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
         if base_dir is not None:
             store = resolve_ledger_url(store, base_dir)
     defaults = BatchConfig()
+    max_file_bytes = _int(m, "max_file_bytes", where, defaults.max_file_bytes, minimum=1) or 0
+    upload_memory = _int(m, "upload_memory", where, max(defaults.upload_memory,
+                                                        max_file_bytes), minimum=1) or 0
+    if upload_memory < max_file_bytes:
+        raise ConfigError(f"batch.upload_memory: {upload_memory} is less than "
+                          f"batch.max_file_bytes ({max_file_bytes}): a file of the largest "
+                          "size allowed could never be uploaded")
+    max_uploads = _int(m, "max_uploads", where, defaults.max_uploads, minimum=1) or 0
     return BatchConfig(
         lane=lane, cost=defaults.cost if cost is None else cost,
-        max_file_bytes=_int(m, "max_file_bytes", where, defaults.max_file_bytes, minimum=1)
-        or 0,
+        max_file_bytes=max_file_bytes,
+        max_stored_bytes=_int(m, "max_stored_bytes", where, defaults.max_stored_bytes,
+                              minimum=1) or 0,
+        max_uploads=max_uploads,
+        max_tenant_uploads=_int(m, "max_tenant_uploads", where,
+                                min(defaults.max_tenant_uploads, max_uploads), minimum=1) or 0,
+        upload_memory=upload_memory,
         max_lines=_int(m, "max_lines", where, defaults.max_lines, minimum=1) or 0,
         max_files=_int(m, "max_files", where, defaults.max_files, minimum=1) or 0,
         max_batches=_int(m, "max_batches", where, defaults.max_batches, minimum=1) or 0,
