@@ -49,6 +49,14 @@ def pinned_engine(urls: list[str], tenant: str) -> int:
     return dispatcher.engines.index(dispatcher.engine_for(tenant))
 
 
+ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def health(url: str) -> httpx.Response:
+    """``GET /health`` of the gateway at ``url`` with the test gateways' admin key."""
+    return httpx.get(f"{url}/health", headers=ADMIN_HEADERS)
+
+
 class GatewayProcess:
     """``tokenpace gateway`` as a subprocess; ``config`` is rewritten by ``write``."""
 
@@ -63,6 +71,8 @@ class GatewayProcess:
         self._starts = 0
 
     def write(self, config: dict[str, Any]) -> None:
+        # /health's details (engines, state store) need an admin or metrics key.
+        config.setdefault("admin_api_keys", [ADMIN_KEY])
         self.config = config
         self.config_path.write_text(yaml.safe_dump(config))
 
@@ -104,6 +114,10 @@ class GatewayProcess:
             if len(rows) >= expected or time.monotonic() > deadline:
                 return rows
             time.sleep(0.1)
+
+    def health(self) -> Any:
+        """``/health`` with its details (the engines, the state store): the admin key's view."""
+        return health(self.url).json()
 
     def metric(self, name: str, **labels: str) -> float | None:
         text = httpx.get(f"{self.url}/metrics").text

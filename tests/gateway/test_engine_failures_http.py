@@ -67,7 +67,7 @@ def burst(gw: GatewayProcess, first: int, n: int, streams: int = 8) -> list[http
 
 
 def engine_health(gw: GatewayProcess) -> dict[str, bool]:
-    return {e["url"]: e["healthy"] for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    return {e["url"]: e["healthy"] for e in gw.health()["engines"]}
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_drain_by_admin_and_by_reload(pair: Any, tmp_path: Path) -> None:
                       json={"engine": drained.url, "drain": True})
     assert resp.status_code == 200 and resp.json()["inflight"] == 1
     assert gw.metric("tokenpace_gateway_engine_draining", engine=drained.url) == 1.0
-    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    health = {e["url"]: e for e in gw.health()["engines"]}
     assert health[drained.url]["draining"] is True and health[drained.url]["healthy"] is True
     seen = len(drained.engine.requests)
     assert all(a.status_code == 200 for a in burst(gw, 0, 12))
@@ -272,7 +272,7 @@ def test_an_engine_shutting_down_is_drained_until_it_is_gone_and_back(pair: Any)
     answers = burst(gw, 0, 24)
     assert [a.status_code for a in answers] == [200] * 24, [a.text for a in answers]
     assert len(stopping.engine.requests) == seen and stopping.engine.unavailable_answers >= 1
-    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    health = {e["url"]: e for e in gw.health()["engines"]}
     assert health[stopping.url]["healthy"] is True
     assert health[stopping.url]["draining"] is True and health[stopping.url]["shutting_down"]
     assert gw.metric("tokenpace_gateway_engine_draining", engine=stopping.url) == 1.0
@@ -294,7 +294,7 @@ def test_an_engine_shutting_down_is_drained_until_it_is_gone_and_back(pair: Any)
     while engine_health(gw)[stopping.url]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    health = {e["url"]: e for e in httpx.get(f"{gw.url}/health").json()["engines"]}
+    health = {e["url"]: e for e in gw.health()["engines"]}
     assert health[stopping.url]["draining"] is False and "shutting_down" not in health[stopping.url]
     back = EngineServer(FakeEngine(models=("chat",), token_delay_s=0.02),
                         port=stopping.port).start()

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from tests._servers import free_port
 from tests.gateway._engine import EngineServer, FakeEngine
+from tests.gateway.conftest import ADMIN_HEADERS
 from tests.gateway.test_engine_failures_http import KEY, burst, engine_health
 from tokenpace.gateway.config import parse_config
 from tokenpace.gateway.engines import Discovery
@@ -132,7 +133,8 @@ def test_engines_named_by_dns_join_and_leave_as_the_answers_change(tmp_path: Pat
             async with httpx.AsyncClient(transport=transport, base_url="http://gw",
                                          timeout=30) as client:
                 async def health() -> dict[str, dict[str, Any]]:
-                    return {e["url"]: e for e in (await client.get("/health")).json()["engines"]}
+                    answer = await client.get("/health", headers=ADMIN_HEADERS)
+                    return {e["url"]: e for e in answer.json()["engines"]}
 
                 async def until(urls: set[str]) -> None:
                     deadline = time.monotonic() + 10

@@ -160,7 +160,7 @@ def test_tenants_stay_pinned_and_repin_after_the_drain_period(make_gateway: Any,
         down = pinned["polite"]
         engines[down].engine.healthy = False
         deadline = time.monotonic() + 10
-        while httpx.get(f"{gw.url}/health").json()["engines"][down]["healthy"]:
+        while gw.health()["engines"][down]["healthy"]:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         resp = httpx.post(f"{gw.url}/v1/completions", headers={"authorization": "Bearer sk-polite"},

@@ -421,7 +421,7 @@ def test_models_health_metrics_and_unknown_paths(gateway: GatewayProcess) -> Non
     client(gateway).completions.create(model="fake", prompt="hi", max_tokens=2, stream=True)
     models = client(gateway).models.list()
     assert [m.id for m in models.data] == ["fake"]
-    health = httpx.get(gateway.url + "/health").json()
+    health = gateway.health()
     assert health["engines"][0]["healthy"] is True
     text = httpx.get(gateway.url + "/metrics").text
     for name in ("tokenpace_gateway_requests_total", "tokenpace_gateway_queue_seconds_bucket",

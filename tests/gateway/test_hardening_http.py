@@ -72,7 +72,7 @@ def test_priority_lanes_in_front_of_an_engine_without_priority_are_reported(
         gw = make_gateway(config)
         deadline = time.monotonic() + 10
         while True:  # the first health check runs as the gateway starts
-            health = httpx.get(f"{gw.url}/health").json()["engines"][0]
+            health = gw.health()["engines"][0]
             if health["scheduling_policy"]["engine"] == (reported or "unknown") \
                     or time.monotonic() > deadline:
                 break

@@ -94,14 +94,14 @@ def test_closed_answers_503_while_redis_is_down_and_recovers(
         assert down.headers["retry-after"] == "1"
         assert down.json()["error"]["code"] == "state_unavailable"
         assert took < 2.0  # a refused connection fails at once; 2 s of margin for the box
-        health = httpx.get(f"{gw.url}/health").json()
+        health = gw.health()
         assert health["state"]["healthy"] is False and health["state"]["backend"] == "redis"
         redis_server.start()
         deadline = time.monotonic() + 10
         while (answer := post(gw)).status_code != 200:
             assert answer.status_code == 503 and time.monotonic() < deadline
             time.sleep(0.2)
-        assert httpx.get(f"{gw.url}/health").json()["state"]["healthy"] is True
+        assert gw.health()["state"]["healthy"] is True
         # The append-only file kept the first reservation: 1000 - 2 x 116 remain.
         level = gw.metric("tokenpace_gateway_state_up")
         assert level == 1.0

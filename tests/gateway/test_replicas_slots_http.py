@@ -269,7 +269,7 @@ def test_open_dispatches_under_fallback_limits_and_gives_them_back_after_redis_r
                 f"engine has {len(engine.requests)}, gateway queues {queued([gw])}"))
             assert len(engine.requests) == 1  # fallback limit: 2 / 2 replicas
             assert gw.metric("tokenpace_gateway_state_up") == 0.0
-            health = httpx.get(f"{gw.url}/health").json()["state"]
+            health = gw.health()["state"]
             # The first request's running slots, the second's queued place.
             assert health["fallback_leases"] == 2, health
             redis_server.start()
@@ -279,7 +279,7 @@ def test_open_dispatches_under_fallback_limits_and_gives_them_back_after_redis_r
                        lambda: "the queued request did not get a shared slot after Redis returned")
             engine.gate.set()  # type: ignore[union-attr]
             assert [a.result().status_code for a in first] == [200, 200]
-        wait_until(lambda: httpx.get(f"{gw.url}/health").json()["state"]["fallback_leases"] == 0,
+        wait_until(lambda: gw.health()["state"]["fallback_leases"] == 0,
                    5, lambda: "the fallback's slot was not given back")
         # Shared again, nothing leaked in Redis: 2 of 3 held requests go, the third waits.
         engine.gate.clear()  # type: ignore[union-attr]

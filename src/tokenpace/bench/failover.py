@@ -55,6 +55,7 @@ from ._load import sse_payloads
 
 ENGINE_KEY = "sk-bench-failover-engine"
 TENANT_KEY = "sk-bench-failover"
+ADMIN_KEY = "sk-bench-admin"  # /health's engine view needs an admin or metrics key
 POLL_S = 0.02
 HEALTH_INTERVAL_S = 2.0  # the gateway's (tokenpace.gateway.dispatch.HEALTH_INTERVAL_S)
 PROMPT = "Tell me about the sea"
@@ -89,6 +90,7 @@ def _gateway_config(urls: list[str], ledger: Path, max_inflight: int) -> str:
         "engines": [{"url": u, "max_inflight": max_inflight, "models": ["tiny"],
                      "api_key": ENGINE_KEY} for u in urls],
         "ledger": f"sqlite:///{ledger}",
+        "admin_api_keys": [ADMIN_KEY],
         "tenants": [{"id": "fleet", "api_keys": [TENANT_KEY], "queue_timeout": "10m",
                      "budgets": [{"tokens": 100_000_000, "per": "1h"}]}],
     })
@@ -132,7 +134,8 @@ def _poll(gateway: str, engine_b: str, timeline: Timeline) -> None:
         while not timeline.done.is_set():
             now = time.monotonic()
             try:
-                view = {e["url"]: e for e in http.get(f"{gateway}/health").json()["engines"]}
+                view = {e["url"]: e for e in http.get(f"{gateway}/health", headers={
+                    "authorization": f"Bearer {ADMIN_KEY}"}).json()["engines"]}
             except (httpx.HTTPError, ValueError, KeyError):
                 view = {}
             b = view.get(engine_b)

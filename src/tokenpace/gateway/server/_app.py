@@ -67,6 +67,7 @@ from ..wire import GatewayError, Kind, error_response
 from ._batches import BatchService
 from ._connections import Connections
 from ._proxy import handle
+from ._scrape import PageCache, metrics_refusal, shows_details, stream, warn_if_open
 from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -111,6 +112,7 @@ class Gateway:
         self._discovery = Discovery() if any(e.discovery for e in config.engines) else None
         self.app = self  # the ASGI application to serve (``__call__``)
         self.batches = BatchService(lambda: self.rt)
+        self._page = PageCache(self._render_page)  # /metrics, rendered once per metrics_cache
         b = self.batches
         self._routes = Starlette(
             routes=[
@@ -227,6 +229,7 @@ class Gateway:
             self._spawn(self._reconcile_loop())
             if self._discovery is not None:
                 tasks.append(asyncio.create_task(self._discovery_loop()))
+            warn_if_open(self.config)
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.rt.dispatcher.engines),
                         redact(self.config.ledger))
@@ -579,8 +582,14 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def _health(self, request: Request) -> Response:
+        """The status (200 ``ok``, else 503) for anyone; the engines and the state store
+        only for a metrics or admin key (they name hosts)."""
         rt = self.rt
         assert rt is not None
+        ok = any(e.accepts for e in rt.dispatcher.engines)
+        status = "ok" if ok else "no engine in dispatch (down or drained)"
+        if not shows_details(self.config, request):
+            return JSONResponse({"status": status}, status_code=200 if ok else 503)
         engines = [{"url": e.url, "healthy": e.healthy, "draining": e.drained,
                     **({"shutting_down": True} if e.stopping_since is not None else {}),
                     "inflight": e.inflight, "queued": e.waiting(),
@@ -588,9 +597,7 @@ class Gateway:
                     **({"discovered_from": e.config.discovered_from}
                        if e.config.discovered_from else {})}
                    for e in rt.dispatcher.engines]
-        ok = any(e.accepts for e in rt.dispatcher.engines)
-        body: dict[str, object] = {"status": "ok" if ok else "no engine in dispatch (down or "
-                                   "drained)", "engines": engines}
+        body: dict[str, object] = {"status": status, "engines": engines}
         body["state"] = rt.store.describe() if rt.store is not None else {"backend": "memory",
                                                                             "healthy": True}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -605,15 +612,27 @@ class Gateway:
         return fields
 
     async def _metrics(self, request: Request) -> Response:
-        """The page: the fairness gauges set here (O(active tenants)), the text built and
-        formatted in slices on the loop (``metrics.render``), so a scrape never holds the
-        event loop for long."""
+        """The page (``_scrape``): behind ``metrics_api_keys`` when set, rendered at most
+        once per ``metrics_cache`` whatever the number of scrapers."""
+        refusal = metrics_refusal(self.config, request)
+        if refusal is not None:
+            return refusal
+        page = await self._page.page(self.config.metrics_cache_s)
+        return StreamingResponse(stream(page), media_type=CONTENT_TYPE_LATEST)
+
+    async def _render_page(self) -> list[bytes]:
+        """A new page: the fairness gauges set here (O(active tenants)), the text built and
+        formatted in slices on the loop (``metrics.render_chunks``), so a render never holds
+        the event loop for long; with no cyclic garbage collection meanwhile (``paused_gc``:
+        its many short-lived objects would set off full collections of a heap that holds
+        every series)."""
         if self.rt is not None:
             active = [s.id for s in self.rt.tenants.series.active()]
             for i in range(0, len(active), PUBLISH_SLICE):  # a turn for requests between two
                 self.rt.dispatcher.publish(active[i:i + PUBLISH_SLICE])
                 await asyncio.sleep(0)
-        return StreamingResponse(_page(), media_type=CONTENT_TYPE_LATEST)
+        with paused_gc():
+            return [chunk async for chunk in metrics.render_chunks()]
 
     def _admin_refusal(self, request: Request) -> Response | None:
         key = bearer_key(request.headers.get("authorization"))
@@ -677,15 +696,6 @@ class Gateway:
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                               code="method_not_allowed")
-
-
-async def _page() -> AsyncIterator[bytes]:
-    """The scrape's page as ``metrics.render_chunks`` makes it, with no cyclic garbage
-    collection meanwhile (``paused_gc``: its millions of short-lived objects would set off
-    a full collection of a heap that holds every series, 170 ms at 10,000 active tenants)."""
-    with paused_gc():
-        async for chunk in metrics.render_chunks():
-            yield chunk
 
 
 _GAUGES = re.compile(
