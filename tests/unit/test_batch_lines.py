@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenpace.gateway.batch import ENDPOINTS, Line, Problem, count_lines, parse_lines
-from tokenpace.gateway.batch._lines import MAX_CUSTOM_ID, MAX_PROBLEMS
+from tokenpace.gateway.batch._lines import (
+    MAX_CUSTOM_ID,
+    MAX_PROBLEMS,
+    LineChecker,
+    raw_lines,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -254,16 +259,59 @@ def test_problem_to_json_is_openai_batch_error() -> None:
         "code": "empty_file", "message": "no requests", "param": None, "line": None}
 
 
+def test_text_no_store_keeps_fails_its_line() -> None:
+    """A NUL or a lone surrogate in a custom_id or a model (as JSON escapes) fails the
+    line at validation: no store can keep it, so the batch must never start with it."""
+    for custom_id, body, param in (
+            ("a\u0000b", None, "custom_id"), ("a\ud800", None, "custom_id"),
+            ("ok-1", {"model": "m\u0000"}, "body.model"),
+            ("ok-2", {"model": "\udfff"}, "body.model")):
+        problem = only_problem(json.dumps(request(custom_id, body=body)).encode())
+        assert (problem.code, problem.param, problem.line) == ("invalid_value", param, 1)
+    # An escaped pair is one character (a valid emoji), not a lone surrogate.
+    lines, problems = parse_lines(json.dumps(request("\ud83d\ude00")).encode(), CHAT, 5)
+    assert problems == [] and lines[0].custom_id == "\U0001F600"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=40))
+def test_lines_cut_from_chunks_of_any_size_are_the_whole_files(content: bytes,
+                                                               size: int) -> None:
+    """``raw_lines`` over the file in chunks of any size gives the non-blank lines of
+    the whole, each with its number and the offset just past it."""
+    whole = [(n, raw) for n, raw in enumerate(content.split(b"\n"), start=1) if raw.strip()]
+    chunks = [content[i:i + size] for i in range(0, len(content), size)]
+    got = list(raw_lines(chunks))
+    assert [(n, raw) for n, _, raw in got] == whole
+    for n, end, raw in got:
+        assert content[:end].endswith(raw + b"\n") or (end == len(content)
+                                                        and content.endswith(raw))
+
+
+def test_the_checker_keeps_digests_not_lines() -> None:
+    """Duplicates are found across a file checked line by line, and what the checker
+    keeps per line is a 16-byte digest and a number, whatever the custom_id's size."""
+    checker = LineChecker(CHAT, 10)
+    long_id = "x" * MAX_CUSTOM_ID
+    assert checker.check(1, json.dumps(request(long_id)).encode()) is not None
+    assert checker.check(3, json.dumps(request(long_id)).encode()) is None
+    assert [(p.code, p.line) for p in checker.finish()] == [("duplicate_custom_id", 3)]
+    assert all(len(key) == 16 for key in checker._seen)
+
+
 # -- property ----------------------------------------------------------------------------
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.text(min_size=1, max_size=MAX_CUSTOM_ID // 8), min_size=1, max_size=25,
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",),
+                                      blacklist_characters="\x00"),
+                        min_size=1, max_size=MAX_CUSTOM_ID // 8), min_size=1, max_size=25,
                 unique=True),
        st.lists(st.sampled_from([b"", b" ", b"\t"]), max_size=25))
 def test_any_distinct_custom_ids_come_back_in_order(ids: list[str], blanks: list[bytes]) -> None:
-    """Whatever the ids (any unicode, quotes, escaped newlines), a valid file returns
-    them in file order with no problem, and the line numbers point at their lines."""
+    """Whatever the ids (any unicode a store keeps, quotes, escaped newlines), a valid
+    file returns them in file order with no problem, and the line numbers point at their
+    lines."""
     rows: list[bytes] = []
     numbers: list[int] = []
     for index, custom_id in enumerate(ids):

@@ -9,6 +9,9 @@ cannot walk a batch backwards: the store applies a move only from the status it 
         |              |    +--> expired       (the completion window ran out)
         +--> failed    +--> cancelling --> cancelled
         +--> cancelling (a batch cancelled before it started)
+
+``failed`` is also where a batch that cannot progress ends, from any unfinished status
+(the runner gave up after bounded tries, or its output is larger than the gateway keeps).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ FINISHED = ("failed", "completed", "expired", "cancelled")
 
 MOVES: dict[str, tuple[str, ...]] = {
     "validating": ("in_progress", "failed", "cancelling", "expired"),
-    "in_progress": ("finalizing", "cancelling", "expired"),
-    "finalizing": ("completed",),
-    "cancelling": ("cancelled",),
+    "in_progress": ("finalizing", "cancelling", "expired", "failed"),
+    "finalizing": ("completed", "failed"),
+    "cancelling": ("cancelled", "failed"),
 }
 
 STAMPS = {"in_progress": "in_progress_at", "failed": "failed_at",

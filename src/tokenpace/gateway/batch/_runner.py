@@ -18,8 +18,31 @@ it ended decides where it goes:
 - 429 (a budget, a request limit, the queue): run again after its ``retry-after``, the
   tenant's other lines held back meanwhile, until the batch expires; 500/502/503: run
   again up to ``ATTEMPTS`` times, then the error file;
-- no answer (the gateway is shutting down): nothing is written, the line runs again
-  wherever the batch resumes.
+- no answer (the gateway is shutting down and the line outlived the shutdown's wait):
+  nothing is written, the line runs again wherever the batch resumes.
+
+Never charged twice for a store that fails: a result whose write fails (a database
+outage, a full disk) stays in memory with its batch and only its write is tried again,
+with back-off (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); the line is not sent again,
+and the batch starts no new line until every result it holds is written (so what waits
+in memory is at most the lines that were in flight). A process that stops before the
+write succeeds loses those results, and those lines run again wherever the batch
+resumes, as lines in flight at a crash do.
+
+Batches that cannot progress end: driving a batch (validating, running, finalizing) that
+raises is tried again after a back-off (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``), not
+on every scan; a failure while the store answers a trivial read counts against the batch,
+one while the store does not answer (an outage) does not, and after ``BATCH_ATTEMPTS``
+counted failures in a row the batch ends ``failed`` with the reason in OpenAI's
+``errors`` object (code ``batch_failed``). An output or error file larger than
+``max_output_bytes`` ends the batch ``failed`` at once (code ``output_too_large``),
+before anything is built.
+
+Memory: a batch's input is never held whole. Validation streams the file (one stored
+part and one line at a time, a digest per ``custom_id``); a running batch reads its
+lines a window at a time (``WINDOW_BYTES`` of bodies, at least one line) from where the
+last window ended, so a batch holds one part, one window and its lines in flight,
+whatever the file's size (per tenant: ``batch.max_batches`` times that).
 
 Expiry: a batch not finished by its ``expires_at`` stops starting lines, lets those in
 flight end, and ends ``expired`` with its results so far; the lines that never ran go to
@@ -35,15 +58,15 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .. import metrics
 from ..wire import answer_cached, answer_usage, error_body
 from ._feed import BatchFeed
-from ._lines import ENDPOINTS, Line, parse_lines
-from ._objects import BatchRecord, LineResult, result_line
+from ._lines import ENDPOINTS, Line, LineChecker, raw_lines, read_line
+from ._objects import UNFINISHED, BatchRecord, LineResult, result_line
 from ._store import BatchStore
 
 logger = logging.getLogger("tokenpace.gateway.batch")
@@ -62,6 +85,19 @@ is written: the gateway already re-dispatches a request an engine did not take, 
 third failure is the line's own."""
 
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 60.0
+
+BATCH_ATTEMPTS = 5
+"""Failures in a row of driving one batch, while the store answers, before it ends
+``failed``: with the back-off, about half a minute of tries."""
+
+WINDOW_BYTES = 1024 * 1024
+"""Bytes of line bodies a running batch reads from its input at a time (at least one
+line): with the store's part, what a batch holds of its input."""
+
+WINDOW_LINES = 1024
+"""Lines read at most at a time (a file of tiny lines stays a small window too)."""
+
+_Input = Iterator[tuple[int, int, bytes]]
 
 
 @dataclass(frozen=True)
@@ -108,17 +144,28 @@ class _Job:
     # "cancelling", "expired", or "suspended" (a line got no answer): start no more lines
     stop: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    reader: _Input | None = None  # the input's lines not read yet (None: all read)
+    done: set[int] = field(default_factory=set)  # lines with a stored result at the start
+    # Results whose write failed, by line number: written again with back-off, never run.
+    unstored: dict[int, LineResult] = field(default_factory=dict)
+    store_wait_s: float = 0.0  # the back-off before the next write of ``unstored``
 
 
 class BatchRunner:
     def __init__(self, store: BatchStore, host: BatchHost, *, concurrency: int,
-                 max_lines: int, clock: Callable[[], float] = time.monotonic,
+                 max_lines: int, max_output_bytes: int = 1 << 30,
+                 clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.store = store
         self.host = host
         self.concurrency = concurrency
         self.max_lines = max_lines
+        self.max_output_bytes = max_output_bytes
         self._wall = wall
+        self._clock = clock
+        # Batch id -> (failures counted in a row, clock time before which it is not
+        # claimed again): the back-off of batches whose driving raised.
+        self._failures: dict[str, tuple[int, float]] = {}
         self.feed = BatchFeed(clock)
         self._jobs: dict[str, _Job] = {}
         self._inflight = 0
@@ -157,6 +204,13 @@ class BatchRunner:
         """Lines started and not yet ended, all batches of this process."""
         return self._inflight
 
+    @property
+    def unsettled(self) -> int:
+        """Lines started whose result is not stored yet (in flight, being written, or
+        held after a failed write), all batches of this process: a shutdown that waits
+        for this to reach 0 loses no result."""
+        return sum(job.inflight + len(job.unstored) for job in self._jobs.values())
+
     def quiesce(self) -> None:
         """Start no line and claim no batch from now on (the gateway is stopping): lines
         in flight end, and their batches wait for the next start."""
@@ -178,6 +232,9 @@ class BatchRunner:
                 continue
             if self._quiescing:
                 continue
+            failed = self._failures.get(batch.id)
+            if failed is not None and self._clock() < failed[1]:
+                continue  # backing off after a failure
             claim = await self.host.claim(batch.id)
             if claim is None:
                 continue
@@ -196,7 +253,7 @@ class BatchRunner:
                 if ticket is None:
                     break
                 job = self._jobs.get(ticket.batch_id)
-                if job is None or job.stop is not None or not job.pending:
+                if job is None or job.stop is not None or not job.pending or job.unstored:
                     self.feed.started(ticket.model)
                     continue
                 if job.pending[0].model != ticket.model:
@@ -208,6 +265,8 @@ class BatchRunner:
                 line = job.pending.popleft()
                 if job.pending:
                     self._offer(job)  # its next line waits its turn at once
+                if len(job.pending) < WINDOW_LINES // 2 and job.reader is not None:
+                    job.changed.set()  # its driver reads the next window
                 job.inflight += 1
                 self._inflight += 1
                 self._spawn(self._run_line(job, line, ticket.model))
@@ -237,75 +296,169 @@ class BatchRunner:
             if batch is not None and batch.status in ("finalizing", "cancelling"):
                 await self._finalize(job, batch, "completed" if batch.status == "finalizing"
                                      else "cancelled")
+            self._failures.pop(job.batch.id, None)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            logger.exception("batch %s: runner failed; it is picked up again on the next "
-                             "scan", job.batch.id)
+        except Exception as exc:
+            await self._failed(job, exc)
         finally:
             self.feed.forget(job.batch.id)
             self._jobs.pop(job.batch.id, None)
+            job.reader = None
             await self.host.unclaim(job.claim)
 
-    async def _lines(self, batch: BatchRecord) -> tuple[list[Line], list[dict[str, Any]]]:
-        content = await asyncio.to_thread(self.store.file_content, batch.tenant,
-                                          batch.input_file_id)
-        if content is None:
-            return [], [{"code": "file_not_found", "message": f"input file "
-                         f"{batch.input_file_id} no longer exists", "param": "input_file_id",
-                         "line": None}]
-        lines, problems = await asyncio.to_thread(parse_lines, content, batch.endpoint,
-                                                  self.max_lines)
-        return lines, [p.to_json() for p in problems]
+    async def _failed(self, job: _Job, exc: Exception) -> None:
+        """Driving ``job`` raised ``exc``: back off before the batch is claimed again, and
+        count the failure against the batch when the store answers (not an outage);
+        the ``BATCH_ATTEMPTS``-th ends it ``failed``."""
+        batch_id = job.batch.id
+        count, _ = self._failures.get(batch_id, (0, 0.0))
+        try:
+            await asyncio.to_thread(self.store.ping)
+            count += 1
+            outage = False
+        except Exception:
+            outage = True
+        logger.error("batch %s: runner failed (%s%s); tried again later", batch_id,
+                     "the store does not answer; " if outage else
+                     f"failure {count} of {BATCH_ATTEMPTS}; ", exc,
+                     exc_info=not outage)
+        wait = min(RETRY_MAX_S, RETRY_MIN_S * 2 ** max(0, count - 1))
+        self._failures[batch_id] = (count, self._clock() + wait)
+        if count >= BATCH_ATTEMPTS:
+            ended = await self._fail(batch_id, "batch_failed", f"the gateway could not run "
+                                     f"this batch ({count} tries failed: "
+                                     f"{type(exc).__name__}); its lines' results so far are "
+                                     "lost with it")
+            if ended:
+                self._failures.pop(batch_id, None)
+
+    async def _fail(self, batch_id: str, code: str, message: str) -> bool:
+        """End the batch ``failed`` with one error (OpenAI's ``errors.data``); False when
+        the store did not take it (it is tried again on the batch's next failure)."""
+        try:
+            current = await asyncio.to_thread(self.store.batch, batch_id)
+            if current is None or current.status not in UNFINISHED:
+                return True
+            moved = await asyncio.to_thread(
+                self.store.move, batch_id, current.status, "failed",
+                errors=[{"code": code, "message": message, "param": None, "line": None}])
+        except Exception:
+            logger.exception("batch %s: could not be marked failed", batch_id)
+            return False
+        if moved is not None:
+            logger.error("batch %s failed: %s", batch_id, message)
+        return moved is not None
+
+    def _input(self, batch: BatchRecord) -> _Input | None:
+        """The input file's non-blank lines, read part by part (blocking: in a worker
+        thread); None when the file is gone."""
+        found = self.store.file_parts(batch.tenant, batch.input_file_id)
+        return None if found is None else raw_lines(found[1])
+
+    def _check(self, batch: BatchRecord) -> tuple[int, set[str], list[dict[str, Any]]] | None:
+        """The input file read once, every line checked (blocking): its valid lines, the
+        models they name (two at most: one, or "several"), and its problems; None when the
+        file is gone. Memory: one part, one line, a digest per ``custom_id``."""
+        reader = self._input(batch)
+        if reader is None:
+            return None
+        checker = LineChecker(batch.endpoint, self.max_lines)
+        models: set[str] = set()
+        if not checker.full:
+            for number, _, raw in reader:
+                line = checker.check(number, raw)
+                if line is not None and len(models) < 2:
+                    models.add(line.model)
+                if checker.full:
+                    break
+        return checker.valid, models, [p.to_json() for p in checker.finish()]
 
     async def _validate(self, job: _Job) -> BatchRecord | None:
         batch = job.batch
-        lines, problems = await self._lines(batch)
+        checked = await asyncio.to_thread(self._check, batch)
+        if checked is None:
+            problems = [{"code": "file_not_found", "message": f"input file "
+                         f"{batch.input_file_id} no longer exists", "param": "input_file_id",
+                         "line": None}]
+            total, models = 0, set()
+        else:
+            total, models, problems = checked
         if self._wall() >= batch.expires_at:  # every line written as batch_expired
-            return await self._finalize(job, batch, "expired", [] if problems else lines)
+            if not problems:
+                job.reader = await asyncio.to_thread(self._input, batch)
+            return await self._finalize(job, batch, "expired", expire=not problems)
         if problems:
             moved = await asyncio.to_thread(self.store.move, batch.id, "validating", "failed",
                                             errors=problems)
             return moved
-        models = {line.model for line in lines}
         moved = await asyncio.to_thread(self.store.move, batch.id, "validating",
-                                        "in_progress", total=len(lines),
+                                        "in_progress", total=total,
                                         model=models.pop() if len(models) == 1 else None)
         if moved is None:  # cancelled meanwhile
             return await asyncio.to_thread(self.store.batch, batch.id)
         job.batch = moved
         return moved
 
+    def _window(self, job: _Job) -> list[Line]:
+        """The next lines of the input without a stored result (blocking): up to
+        ``WINDOW_LINES`` lines or ``WINDOW_BYTES`` of bodies, at least one line while any
+        is left; ``job.reader`` becomes None at the end of the file."""
+        reader, lines, size = job.reader, [], 0
+        if reader is None:
+            return lines
+        batch = job.batch
+
+        def problem(code: str, message: str, number: int | None, param: str | None) -> None:
+            logger.error("batch %s: line %s of its input no longer reads (%s)", batch.id,
+                         number, message)
+
+        for number, _, raw in reader:
+            if number in job.done:
+                continue
+            line = read_line(number, raw, batch.endpoint, problem)
+            if line is None:
+                continue
+            lines.append(line)
+            size += len(line.body)
+            if len(lines) >= WINDOW_LINES or size >= WINDOW_BYTES:
+                return lines
+        job.reader = None
+        return lines
+
     async def _run(self, job: _Job) -> BatchRecord | None:
         batch = job.batch
-        lines, problems = await self._lines(batch)
-        if problems:  # the input changed under a running batch: nothing more can run
-            logger.error("batch %s: its input file can no longer be read (%s)", batch.id,
-                         problems[0]["message"])
-            lines = []
-        done = await asyncio.to_thread(self.store.done_lines, batch.id)
-        job.pending.extend(line for line in lines if line.number not in done)
-        if job.pending:
-            logger.info("batch %s of tenant %s: %d of %d lines to run", batch.id,
-                        batch.tenant, len(job.pending), len(lines))
+        job.done = await asyncio.to_thread(self.store.done_lines, batch.id)
+        job.reader = await asyncio.to_thread(self._input, batch)
+        if job.reader is None:
+            logger.error("batch %s: its input file %s no longer exists", batch.id,
+                         batch.input_file_id)
+        logger.info("batch %s of tenant %s: %d of %d lines to run", batch.id, batch.tenant,
+                    max(0, batch.total - len(job.done)), batch.total)
         while True:
+            if job.unstored:
+                await self._store_held(job)
             if job.stop is None and self._wall() >= batch.expires_at:
                 self._stop(job, "expired")
-            if job.stop is None and job.pending:
+            if job.stop is None and job.reader is not None \
+                    and len(job.pending) < WINDOW_LINES // 2:
+                job.pending.extend(await asyncio.to_thread(self._window, job))
+            if job.stop is None and job.pending and not job.unstored:
                 self._offer(job)
-            if job.inflight == 0 and (job.stop is not None or not job.pending):
+            if job.inflight == 0 and not job.unstored and (
+                    job.stop is not None or (not job.pending and job.reader is None)):
                 break
             job.changed.clear()
+            wait = max(0.05, min(SCAN_S, batch.expires_at - self._wall()))
+            if job.unstored:
+                wait = job.store_wait_s
             try:
-                async with asyncio.timeout(max(0.05, min(SCAN_S, batch.expires_at
-                                                         - self._wall()))):
+                async with asyncio.timeout(wait):
                     await job.changed.wait()
             except TimeoutError:
                 pass
         if job.stop == "expired":
-            unrun = list(job.pending)
-            job.pending.clear()
-            return await self._finalize(job, batch, "expired", unrun)
+            return await self._finalize(job, batch, "expired", expire=True)
         if job.stop == "cancelling":
             current = await asyncio.to_thread(self.store.batch, batch.id)
             return current
@@ -326,28 +479,51 @@ class BatchRunner:
         self.feed.wait(job.batch.id, job.batch.tenant, line.model, len(line.body) / 4)
         self._pump_now.set()
 
+    def _expired_lines(self, job: _Job, written: set[int]) -> tuple[bytes, int]:
+        """The error lines (``batch_expired``) of every line that never ran: those
+        waiting, then the rest of the input (blocking); and how many."""
+        batch = job.batch
+        out: list[str] = []
+        pending = list(job.pending)
+        job.pending.clear()
+        while True:
+            for line in pending:
+                if line.number not in written:
+                    written.add(line.number)
+                    out.append(result_line("tpg-" + _unrun_id(batch.id, line.number),
+                                           line.custom_id, None, None, {
+                                               "code": "batch_expired",
+                                               "message": "This line could not be run "
+                                                          "before the batch's completion "
+                                                          "window ended."}) + "\n")
+            if job.reader is None:
+                return "".join(out).encode(), len(out)
+            pending = self._window(job)
+
     async def _finalize(self, job: _Job, batch: BatchRecord, end: str,
-                        unrun: list[Line] | None = None) -> BatchRecord | None:
+                        expire: bool = False) -> BatchRecord | None:
         """Write the output and error files from the stored results and end the batch
-        (``unrun``: lines that expire unrun, written as ``batch_expired`` errors)."""
+        (``expire``: the lines that never ran, waiting or not read yet, are written as
+        ``batch_expired`` errors). Files over ``max_output_bytes`` end it ``failed``."""
+        expired, unrun = b"", 0
+        if expire:
+            written = await asyncio.to_thread(self.store.done_lines, batch.id)
+            expired, unrun = await asyncio.to_thread(self._expired_lines, job, written)
+        ok_bytes, error_bytes = await asyncio.to_thread(self.store.result_bytes, batch.id)
+        largest = max(ok_bytes, error_bytes + len(expired))
+        if largest > self.max_output_bytes:
+            await self._fail(batch.id, "output_too_large", f"the batch's output would be "
+                             f"{largest} bytes, more than this gateway keeps in one file "
+                             f"({self.max_output_bytes}, batch.max_output_bytes)")
+            return None
         results = await asyncio.to_thread(self.store.results, batch.id)
         output = "".join(r.text + "\n" for r in results if r.ok).encode()
-        errors = "".join(r.text + "\n" for r in results if not r.ok)
-        if unrun:
-            written = {r.number for r in results}
-            errors += "".join(result_line("tpg-" + _unrun_id(batch.id, line.number),
-                                          line.custom_id, None, None, {
-                                              "code": "batch_expired",
-                                              "message": "This line could not be run before "
-                                                         "the batch's completion window "
-                                                         "ended."}) + "\n"
-                              for line in unrun if line.number not in written)
-        ended = await asyncio.to_thread(self.store.finish, batch, end, output,
-                                        errors.encode())
+        errors = "".join(r.text + "\n" for r in results if not r.ok).encode() + expired
+        del results
+        ended = await asyncio.to_thread(self.store.finish, batch, end, output, errors)
         if ended is not None:
             if unrun:
-                metrics.child(metrics.BATCH_LINES, batch.tenant, "expired").inc(
-                    sum(1 for line in unrun if line.number not in written))
+                metrics.child(metrics.BATCH_LINES, batch.tenant, "expired").inc(unrun)
             counts = await asyncio.to_thread(self.store.usage, batch.id)
             logger.info("batch %s of tenant %s %s: %d lines ok, %d failed", batch.id,
                         batch.tenant, end, counts.requests_completed, counts.requests_failed)
@@ -382,15 +558,10 @@ class BatchRunner:
                 on_slot()
                 self._inflight -= 1  # the process's bound: another line may start now
                 self._pump_now.set()
-            try:
-                if answer is None:
-                    self._suspend(job, line)
-                else:
-                    await self._settle_line(job, line, model, answer)
-            except Exception:
-                logger.exception("batch %s line %d: its result could not be kept",
-                                 job.batch.id, line.number)
+            if answer is None:
                 self._suspend(job, line)
+            else:
+                await self._settle_line(job, line, model, answer)
         finally:
             job.inflight -= 1
             job.changed.set()
@@ -405,6 +576,8 @@ class BatchRunner:
 
     async def _settle_line(self, job: _Job, line: Line, model: str,
                            answer: LineAnswer) -> None:
+        """Keep the line's result, or send it back to wait (a 429, a 5xx under
+        ``ATTEMPTS``). The line ran: whatever fails from here, it is not run again."""
         batch = job.batch
         status = answer.status
         again = False
@@ -419,30 +592,76 @@ class BatchRunner:
             job.pending.appendleft(line)
             return
         try:
-            body: Any = json.loads(answer.body)
-        except ValueError:
-            body = answer.body.decode("utf-8", "replace")
-        ok = 200 <= status < 300
-        prompt = completion = cached = 0
-        if ok:
-            kind = ENDPOINTS[batch.endpoint]
-            try:
-                reported, completion, _ = answer_usage(kind, body)
-                prompt = int(reported or 0)
-                cached = int(answer_cached(kind, body) or 0)
-            except (TypeError, ValueError, AttributeError):
-                pass
-        error = None
-        if not ok and isinstance(body, dict) and isinstance(body.get("error"), dict):
-            err = body["error"]
-            error = {"code": str(err.get("code") or err.get("type") or status),
-                     "message": str(err.get("message", ""))}
-        result = LineResult(line.number, line.custom_id, ok,
-                            result_line(answer.request_id, line.custom_id, status, body,
-                                        error), prompt, cached, completion)
-        if await asyncio.to_thread(self.store.add_result, batch.id, result):
-            metrics.child(metrics.BATCH_LINES, batch.tenant, "output" if ok else "error").inc()
+            result, completion = _result(batch, line, answer)
+        except Exception:  # an answer the gateway cannot read: the line's error, once
+            logger.exception("batch %s line %d: its answer could not be read", batch.id,
+                             line.number)
+            result, completion = LineResult(line.number, line.custom_id, False, result_line(
+                answer.request_id, line.custom_id, 500, error_body(
+                    500, "internal error in the gateway", "internal_error"),
+                {"code": "internal_error", "message": "the answer could not be read"})), 0
         self.feed.charge(batch.tenant, model, batch.id, completion)
+        try:
+            kept = await asyncio.to_thread(self.store.add_result, batch.id, result)
+        except Exception as exc:
+            logger.error("batch %s line %d: its result could not be stored (%s); kept in "
+                         "memory and written again, the line is not run again", batch.id,
+                         line.number, exc)
+            job.unstored[line.number] = result
+            job.store_wait_s = job.store_wait_s or RETRY_MIN_S
+            self.feed.forget(batch.id)  # no new line while a result waits
+            return
+        if kept:
+            metrics.child(metrics.BATCH_LINES, batch.tenant,
+                          "output" if result.ok else "error").inc()
+
+    async def _store_held(self, job: _Job) -> None:
+        """Write the results ``job`` holds after failed writes, in line order; on a
+        failure the rest wait for the next try, ``store_wait_s`` doubled (at most
+        ``RETRY_MAX_S``)."""
+        batch = job.batch
+        for number in sorted(job.unstored):
+            result = job.unstored[number]
+            try:
+                kept = await asyncio.to_thread(self.store.add_result, batch.id, result)
+            except Exception as exc:
+                job.store_wait_s = min(RETRY_MAX_S, max(RETRY_MIN_S, job.store_wait_s * 2))
+                logger.warning("batch %s: %d result(s) still not stored (%s); next try in "
+                               "%.1f s", batch.id, len(job.unstored), exc, job.store_wait_s)
+                return
+            del job.unstored[number]
+            if kept:
+                metrics.child(metrics.BATCH_LINES, batch.tenant,
+                              "output" if result.ok else "error").inc()
+        job.store_wait_s = 0.0
+        logger.warning("batch %s: the results held in memory are stored", batch.id)
+
+
+def _result(batch: BatchRecord, line: Line, answer: LineAnswer) -> tuple[LineResult, int]:
+    """The line's result row from the gateway's answer, and its completion tokens."""
+    status = answer.status
+    try:
+        body: Any = json.loads(answer.body)
+    except ValueError:
+        body = answer.body.decode("utf-8", "replace")
+    ok = 200 <= status < 300
+    prompt = completion = cached = 0
+    if ok:
+        kind = ENDPOINTS[batch.endpoint]
+        try:
+            reported, completion, _ = answer_usage(kind, body)
+            prompt = int(reported or 0)
+            cached = int(answer_cached(kind, body) or 0)
+        except (TypeError, ValueError, AttributeError):
+            pass
+    error = None
+    if not ok and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        error = {"code": str(err.get("code") or err.get("type") or status),
+                 "message": str(err.get("message", ""))}
+    return LineResult(line.number, line.custom_id, ok,
+                      result_line(answer.request_id, line.custom_id, status, body, error),
+                      prompt, cached, completion), completion
 
 
 def _retry_s(value: float | None) -> float:

@@ -51,6 +51,13 @@ from ._objects import (
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
 
+_PG_CONNECT_TIMEOUT_S = 10
+"""Bound on connecting to Postgres (a few round trips on a live server)."""
+
+_PG_STATEMENT_TIMEOUT_MS = 60_000
+"""Server-side bound on one statement, one lock wait and an idle transaction: well above
+the largest write (an output file's parts), far below a hang."""
+
 PART_BYTES = 1024 * 1024
 """Bytes of a file's content per stored part: what one locked read copies."""
 
@@ -135,8 +142,9 @@ class BatchStore:
                 raise LedgerError("the batch store in Postgres needs psycopg 3: "
                                   "pip install 'psycopg[binary]>=3.1'") from exc
             self._errors = (psycopg.Error,)
+            self._psycopg, self._where = psycopg, where
             try:
-                self._conn = psycopg.connect(where, autocommit=True, connect_timeout=10)
+                self._conn = self._connect()
             except psycopg.Error as exc:
                 raise LedgerError(f"cannot open the batch store in Postgres: {exc}") from exc
             self._mark, blob, serial = "%s", "BYTEA", "BIGSERIAL"
@@ -156,15 +164,54 @@ class BatchStore:
             sql = sql.replace("?", self._mark)
         return self._conn.execute(sql, tuple(params))
 
+    def _connect(self) -> Any:
+        """A new Postgres connection: autocommit (a read leaves no transaction open),
+        bounded in time to connect, keepalives to notice a peer gone without a FIN, and
+        server-side bounds on a statement, a lock wait and an idle transaction, so a call
+        under the store's lock cannot hang on a server that stopped answering."""
+        return self._psycopg.connect(
+            self._where, autocommit=True, connect_timeout=_PG_CONNECT_TIMEOUT_S,
+            keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+            options=f"-c statement_timeout={_PG_STATEMENT_TIMEOUT_MS} "
+                    f"-c lock_timeout={_PG_STATEMENT_TIMEOUT_MS} "
+                    f"-c idle_in_transaction_session_timeout={_PG_STATEMENT_TIMEOUT_MS}")
+
+    def _ready(self) -> None:
+        """Under the lock: a Postgres connection that broke (the server restarted, the
+        network dropped it) is replaced before the next statement, as the ledger's
+        backend does; the failed call itself raised psycopg's ``OperationalError``.
+        SQLite's file connection never needs it."""
+        if self._mark == "?":
+            return
+        conn = self._conn
+        if conn is None or conn.closed or getattr(conn, "broken", False):
+            if conn is not None:
+                conn.close()
+            self._conn = None
+            self._conn = self._connect()
+
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
+            self._ready()
             return list(self._execute(sql, params).fetchall())
+
+    def ping(self) -> None:
+        """One trivial read: raises the store's error (``errors``) when it does not
+        answer now (a Postgres outage; a SQLite file that cannot be read)."""
+        self._rows("SELECT 1")
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        """The exceptions the database's driver raises (``sqlite3.Error``,
+        ``psycopg.Error``)."""
+        return self._errors
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
         """One transaction, holding the connection's lock (SQLite: ``BEGIN IMMEDIATE``, the
         write lock taken at once, so two replicas on one file serialize here)."""
         with self._lock:
+            self._ready()
             if self._mark == "?":
                 self._conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -179,7 +226,8 @@ class BatchStore:
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     # -- files -------------------------------------------------------------------------
 
@@ -418,6 +466,16 @@ class BatchStore:
                           "ORDER BY line", (batch_id,))
         return [LineResult(int(r[0]), r[1], bool(r[2]), r[3], int(r[4]), int(r[5]),
                            int(r[6])) for r in rows]
+
+    def result_bytes(self, batch_id: str) -> tuple[int, int]:
+        """Bytes the output and the error file of the batch would have from its stored
+        results (each result's line and its newline; the text is ASCII JSON), summed by
+        the database: what finalizing would write, known before it is built."""
+        size = "LENGTH(CAST(text AS BLOB))" if self._mark == "?" else "OCTET_LENGTH(text)"
+        row = self._rows(f"SELECT COALESCE(SUM(CASE WHEN ok = 1 THEN {size} + 1 END), 0), "
+                         f"COALESCE(SUM(CASE WHEN ok = 0 THEN {size} + 1 END), 0) "
+                         "FROM batch_results WHERE batch_id = ?", (batch_id,))[0]
+        return int(row[0]), int(row[1])
 
     def usage(self, batch_id: str) -> Usage:
         row = self._rows("SELECT COALESCE(SUM(ok), 0), COUNT(*), "
