@@ -54,7 +54,7 @@ def real(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def health(gw: GatewayProcess) -> dict[str, dict[str, Any]]:
-    return {e["url"]: e for e in httpx.get(f"{gw.url}/health", timeout=10).json()["engines"]}
+    return {e["url"]: e for e in gw.health()["engines"]}
 
 
 def admin(gw: GatewayProcess, url: str, drain: bool) -> None:

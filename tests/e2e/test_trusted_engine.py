@@ -178,7 +178,7 @@ def test_tenants_that_opt_out_share_the_cache(gateway: GatewayProcess) -> None:
 def test_the_gateway_sees_the_engine_runs_fcfs_under_priority_lanes(gateway: GatewayProcess) -> None:
     deadline = time.monotonic() + 10
     while True:
-        health = httpx.get(f"{gateway.url}/health", timeout=10).json()["engines"][0]
+        health = gateway.health()["engines"][0]
         if health["scheduling_policy"]["engine"] != "unknown" or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -73,6 +73,9 @@ class GatewayProcess:
     def write(self, config: dict[str, Any]) -> None:
         # /health's details (engines, state store) need an admin or metrics key.
         config.setdefault("admin_api_keys", [ADMIN_KEY])
+        # Every scrape renders anew: tests read a counter right after the request that
+        # moved it (test_scrape_http tests the cache itself).
+        config.setdefault("metrics_cache", 0)
         self.config = config
         self.config_path.write_text(yaml.safe_dump(config))
 

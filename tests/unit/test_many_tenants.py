@@ -89,7 +89,8 @@ def test_a_reload_reads_the_file_off_the_event_loop(tmp_path: Path,
 
 def test_a_scrape_shows_active_tenants_only(tmp_path: Path) -> None:
     path = tmp_path / "gateway.json"
-    path.write_text(json.dumps(document(2000, tmp_path / "u.db", metrics_idle_after="300ms")))
+    path.write_text(json.dumps(document(2000, tmp_path / "u.db", metrics_idle_after="300ms",
+                                        metrics_cache=0)))
 
     def tenants_on(page: str) -> set[str]:
         return set(re.findall(r'tenant="(mt\d+)"', page))

@@ -95,6 +95,7 @@ def _gateway_config(engine_url: str, slots: int, headroom: int, ledger: Path) ->
                      "max_num_seqs": slots, "scheduling_policy": "priority"}],
         "lanes": [{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}],
         "ledger": f"sqlite:///{ledger}",
+        "metrics_cache": 0,  # counters read after the run: never a cached page
         "batch": {"lane": "batch", "headroom": headroom},
         "tenants": [{"id": LIVE, "api_keys": [KEYS[LIVE]], "lane": "interactive",
                      "queue_timeout": "10m"}]

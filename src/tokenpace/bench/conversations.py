@@ -155,6 +155,7 @@ def _gateway_config(engines: list[str], locality: str, ledger: Path, slots: int)
         "engines": [{"url": url, "models": ["tiny"], "max_inflight": slots} for url in engines],
         "locality": locality,
         "ledger": f"sqlite:///{ledger}",
+        "metrics_cache": 0,  # counters read after the run: never a cached page
         "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"}
                     for t in ("solo", "t1", "t2")],
     })

@@ -167,6 +167,7 @@ def _gateway_config(engine_url: str, policy: str, max_inflight: int, ledger: Pat
         f"dispatch_order: {policy}\n"
         f"cost: {{prompt: {PROMPT_COST}, completion: {COMPLETION_COST}}}\n"
         f'ledger: "sqlite:///{ledger}"\n'
+        "metrics_cache: 0\n"  # counters read after the run: never a cached page
         f"{shared}"
         f"tenants:\n{tenants}\n"
     )

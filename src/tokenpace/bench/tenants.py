@@ -62,6 +62,7 @@ def config_document(tenants: int, upstream: str, ledger: Path) -> dict[str, Any]
         "engines": [{"url": upstream, "models": ["tiny"], "max_inflight": 8}],
         "lanes": [{"name": LANES[0], "priority": 0}, {"name": LANES[1], "priority": 10}],
         "ledger": f"sqlite:///{ledger}",
+        "metrics_cache": 0,  # each scrape renders: its cost is what is measured
         "admin_api_keys": [ADMIN_KEY],
         "tenants": [{"id": f"tenant-{i:05d}", "api_keys": [tenant_key(i)],
                      "lane": LANES[i % 2], "weight": 1 + i % 3,
