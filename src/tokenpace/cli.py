@@ -220,6 +220,28 @@ def _cmd_bench_metering(args: argparse.Namespace) -> int:
     return _bench_outputs(args, metering, result)
 
 
+def _cmd_bench_hostile(args: argparse.Namespace) -> int:
+    from .bench import hostile
+
+    if args.duration is None:
+        args.duration = 5.0 if args.quick else 15.0
+    if args.baseline is None:
+        args.baseline = 4.0 if args.quick else 8.0
+    if args.gateway_src is not None and not (args.gateway_src / "tokenpace" / "cli.py").is_file():
+        raise SystemExit(f"tokenpace bench hostile: error: --gateway-src: no tokenpace package "
+                         f"in {args.gateway_src} (give the src/ directory of a checkout)")
+    attacks = args.attacks or list(hostile.ATTACKS)
+    unknown = [a for a in attacks if a not in hostile.ATTACKS]
+    if unknown:
+        raise SystemExit(f"tokenpace bench hostile: error: --attacks: unknown "
+                         f"{', '.join(unknown)}; known: {', '.join(hostile.ATTACKS)}")
+    result = hostile.run(None if args.engine_url else _bench_model(args), attacks,
+                         args.duration, args.baseline, args.rate, args.victim_timeout,
+                         quick=args.quick, engine_url=args.engine_url,
+                         gateway_src=args.gateway_src)
+    return _bench_outputs(args, hostile, result)
+
+
 def _cmd_bench_state(args: argparse.Namespace) -> int:
     from .bench import state
 
@@ -550,6 +572,42 @@ def build_parser() -> argparse.ArgumentParser:
                      "another checkout, e.g. an older commit's worktree; PYTHONPATH=DIR); "
                      "the engines stay this installation's")
     met.set_defaults(func=_cmd_bench_metering)
+
+    hos = bench_sub.add_parser(
+        "hostile",
+        help="one hostile tenant's attacks against another tenant's ordinary requests, "
+        "with the gateway's default limits",
+        description="A gateway with the default limits (two tenants, one engine on the tiny "
+        "model, a SQLite ledger). A victim tenant sends short chat requests at a steady rate, "
+        "alone, then beside each attack in turn (a fresh gateway each): a parse bomb, batch "
+        "uploads, a tokenize flood, slow readers, huge model names, slowloris, a connection "
+        "flood. Per attack: the victim's p50/p99 latency against its own baseline, its "
+        "errors, the gateway's memory growth, the ledger's growth and the victim's rows, "
+        "what the attacker got. --quick: shorter phases and smaller attacks.",
+    )
+    _bench_common(hos)
+    hos.add_argument("--duration", type=_positive_float, default=None,
+                     help="seconds of each attack, and of the baseline phase (default 15; "
+                     "--quick: 5)")
+    hos.add_argument("--baseline", type=_positive_float, default=None,
+                     help="seconds of the victim alone before each attack (default 8; "
+                     "--quick: 4)")
+    hos.add_argument("--rate", type=_positive_float, default=8.0,
+                     help="the victim's requests per second (default 8)")
+    hos.add_argument("--victim-timeout", type=_positive_float, default=30.0,
+                     help="seconds each victim request may take (default 30)")
+    hos.add_argument("--attacks", type=lambda v: [a for a in v.split(",") if a],
+                     default=None, metavar="NAME[,NAME...]",
+                     help="the attacks to run (default all: parse_bomb, batch_uploads, "
+                     "tokenize_flood, slow_readers, huge_model_names, slowloris, "
+                     "connection_flood)")
+    hos.add_argument("--engine-url", default=None, metavar="URL",
+                     help="use this running engine (its first served model) instead of "
+                     "starting the tiny model")
+    hos.add_argument("--gateway-src", type=Path, default=None, metavar="DIR",
+                     help="run the gateway from this source tree (the src/ directory of "
+                     "another checkout; PYTHONPATH=DIR)")
+    hos.set_defaults(func=_cmd_bench_hostile)
 
     stb = bench_sub.add_parser(
         "state", help="state work per request: Redis (several replicas) against in process",

@@ -228,6 +228,12 @@ class BatchConfig:
     headroom: int = 1  # slots per engine left free for live requests
     concurrency: int = 64  # lines in flight per gateway process, all batches together
     store: str | None = None  # the store's URL; None: beside the ledger
+    # Bytes of one output or error file a batch may write (finalizing builds it in
+    # memory once); a batch whose results would pass it ends failed (output_too_large).
+    max_output_bytes: int = 256 * 1024 * 1024
+    # How long a clean shutdown lets the lines in flight finish (their results stored)
+    # before it stops the rest as if their client had left.
+    shutdown_wait_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -657,7 +663,7 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
     _known(m, where, ("lane", "cost", "max_file_bytes", "max_lines", "max_files",
                       "max_batches", "expire_after", "headroom", "concurrency", "store",
                       "max_stored_bytes", "max_uploads", "max_tenant_uploads",
-                      "upload_memory"))
+                      "upload_memory", "max_output_bytes", "shutdown_wait"))
     lane = m.get("lane")
     if lane is not None and lane not in {x.name for x in lanes}:
         raise ConfigError(f"batch.lane: unknown lane {lane!r}; lanes are "
@@ -700,7 +706,10 @@ def _batch(value: Any, lanes: tuple[LaneConfig, ...], base_dir: Path | None) -> 
         expire_after_s=_duration(m, "expire_after", where, defaults.expire_after_s),
         headroom=_int(m, "headroom", where, defaults.headroom, minimum=0) or 0,
         concurrency=_int(m, "concurrency", where, defaults.concurrency, minimum=1) or 0,
-        store=store)
+        store=store,
+        max_output_bytes=_int(m, "max_output_bytes", where, defaults.max_output_bytes,
+                              minimum=1024) or 0,
+        shutdown_wait_s=_duration(m, "shutdown_wait", where, defaults.shutdown_wait_s))
 
 
 def _locality(value: Any) -> str:
