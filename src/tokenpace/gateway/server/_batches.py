@@ -6,6 +6,12 @@ Every route authenticates the key as the completion routes do and shows the tena
 its own files and batches: another tenant's id answers 404, as an unknown one does. The
 routes answer in OpenAI's shapes (objects, cursor pages, error bodies) so that the openai
 SDK's ``files`` and ``batches`` clients work unchanged.
+
+What a tenant can make the gateway hold is bounded before it is paid: an upload is read
+within its bounds as it streams in (``_upload``), a batch's body is at most
+``MAX_BATCH_BODY`` bytes, the files, bytes and unfinished batches a tenant keeps are
+counted in the transaction that writes, and a file is sent part by part as the store
+keeps it (one part in memory per download, the store's lock held for one part's read).
 """
 
 from __future__ import annotations
@@ -20,11 +26,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..admission import authorization_of, identify
+from ..admission import authorization_of, identify, read_body
 from ..batch import (
     ENDPOINTS,
     BatchRecord,
@@ -32,9 +37,9 @@ from ..batch import (
     BatchStore,
     Line,
     LineAnswer,
+    StoreLimit,
     Usage,
     batch_store_url,
-    count_lines,
     new_id,
 )
 from ..exchange import Runtime
@@ -43,6 +48,7 @@ from ..state import Lease, SlotClaim, StateUnavailable
 from ..tenants import TenantState
 from ..wire import GatewayError, error_body, error_response
 from ._proxy import BatchLine, handle
+from ._upload import UploadGate, read_upload
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -51,13 +57,15 @@ COMPLETION_WINDOWS = ("24h",)
 gateway actually gives it (24 h unless configured)."""
 
 MAX_METADATA = 16
-UPLOAD_SLACK = 64 * 1024
-"""Bytes of multipart framing allowed beyond ``batch.max_file_bytes`` in a declared
-``Content-Length`` before the upload is refused unread."""
+MAX_BATCH_BODY = 64 * 1024
+"""Bytes of a ``POST /v1/batches`` body, read no further: the largest valid body (16
+metadata pairs of 64 + 512 characters, every one escaped) is well below it, so it needs
+no configuration key."""
 
 CLOSE_WAIT_S = 2.0
-"""How long a shutdown waits for the lines in flight to end as cancelled before the runner
-is stopped outright (a line stopped so has a ledger row ``error``)."""
+"""How long a shutdown waits, after ``batch.shutdown_wait``, for the lines still in flight
+to end as cancelled before the runner is stopped outright (a line stopped so has a ledger
+row ``error``)."""
 
 STORE_RETRY_S = 5.0
 """How often a batch store that did not answer at start-up is opened again."""
@@ -95,6 +103,21 @@ def _route(handler: _Handler) -> Callable[["BatchService", Request], Awaitable[R
     return route
 
 
+def _reading_route(handler: _Handler) -> Callable[["BatchService", Request], Awaitable[Response]]:
+    """``_route`` for a route that reads a body and raises ``GatewayError`` only before
+    it has read it whole: the refusal closes the connection (``connection: close``), so
+    the server reads nothing more of it (it would otherwise read and drop the rest)."""
+    @functools.wraps(handler)
+    async def route(self: BatchService, request: Request) -> Response:
+        try:
+            return await handler(self, request, self.caller(request))
+        except GatewayError as exc:
+            exc.headers.setdefault("connection", "close")
+            return exc.response()
+
+    return route
+
+
 class BatchService:
     """The store, the runner and the routes of the Batch API in one gateway process."""
 
@@ -104,6 +127,8 @@ class BatchService:
         self.runner: BatchRunner | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
+        self._cut = asyncio.Event()  # set: lines still in flight see their client leave
+        self.uploads = UploadGate()
 
     @property
     def rt(self) -> Runtime:
@@ -135,7 +160,8 @@ class BatchService:
         config = self.rt.config
         self.store = store
         self.runner = BatchRunner(store, self, concurrency=config.batch.concurrency,
-                                  max_lines=config.batch.max_lines)
+                                  max_lines=config.batch.max_lines,
+                                  max_output_bytes=config.batch.max_output_bytes)
         self._task = asyncio.create_task(self.runner.run())
 
     async def _open_later(self, url: str) -> None:
@@ -150,13 +176,20 @@ class BatchService:
             return
 
     async def close(self) -> None:
-        """Lines in flight end as if their client left (nothing is written for them: they
-        run again when the batch resumes), then the runner stops and gives its claims back."""
+        """No line starts from now on; the lines in flight have ``batch.shutdown_wait`` to
+        end and have their results stored (each charged what it generated, never run
+        again). Those still running then end as if their client left (nothing is written
+        for them: they run again when the batch resumes), then the runner stops and gives
+        its claims back."""
         self._closing.set()
-        if self.runner is not None:
-            self.runner.quiesce()
+        runner = self.runner
+        if runner is not None:
+            runner.quiesce()
         if self._task is not None:
-            runner = self.runner
+            deadline = time.monotonic() + self.rt.config.batch.shutdown_wait_s
+            while runner is not None and runner.unsettled and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # lines end and their results are written
+            self._cut.set()
             deadline = time.monotonic() + CLOSE_WAIT_S
             while runner is not None and runner.inflight and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # each line sees the disconnect and ends (499)
@@ -183,14 +216,14 @@ class BatchService:
                 "tenant_removed")).encode(), "tpg-" + new_id(""))
         path = batch.endpoint
         sent = False
-        closing = self._closing
+        cut = self._cut
 
         async def receive() -> dict[str, Any]:
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": line.body, "more_body": False}
-            await closing.wait()
+            await cut.wait()
             return {"type": "http.disconnect"}
 
         scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
@@ -260,43 +293,29 @@ class BatchService:
         return _Caller(tenant, application.id if application is not None else "",
                        self.store)
 
-    @_route
+    @_reading_route
     async def create_file(self, request: Request, caller: _Caller) -> Response:
         tenant, store = caller.tenant, caller.store
         limits = self.rt.config.batch
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() \
-                and int(declared) > limits.max_file_bytes + UPLOAD_SLACK:
-            return _error(413, f"file larger than {limits.max_file_bytes} bytes "
-                          "(batch.max_file_bytes)", "file_too_large", "file")
-        try:
-            form = await request.form(max_files=1, max_fields=8)
-        except Exception as exc:  # malformed multipart: starlette's own error types vary
-            return _error(400, f"expected a multipart/form-data upload with fields 'file' "
-                          f"and 'purpose': {exc}", "invalid_upload")
-        try:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if not isinstance(upload, UploadFile):
+        files, stored = await asyncio.to_thread(store.stored, tenant.id)
+        _check_room(limits.max_files, files, limits.max_stored_bytes, stored)
+        with self.uploads.enter(tenant.id, limits) as held:
+            upload = await read_upload(request, limits, held)  # raises only before its end
+            if upload.content is None:
                 return _error(400, "missing the 'file' field (multipart/form-data)",
                               "missing_required_parameter", "file")
+            purpose = upload.fields.get("purpose")
             if purpose != "batch":
                 return _error(400, f"purpose {purpose!r} is not served here: this gateway "
                               "keeps files for the Batch API only (purpose 'batch')",
                               "invalid_value", "purpose")
-            content = await upload.read(limits.max_file_bytes + 1)
-            filename = upload.filename or "upload.jsonl"
-        finally:
-            await form.close()  # the spooled temporary file
-        if len(content) > limits.max_file_bytes:
-            return _error(413, f"file larger than {limits.max_file_bytes} bytes "
-                          "(batch.max_file_bytes)", "file_too_large", "file")
-        if count_lines(content) > limits.max_lines:
-            return _error(400, f"the file has more than {limits.max_lines} requests "
-                          "(batch.max_lines)", "too_many_requests", "file")
-        if await asyncio.to_thread(store.count_files, tenant.id) >= limits.max_files:
-            return _error(400, f"tenant {tenant.id!r} already stores {limits.max_files} files "
-                          "(batch.max_files): delete some first", "too_many_files")
-        record = await asyncio.to_thread(store.add_file, tenant.id, "batch", filename, content)
+            try:
+                record = await asyncio.to_thread(
+                    store.add_file, tenant.id, "batch", upload.filename or "upload.jsonl",
+                    upload.content, max_files=limits.max_files,
+                    max_bytes=limits.max_stored_bytes)
+            except StoreLimit as exc:
+                return _limit_error(exc)
         return JSONResponse(record.to_json())
 
     @_route
@@ -323,11 +342,18 @@ class BatchService:
     @_route
     async def file_content(self, request: Request, caller: _Caller) -> Response:
         tenant, store = caller.tenant, caller.store
-        content = await asyncio.to_thread(store.file_content, tenant.id,
-                                          request.path_params["file_id"])
-        if content is None:
+        found = await asyncio.to_thread(store.file_parts, tenant.id,
+                                        request.path_params["file_id"])
+        if found is None:
             return _no_file(request.path_params["file_id"])
-        return Response(content, media_type="application/jsonl")
+        record, parts = found
+
+        async def body() -> Any:
+            while (part := await asyncio.to_thread(next, parts, None)) is not None:
+                yield part  # the next part is read once this one is sent
+
+        return StreamingResponse(body(), media_type="application/jsonl",
+                                 headers={"content-length": str(record.bytes)})
 
     @_route
     async def delete_file(self, request: Request, caller: _Caller) -> Response:
@@ -340,11 +366,17 @@ class BatchService:
             return _no_file(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    @_route
+    @_reading_route
     async def create_batch(self, request: Request, caller: _Caller) -> Response:
         tenant, store = caller.tenant, caller.store
         try:
-            body = await request.json()
+            raw = await read_body(request.receive, request.headers.get("content-length"),
+                                  MAX_BATCH_BODY)
+        except ClientDisconnect:
+            return _error(400, "the client left while sending its body",
+                          "client_disconnected")
+        try:
+            body = json.loads(raw)
         except ValueError:
             return _error(400, "the body is not valid JSON", "invalid_json")
         if not isinstance(body, dict):
@@ -371,16 +403,16 @@ class BatchService:
             return _error(400, f"file {file_id} has purpose {record.purpose!r}, not 'batch'",
                           "invalid_value", "input_file_id")
         limits = self.rt.config.batch
-        if await asyncio.to_thread(store.count_unfinished, tenant.id) >= limits.max_batches:
-            return _error(429, f"tenant {tenant.id!r} already has {limits.max_batches} "
-                          "batches that have not finished (batch.max_batches)",
-                          "too_many_batches")
         now = int(time.time())
         batch = BatchRecord(new_id("batch_"), tenant.id, caller.application, endpoint, file_id,
                             window, "validating", now,
                             now + max(1, round(limits.expire_after_s)),
                             metadata=metadata)
-        await asyncio.to_thread(store.add_batch, batch)
+        try:
+            await asyncio.to_thread(store.add_batch, batch, limits.max_batches,
+                                    limits.max_stored_bytes)
+        except StoreLimit as exc:
+            return _limit_error(exc)
         if self.runner is not None:
             self.runner.wake()
         return JSONResponse(batch.to_json(Usage()))
@@ -441,6 +473,33 @@ def _page(data: list[dict[str, object]], more: bool) -> dict[str, object]:
     return {"object": "list", "data": data,
             "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _check_room(max_files: int, files: int, max_bytes: int, stored: int) -> None:
+    """Refuse (``GatewayError``) an upload by a tenant already at one of its storage
+    bounds, before a byte of it is read (the write checks again, in its transaction)."""
+    if files >= max_files:
+        raise _limit_refusal(StoreLimit("batch.max_files", max_files, files))
+    if stored >= max_bytes:
+        raise _limit_refusal(StoreLimit("batch.max_stored_bytes", max_bytes, stored))
+
+
+def _limit_error(exc: StoreLimit) -> Response:
+    """A write the tenant's storage bounds refused, in OpenAI's error format."""
+    return _limit_refusal(exc).response()
+
+
+def _limit_refusal(exc: StoreLimit) -> GatewayError:
+    if exc.key == "batch.max_batches":
+        return GatewayError(429, f"{exc.used} batches of this tenant have not finished "
+                            f"(batch.max_batches: {exc.limit})", reason="too_many_batches")
+    if exc.key == "batch.max_files":
+        return GatewayError(400, f"this tenant already stores {exc.used} files "
+                            f"(batch.max_files: {exc.limit}): delete some first",
+                            reason="too_many_files")
+    return GatewayError(400, f"this tenant stores {exc.used} bytes of files, outputs "
+                        f"included (batch.max_stored_bytes: {exc.limit}): this would pass "
+                        "it; delete some files first", reason="storage_full")
 
 
 def _no_file(file_id: str, param: str = "file_id") -> Response:
