@@ -6,8 +6,9 @@ missing ledger later; passwords are redacted before a URL reaches a message or a
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
+
+from ..._redact import redact as redact_text
 
 from ._records import LedgerError
 
@@ -21,7 +22,7 @@ _ACCEPTED = (
 
 def redact(url: str) -> str:
     """The URL with any password replaced, so that it can go into messages and logs."""
-    return re.sub(r"^([a-z]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    return redact_text(url)
 
 
 def parse_ledger_url(url: str) -> tuple[str, str]:

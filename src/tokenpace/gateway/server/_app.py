@@ -68,6 +68,7 @@ from ._batches import BatchService
 from ._connections import Connections
 from ._proxy import handle
 from ._scrape import PageCache, metrics_refusal, shows_details, stream, warn_if_open
+from ._secrets import register_secrets
 from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -514,6 +515,7 @@ class Gateway:
         admitted under, and their engine even when it left the list."""
         assert self.rt is not None
         new = plan.config
+        register_secrets(new)  # an engine the reload adds may bring a key
         self.rt.tenants.commit(plan)
         self._apply_engines(engines)
         self.rt.dispatcher.configure(new)

@@ -14,7 +14,9 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from ..._redact import install_log_redaction
 from ..config import ConfigError, GatewayConfig, load_config
+from ._secrets import register_secrets
 from ..state import check_workers
 from ._workers import WORKER_FLAG, reuse_port_socket, supervise, worker_argv
 
@@ -48,6 +50,9 @@ def load_or_exit(parser: argparse.ArgumentParser, path: str, log_level: str) -> 
         parser.error(f"argument --config: {exc}")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Every record of the process, uvicorn's included, without passwords and keys.
+    install_log_redaction()
+    register_secrets(config)
     # httpx logs every upstream request at INFO: the access log already shows each request.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     return config
