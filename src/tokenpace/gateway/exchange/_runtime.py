@@ -37,3 +37,6 @@ class Runtime:
     # Paced tenants' rates split over the engines their streams run on (set at start-up;
     # its book is in the shared store with several replicas).
     rate_split: RateSplitter | None = None
+    # Tenant id -> the bytes of streamed answers kept for its slow readers (``relay``'s
+    # ``ClientPipe``); a tenant with none has no entry.
+    backlogs: dict[str, int] = field(default_factory=dict)

@@ -38,6 +38,7 @@ from ..wire import (
     stream_error_event,
 )
 from ._counts import ABORT_WAIT_S, ask_engine_counts
+from ._pipe import ClientPipe, client_flow
 from ._watch import ClientWatch
 
 PATHS = ROUTES
@@ -283,6 +284,9 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
         raise
 
 
+LAST_BODY = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 class StreamResponse:
     """ASGI response relaying the engine's SSE stream; settles the exchange however it ends."""
 
@@ -307,8 +311,12 @@ class StreamResponse:
         self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex, progress = self.ex, self.progress
+        ex, progress, watch = self.ex, self.progress, self.watch
+        config = ex.rt.config
+        pipe = ClientPipe(send, client_flow(scope), config.stream_buffer_bytes,
+                          config.tenant_stream_buffer_bytes, ex.rt.backlogs, ex.tenant.id)
         outcome, detail = Outcome.CANCELLED, None
+        ended = False  # the engine's part is over and the exchange settled
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -316,47 +324,71 @@ class StreamResponse:
                 (b"x-request-id", ex.id.encode()),
                 *((k.encode(), v.encode()) for k, v in _ratelimit_headers(ex).items()),
             ]})
-            async with self.watch.guard(self.deadline) as cancel:
-                failure = await self._relay(send)
-            if cancel.cancelled_caught:
-                outcome = Outcome.CANCELLED if self.watch.gone else Outcome.TIMEOUT
-                if outcome is Outcome.TIMEOUT:
-                    await self._send_error(send, 504, "the request did not finish within "
-                                           "request_timeout", "timeout")
-            elif failure is not None or progress.error is not None or not progress.done:
-                outcome = Outcome.UPSTREAM_ERROR
-                if failure is not None or not progress.done and progress.error is None:
-                    await self._send_error(send, 502, failure or "the engine stream ended early",
-                                           "engine_error")
-            else:
-                outcome, detail = Outcome.FINISHED, progress.finish_reason
-            if not self.watch.gone:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            async with watch.guard(self.deadline) as cancel:
+                failure = await self._relay(send, pipe)
+                if failure is not None or progress.error is not None or not progress.done:
+                    outcome = Outcome.UPSTREAM_ERROR
+                    if failure is not None or not progress.done and progress.error is None:
+                        pipe.put(stream_error_event(
+                            ex.kind, 502, failure or "the engine stream ended early",
+                            "engine_error"))
+                else:
+                    outcome, detail = Outcome.FINISHED, progress.finish_reason
+                # The engine's answer is complete: its slot goes back and the request is
+                # settled now; a slow client reads the rest from memory, within the
+                # request's deadline.
+                ended = True
+                self._end(outcome, detail)
+                await pipe.drain()
+                await send(LAST_BODY)
+            if not cancel.cancelled_caught:
+                return
+            if ended:  # the client did not read the answer within request_timeout
+                pipe.flow.abort()
+                return
+            outcome = Outcome.CANCELLED if watch.gone else Outcome.TIMEOUT
+            if outcome is Outcome.TIMEOUT:
+                pipe.put(stream_error_event(ex.kind, 504, "the request did not finish "
+                                            "within request_timeout", "timeout"))
+                with anyio.move_on_after(1.0, shield=True) as late:
+                    await pipe.drain()
+                    await send(LAST_BODY)
+                if late.cancelled_caught:
+                    pipe.flow.abort()
         except OSError:
             outcome = Outcome.CANCELLED  # the client socket broke while we wrote to it
         finally:
-            if progress.done:
-                self.upstream.release()
-            else:
-                self.upstream.close()  # the engine sees the connection go and aborts
-            ex.completion_tokens = progress.completion_tokens
-            if progress.prompt_tokens is not None and not (
-                    self.batch and progress.prompt_tokens < ex.prompt_tokens):
-                # (A batch cut short reported only some prompts: the admission's count stands.)
-                ex.learn_prompt(progress.prompt_tokens)
-            # Read with the final usage (wire: nothing per token); None when not reported.
-            ex.learn_cached(progress.cached_tokens)
-            if not progress.final and ex.lease is not None and ex.charge_usage:
-                # A stream cut short, before the engine's final usage: the engine may have
-                # generated more than was relayed (Responses and Messages events carry no
-                # count at all until the end), and only it knows how much more.
-                _settle_with_engine(ex, self.watch, outcome, detail, self.n, self.prompts,
-                                    unknown=ex.completion_tokens)
-            else:
-                ex.finish(outcome, detail)
-                self.watch.stop()
+            pipe.discard()
+            if not ended:
+                self._end(outcome, detail)
 
-    async def _relay(self, send: Send) -> str | None:
+    def _end(self, outcome: Outcome, detail: str | None) -> None:
+        """The engine's part is over: its connection back (or closed, which aborts the
+        request), what it generated onto the exchange, and the exchange settled (its slot
+        back), at once or once the engine said what it generated."""
+        ex, progress = self.ex, self.progress
+        if progress.done:
+            self.upstream.release()
+        else:
+            self.upstream.close()  # the engine sees the connection go and aborts
+        ex.completion_tokens = progress.completion_tokens
+        if progress.prompt_tokens is not None and not (
+                self.batch and progress.prompt_tokens < ex.prompt_tokens):
+            # (A batch cut short reported only some prompts: the admission's count stands.)
+            ex.learn_prompt(progress.prompt_tokens)
+        # Read with the final usage (wire: nothing per token); None when not reported.
+        ex.learn_cached(progress.cached_tokens)
+        if not progress.final and ex.lease is not None and ex.charge_usage:
+            # A stream cut short, before the engine's final usage: the engine may have
+            # generated more than was relayed (Responses and Messages events carry no
+            # count at all until the end), and only it knows how much more.
+            _settle_with_engine(ex, self.watch, outcome, detail, self.n, self.prompts,
+                                unknown=ex.completion_tokens)
+        else:
+            ex.finish(outcome, detail)
+            self.watch.stop()
+
+    async def _relay(self, send: Send, pipe: ClientPipe) -> str | None:
         """Copy events until the engine ends the stream; return a failure description.
 
         The events of one network read go out in one ``send``: one write per read, not
@@ -395,7 +427,13 @@ class StreamResponse:
                     ex.completion_tokens = progress.completion_tokens
                     ex.charge_progress()
                 if body:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    # Two attribute reads: is the client keeping up? If not, the bytes are
+                    # kept (``ClientPipe``) and the engine read on.
+                    if pipe.direct:
+                        await send({"type": "http.response.body", "body": body,
+                                    "more_body": True})
+                    else:
+                        await pipe.hold(body)
                 if progress.done and scanner is None:
                     return None
             for payload in splitter.flush():
@@ -405,13 +443,7 @@ class StreamResponse:
                 assert rewriter is not None
                 event = rewriter.event(payload)
                 if event is not None:
-                    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n",
-                                "more_body": True})
+                    pipe.put(b"data: " + event + b"\n\n")
         except UpstreamError as exc:
             return f"the engine stream failed: {type(exc).__name__}"
         return None
-
-    async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
-        event = stream_error_event(self.ex.kind, status, message, code)
-        with anyio.move_on_after(1.0, shield=True):
-            await send({"type": "http.response.body", "body": event, "more_body": True})

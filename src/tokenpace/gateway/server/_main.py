@@ -89,13 +89,41 @@ closes at the same moment the client's request fails with a connection error. Cl
 well after the clients do (uvicorn's default is 5 s) avoids that race."""
 
 
-def _http_impl() -> str:
-    """httptools (a C HTTP parser) when installed, else uvicorn's pure-Python h11."""
+def _http_protocol(config: GatewayConfig) -> type:
+    """uvicorn's httptools protocol (a C HTTP parser) with the configuration's deadlines
+    for headers and bodies and its connection limit (``_protocol``)."""
+    from ._protocol import ConnectionLimits, guarded_protocol
+
+    return guarded_protocol(ConnectionLimits(
+        header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+        body_min_rate=config.body_min_rate, max_connections=config.max_connections))
+
+
+FD_HEADROOM = 256
+"""File descriptors kept beside the client connections: engines' connections, the ledger,
+the journal, the state store."""
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the process's soft limit on open files towards ``max_connections`` plus
+    ``FD_HEADROOM`` (up to the hard limit): past it ``accept`` fails instead of answering
+    the connection limit's 503. Warns when the hard limit is lower."""
     try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+        if target < wanted:
+            logger.warning("max_connections is %d but this process may open only %d files "
+                           "(ulimit -n): raise the limit or lower max_connections",
+                           max_connections, target)
 
 
 SWITCH_INTERVAL_S = 0.001
@@ -122,8 +150,9 @@ async def serve(config: GatewayConfig, host: str, port: int, log_level: str,
     server = uvicorn.Server(uvicorn.Config(
         gateway.app, host=host, port=port, log_level=log_level, lifespan="on",
         timeout_graceful_shutdown=30, timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
-        http=_http_impl(),
+        http=_http_protocol(config),
     ))
+    _raise_fd_limit(config.max_connections)
 
     reloads: set[asyncio.Task[None]] = set()
 
