@@ -83,8 +83,10 @@ def _cmd_bench_pacing(args: argparse.Namespace) -> int:
 
     tokens = 40 if args.quick else args.tokens
     modes = ["sync"] if args.quick else args.modes
+    # --quick: the warm-up unpaced (it warms the engine, it measures nothing)
     result = pacing.run(_bench_model(args), modes, tokens, [1, 4],
-                        serve_flags=shlex.split(args.serve_flags))
+                        serve_flags=shlex.split(args.serve_flags),
+                        warmup_rate=1_000_000.0 if args.quick else None)
     return _bench_outputs(args, pacing, result)
 
 
@@ -101,7 +103,8 @@ def _cmd_bench_idle(args: argparse.Namespace) -> int:
     from .bench import idle
 
     if args.quick:
-        result = idle.run(_bench_model(args), 3.0, names=("idle_wait", "busy_loop"))
+        result = idle.run(_bench_model(args), 2.0, names=("idle_wait", "busy_loop"),
+                          warmup_tokens=2)
     else:
         result = idle.run(_bench_model(args), args.window)
     return _bench_outputs(args, idle, result)
@@ -124,7 +127,8 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
         args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
     result = gateway.run(_bench_model(args), args.requests, args.tokens, args.streams,
                          args.stream_tokens, args.rounds, state=args.state,
-                         redis_url=args.redis, control=args.control)
+                         redis_url=args.redis, control=args.control,
+                         fast_requests=300 if args.quick else None)
     return _bench_outputs(args, gateway, result)
 
 
@@ -135,7 +139,8 @@ def _cmd_bench_fairness(args: argparse.Namespace) -> int:
         # 4 in flight: at 16 the tiny model's capacity asks the Python load generator for
         # ~100 streamed requests a second, more than it keeps up with on 2 cores beside the
         # engine and two gateways (its late reads then decide the measured shares).
-        args.duration, args.period, args.window, args.calibration = 12.0, 3.0, 3.0, 6.0
+        # 6 s runs in 2 s windows: on_off's second tenant comes once (off, on, off).
+        args.duration, args.period, args.window, args.calibration = 6.0, 2.0, 2.0, 3.0
         args.max_inflight = 4
     if args.window > args.duration:
         raise SystemExit("tokenpace bench fairness: error: --window must not exceed --duration")
@@ -160,9 +165,9 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
                                        args.rounds)
         return _bench_outputs(args, conversations, result)
     if args.quick:
-        result = fleet.run(_bench_model(args), duration=8.0, warmup=2.0, rounds=1,
+        result = fleet.run(_bench_model(args), duration=4.0, warmup=1.0, rounds=1,
                            streams=args.streams, max_inflight=args.max_inflight,
-                           paced_rate=args.paced_rate, paced_s=4.0)
+                           paced_rate=args.paced_rate, paced_s=2.0)
     else:
         if args.warmup >= args.duration:
             raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
@@ -206,7 +211,8 @@ def _cmd_bench_metering(args: argparse.Namespace) -> int:
     if args.plot:
         raise SystemExit("tokenpace bench metering: error: --plot is not supported (use --json)")
     if args.quick:
-        args.duration, args.kills, args.outage = 20.0, 1, 4.0
+        # the kill at 7 s, the outage from 10.5 to 13.5 s, the bad models at 3.5 s
+        args.duration, args.kills, args.outage = 14.0, 1, 3.0
     if args.outage < 0:
         raise SystemExit("tokenpace bench metering: error: --outage must not be negative")
     if args.gateway_src is not None and not (args.gateway_src / "tokenpace" / "cli.py").is_file():

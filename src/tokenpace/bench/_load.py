@@ -7,7 +7,9 @@ carries (the text of a chunk can be empty while the detokenizer holds back parti
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +17,19 @@ from typing import Any
 
 import aiohttp
 import httpx
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One TLS context for every httpx client of a bench process (``verify=``): httpx
+    otherwise builds one per client, loading the CA bundle (tens of ms of CPU each; a
+    bench making 64 clients per run paid seconds). The benches call http:// servers."""
+    return ssl.create_default_context()
+
+
+def async_client(**kwargs: Any) -> httpx.AsyncClient:
+    """``httpx.AsyncClient(**kwargs)`` with the process's shared TLS context."""
+    return httpx.AsyncClient(verify=tls_context(), **kwargs)
 
 
 @dataclass
@@ -141,7 +156,7 @@ async def run_streams(
 ) -> list[StreamRecord]:
     """Run ``(user, streams, max_tokens)`` concurrently; results in plan order."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with async_client(timeout=timeout_s, limits=limits) as client:
         jobs = [
             stream_completion(client, base_url, user, tokens)
             for user, count, tokens in plan

@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from ._environment import environment
-from ._load import StreamRecord, percentile, stream_completion
+from ._load import StreamRecord, async_client, percentile, stream_completion, tls_context
 from ._redis_server import RedisServer
 from .._process import (
     PROMPT_TOKENS_DETAILS,
@@ -202,7 +202,7 @@ class _Clients:
         # as it closes (that race fails the request with a ReadError).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
                               keepalive_expiry=2.0)
-        self._pools = [httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits)
+        self._pools = [async_client(timeout=httpx.Timeout(None, connect=30.0), limits=limits)
                        for _ in range(self.SHARDS)]
         self._next = 0
 
@@ -292,17 +292,19 @@ def _metric_sum(text: str, names: tuple[str, ...]) -> float:
 def _wait_idle(engine: Server, gateways: list[Server], timeout_s: float = 120.0) -> None:
     """Until no gateway holds a request and the engine runs none: the next run starts clean."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = sum(
-            _metric_sum(httpx.get(f"{g.base_url}/metrics", timeout=10).text,
-                        ("tokenpace_gateway_inflight_requests", "tokenpace_gateway_queued_requests"))
-            for g in gateways
-        )
-        busy += _metric_sum(httpx.get(f"{engine.base_url}/metrics", timeout=10).text,
-                            ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        if busy == 0:
-            return
-        time.sleep(0.5)
+    with httpx.Client(verify=tls_context(), timeout=10) as http:
+        while time.monotonic() < deadline:
+            busy = sum(
+                _metric_sum(http.get(f"{g.base_url}/metrics").text,
+                            ("tokenpace_gateway_inflight_requests",
+                             "tokenpace_gateway_queued_requests"))
+                for g in gateways
+            )
+            busy += _metric_sum(http.get(f"{engine.base_url}/metrics").text,
+                                ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            if busy == 0:
+                return
+            time.sleep(0.5)
     raise RuntimeError(f"engine or gateway still busy {timeout_s:.0f} s after a run was cancelled")
 
 

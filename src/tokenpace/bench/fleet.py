@@ -278,8 +278,9 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
 async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list[str],
                    trio: list[str], duration: float, warmup: float, rounds: int, streams: int,
                    max_tokens: int) -> dict[str, Any]:
-    # Warm every path once (a fresh engine's first batch sizes are slow).
-    await _round(_direct(pool_urls, "warmup", streams), 3.0, 0.0, max_tokens)
+    # Warm every path once (a fresh engine's first batch sizes are slow): 3 s, or half a
+    # round when rounds are shorter (--quick).
+    await _round(_direct(pool_urls, "warmup", streams), min(3.0, duration / 2), 0.0, max_tokens)
     lone: dict[str, list[dict[str, Any]]] = {"direct": [], "by_hand": [], "pool": [],
                                              "pinned": []}
     hand = [gateways[f"hand-{i}"].base_url for i in range(len(pool_urls))]

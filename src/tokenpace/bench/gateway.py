@@ -75,7 +75,7 @@ from .._process import (
 from ..gateway.state import StateConfig
 from . import _control
 from ._environment import environment
-from ._load import StreamRecord, percentile, stream_aiohttp
+from ._load import StreamRecord, async_client, percentile, stream_aiohttp
 from ._paired import difference_summary, pair_order, paired_differences, ratio_summary, run_pairs
 from ._redis_server import RedisServer, Usage
 from .overhead import median_interval
@@ -258,7 +258,7 @@ async def _plain(url: str, requests: int, concurrency: int, tokens: int = 1) -> 
     """``requests`` non-streamed completions, ``concurrency`` at a time; seconds taken."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": tokens, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=120, limits=limits,
+    async with async_client(timeout=120, limits=limits,
                                  headers={"authorization": f"Bearer {KEY}"}) as client:
         left = iter(range(requests))
 
@@ -354,8 +354,11 @@ def _phase(gateway: Server, requests: int, concurrency: int, redis: RedisServer 
     return cpu, used, wall
 
 
-def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None) -> _Cpu:
-    """``CPU_ROUNDS`` rounds, each measuring every gateway alone, the order changing."""
+def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None,
+                fast_requests: int | None = None) -> _Cpu:
+    """``CPU_ROUNDS`` rounds, each measuring every gateway alone, the order changing:
+    ``requests`` against the engine, ``fast_requests`` (default 20 x ``requests``) against
+    the fast upstream."""
     out = _Cpu({name: [] for name in arms}, {name: [] for name in arms})
     for i in range(CPU_ROUNDS):
         for name in pair_order(list(arms), i):
@@ -364,7 +367,7 @@ def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None)
             cpu, used, _ = _phase(arm.gateway, requests, 1, redis, settle)
             out.per_request[name].append(cpu / requests)
             asyncio.run(_plain(arm.fast.base_url, 50, 16))  # warm-up
-            n = 20 * requests
+            n = fast_requests or 20 * requests
             cpu, used_fast, wall = _phase(arm.fast, n, 16, redis, settle)
             out.per_core[name].append(n / cpu)
             if used is not None and used_fast is not None:
@@ -382,10 +385,12 @@ def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None)
 def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
         stream_tokens: int = 128, rounds: int = 24, workdir: Path | None = None,
         state: str = "memory", redis_url: str | None = None,
-        control: str | None = None) -> dict[str, Any]:
+        control: str | None = None, fast_requests: int | None = None) -> dict[str, Any]:
     """Measure; ``state="redis"`` adds a path, the same gateway with ``state`` in a Redis
     (``redis_url``, or a ``redis-server`` started for the run); ``control``: None, or one
-    of ``_control.CONTROLS`` for a control arm in every pair."""
+    of ``_control.CONTROLS`` for a control arm in every pair; ``fast_requests``: requests
+    per CPU round against the fast upstream (None: 20 per request of a CPU round against
+    the engine, at least ``20 * CPU_MIN_REQUESTS``)."""
     if control is not None and control not in _control.CONTROLS:
         raise ValueError(f"unknown control {control!r}; known: {', '.join(_control.CONTROLS)}")
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-gateway-"))
@@ -396,14 +401,15 @@ def run(model: Path, requests: int = 200, tokens: int = 16, streams: int = 32,
                  else RedisServer.start(home, command, "--state redis"))
     try:
         return _run(model, home, requests, tokens, streams, stream_tokens, rounds, redis,
-                    control)
+                    control, fast_requests)
     finally:
         if redis is not None:
             redis.stop()
 
 
 def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stream_tokens: int,
-         rounds: int, redis: RedisServer | None, control: str | None) -> dict[str, Any]:
+         rounds: int, redis: RedisServer | None, control: str | None,
+         fast_requests: int | None = None) -> dict[str, Any]:
     nonce = f"{random.getrandbits(32):08x}"
     engine_port, fast_port = free_port(), free_port()
     engine = Server(tokenpace_serve_argv(model, engine_port, "--trusted-gateway",
@@ -435,7 +441,7 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
         seq = asyncio.run(_sequential(urls, requests, tokens, nonce))
         bursts = asyncio.run(_bursts(urls, {p: a.gateway for p, a in arms.items()}, redis,
                                      rounds, streams, stream_tokens, nonce, relay))
-        cpu = _cpu_rounds(arms, max(requests, CPU_MIN_REQUESTS), redis)
+        cpu = _cpu_rounds(arms, max(requests, CPU_MIN_REQUESTS), redis, fast_requests)
     finally:
         for srv in reversed(servers):
             srv.stop()
@@ -444,6 +450,8 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
     result = figures(seq, bursts, cpu, in_gateway, streams)
     result["parameters"] = {"requests": requests, "tokens": tokens, "streams": streams,
                             "stream_tokens": stream_tokens, "rounds": rounds,
+                            "fast_requests": fast_requests or 20 * max(requests,
+                                                                       CPU_MIN_REQUESTS),
                             "state": "redis" if redis else "memory"}
     if relay is not None:
         ttft = {name: [r.ttft * 1000 for r in records] for name, records in seq.items()}

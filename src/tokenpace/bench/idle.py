@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 from ._environment import environment
-from ._load import run_streams, stream_completion
+from ._load import async_client, run_streams, stream_completion
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 
 USER_RATE = 2.0
@@ -39,7 +38,7 @@ CASES = (  # name, idle_wait, scheduling
 
 async def _fresh_ttft_ms(base_url: str, tag: str) -> float:
     """Median time to first token of one-token requests, each from a new user."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with async_client(timeout=120) as client:
         ttfts = [(await stream_completion(client, base_url, f"{tag}-{i}", 1)).ttft * 1000
                  for i in range(PROBES)]
     return statistics.median(ttfts)
@@ -71,9 +70,12 @@ async def _measure(server: Server, window_s: float) -> dict[str, float]:
 
 
 def run(model: Path, window_s: float, workdir: Path | None = None,
-        names: tuple[str, ...] = tuple(name for name, _, _ in CASES)) -> dict[str, Any]:
+        names: tuple[str, ...] = tuple(name for name, _, _ in CASES),
+        warmup_tokens: int = 8) -> dict[str, Any]:
     """``names``: the cases to run (``--quick`` leaves out the asynchronous one: a vLLM
-    server fewer to start, and tests/e2e/test_serve.py checks the idle wait in both modes)."""
+    server fewer to start, and tests/e2e/test_serve.py checks the idle wait in both modes).
+    ``warmup_tokens``: the one warm-up request's tokens, paced at ``USER_RATE`` like every
+    user (8: about 3.5 s per server)."""
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-idle-"))
     servers = {}
     for name, idle_wait, scheduling in CASES:
@@ -88,7 +90,7 @@ def run(model: Path, window_s: float, workdir: Path | None = None,
     cases = {}
     try:
         for name, server in servers.items():  # one at a time
-            asyncio.run(run_streams(server.base_url, [("warm-up", 1, 8)]))
+            asyncio.run(run_streams(server.base_url, [("warm-up", 1, warmup_tokens)]))
             cases[name] = asyncio.run(_measure(server, window_s))
             c = cases[name]
             print(f"{name:15s}: {c['throttled_cores']:.3f} cores while throttled, "

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ._environment import environment
-from ._load import StreamRecord, percentile, run_streams, stream_completion
+from ._load import StreamRecord, async_client, percentile, run_streams, stream_completion
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ..engine import read_charges
 
@@ -33,6 +33,7 @@ FAST_RATE = 100.0
 END_USER_RATE = 4.0
 END_USERS = ("reader-1", "reader-2")
 BURST_S = 0.1
+WARMUP_USER = "warm-up"
 
 
 def _net_rate(times: list[float], limit: float) -> float:
@@ -104,12 +105,10 @@ def _end_user_scenario(server: Server, event_log: Path, tokens: int) -> dict[str
     """Three end users of "readers" at END_USER_RATE, one stream each, and a stream of
     "readers" without an end user: per end user its rate at the client, the user's total
     at the engine (its limit, SLOW_RATE)."""
-    import httpx
-
     user = "readers"
 
     async def streams() -> list[StreamRecord]:
-        async with httpx.AsyncClient(timeout=900) as client:
+        async with async_client(timeout=900) as client:
             jobs = [stream_completion(client, server.base_url, None, tokens, extra={
                 "vllm_xargs": {"output_rate_user": user, "output_rate_end_user": e}})
                 for e in END_USERS]
@@ -145,13 +144,18 @@ def wait_for_engine_log(event_log: Path, users: set[str], expected: int) -> dict
 
 
 def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
-        workdir: Path | None = None, serve_flags: list[str] | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, serve_flags: list[str] | None = None,
+        warmup_rate: float | None = None) -> dict[str, Any]:
+    """``warmup_rate``: the warm-up user's output tokens/s (None: the default rate, as the
+    slow users', so its 256 tokens take about 13 s per mode; ``--quick`` runs it unpaced)."""
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-pacing-"))
     servers: dict[str, tuple[Server, Path]] = {}
     for mode in modes:
         port = free_port()
         events = home / f"events-{mode}.jsonl"
         overrides = {f"fast-{n}": FAST_RATE for n in stream_counts}
+        if warmup_rate is not None:
+            overrides[WARMUP_USER] = warmup_rate
         argv = tokenpace_serve_argv(
             model, port,
             "--default-user-output-tokens-per-second", str(SLOW_RATE),
@@ -167,7 +171,7 @@ def run(model: Path, modes: list[str], tokens: int, stream_counts: list[int],
     end_users: list[dict[str, Any]] = []
     try:
         for mode, (server, events) in servers.items():
-            asyncio.run(run_streams(server.base_url, [("warm-up", 8, 32)]))
+            asyncio.run(run_streams(server.base_url, [(WARMUP_USER, 8, 32)]))
             for n in stream_counts:  # one server busy at a time: 2 cores are easily disturbed
                 result = {"mode": mode, **_scenario(server, events, n, tokens)}
                 results.append(result)
