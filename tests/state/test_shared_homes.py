@@ -127,9 +127,9 @@ def test_the_choice_goes_on_when_the_store_does_not_answer(
         redis_server.stop()
         for _ in range(3):
             try:
-                await d0._read_home(d0.pools["m"], conv)
+                await d0._read_home("u", d0.pools["m"], conv)
             except Exception as exc:  # pragma: no cover - the assertion names it
                 raise AssertionError(f"a failed read must not fail the choice: {exc!r}")
-        engine = d0._conversation_engine(d0.pools["m"], conv)
+        engine = d0._conversation_engine("u", d0.pools["m"], conv)
         assert engine is not None and engine.url == first.engine.url
     run(redis_server, body)

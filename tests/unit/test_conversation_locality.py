@@ -140,11 +140,11 @@ def first_engine_keys(dispatcher: Dispatcher, n: int) -> tuple[Any, list[bytes]]
     """The engine key(0) hashes to, and ``n`` more keys that hash to it."""
     pool = dispatcher.pools["chat"]
     first = Dispatcher(dispatcher._config, lambda: 0.0)._conversation_engine(
-        pool, key(0))
+        "a", pool, key(0))
     assert first is not None
     same = [k for k in (key(i) for i in range(1, 400))
             if Dispatcher(dispatcher._config, lambda: 0.0)._conversation_engine(
-                pool, k).url == first.url][:n]
+                "a", pool, k).url == first.url][:n]
     return next(e for e in pool.engines if e.url == first.url), same
 
 
@@ -185,7 +185,7 @@ def test_a_conversation_keeps_its_engine_within_conversation_affinity() -> None:
         mine = dispatcher.pools["chat"].engines[0]
         keys = [key(i) for i in range(10)]
         for k in keys:
-            dispatcher._remember_home(k, mine)
+            dispatcher._remember_home("a", k, mine)
         assert await turns_within(dispatcher, tenants, keys, mine, 3) == (7, 3)
     asyncio.run(main())
 
@@ -196,19 +196,19 @@ def test_every_replica_makes_the_same_choice() -> None:
     one, _ = setup()
     two, _ = setup()
     for i in range(50):
-        a = one._conversation_engine(one.pools["chat"], key(i))
-        b = two._conversation_engine(two.pools["chat"], key(i))
+        a = one._conversation_engine("a", one.pools["chat"], key(i))
+        b = two._conversation_engine("a", two.pools["chat"], key(i))
         assert a is not None and b is not None and a.url == b.url
 
 
 def test_a_down_engine_moves_only_its_conversations() -> None:
     dispatcher, _ = setup()
     pool = dispatcher.pools["chat"]
-    before = {i: dispatcher._conversation_engine(pool, key(i)) for i in range(40)}
+    before = {i: dispatcher._conversation_engine("a", pool, key(i)) for i in range(40)}
     down = pool.engines[0]
     dispatcher.set_health(down, False)
     for i, engine in before.items():
-        now = dispatcher._conversation_engine(pool, key(i))
+        now = dispatcher._conversation_engine("a", pool, key(i))
         assert now is not None and now is not down
         if engine is not down:
             assert now is engine
@@ -283,7 +283,7 @@ def test_lanes_go_first_whatever_the_homes() -> None:
         home = dispatcher.pools["chat"].engines[0]
         bulk = [key(i, "bulk") for i in range(4)]
         for k in bulk:
-            dispatcher._remember_home(k, home)
+            dispatcher._remember_home("a", k, home)
         running = [acquire(dispatcher, tenants, "bulk", k) for k in bulk[:2]]
         await asyncio.sleep(0)
         assert {t.result().engine.url for t in running} == set(URLS)  # home full: spilled
@@ -319,7 +319,7 @@ def test_a_conversation_that_spilled_stays_where_it_went() -> None:
         await asyncio.sleep(0)
         home = first.result().engine
         dispatcher.release(first.result())
-        dispatcher._remember_home(key(1), home)  # another conversation of that engine
+        dispatcher._remember_home("a", key(1), home)  # another conversation of that engine
         held = acquire(dispatcher, tenants, "a", key(1))
         await asyncio.sleep(0)
         assert held.result().engine is home
@@ -335,17 +335,18 @@ def test_a_conversation_that_spilled_stays_where_it_went() -> None:
     asyncio.run(main())
 
 
-def test_the_remembered_conversations_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenpace.gateway.dispatch import _dispatcher
-
-    monkeypatch.setattr(_dispatcher, "CONVERSATION_HOMES", 10)
-    dispatcher, tenants = setup()
+def test_the_remembered_conversations_are_bounded_per_tenant() -> None:
+    """A tenant's conversations evict its own oldest homes, never another tenant's: tenant
+    a opens 25 conversations under a bound of 10 per tenant and 15 in all; b's one home,
+    made first, stays."""
+    dispatcher, tenants = setup(max_conversation_homes=15, max_conversation_homes_per_tenant=10)
 
     async def main() -> None:
-        for i in range(25):
-            task = acquire(dispatcher, tenants, "a", key(i))
+        for tenant, conversation in [("b", key(0, "b"))] + [("a", key(i)) for i in range(25)]:
+            task = acquire(dispatcher, tenants, tenant, conversation)
             await asyncio.sleep(0)
             dispatcher.release(task.result())
     asyncio.run(main())
-    assert len(dispatcher._homes) == 10
-    assert list(dispatcher._homes) == [key(i) for i in range(15, 25)]  # the latest kept
+    assert len(dispatcher._homes) == 11
+    assert list(dispatcher._homes.of("a")) == [key(i) for i in range(15, 25)]  # the latest kept
+    assert list(dispatcher._homes.of("b")) == [key(0, "b")]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ from .. import metrics
 from ..config import EngineConfig, GatewayConfig
 from ..state import Reservation
 from ..tenants import ApplicationState, TenantState, dispatched
+from ._homes import HomeTable
 
 
 EJECT_LAST_AFTER = 2
@@ -308,9 +308,10 @@ class Dispatcher:
         # them in engine_for, so health changes need not (but do) clear it; reloads and a
         # pool's membership changing clear it, so a removed tenant's entry goes.
         self._ranked: dict[tuple[str, str | None], list[EngineSlots]] = {}
-        # Conversation key -> the engine its last turn went to (``_conversation_engine``),
-        # least recently used first, at most CONVERSATION_HOMES of them.
-        self._homes: OrderedDict[bytes, str] = OrderedDict()
+        # Each tenant's conversations -> the engine its last turn went to
+        # (``_conversation_engine``), bounded per tenant and in all (``HomeTable``).
+        self._homes = HomeTable(config.max_conversation_homes,
+                                config.max_conversation_homes_per_tenant)
         for engine in self.engines:
             if engine.models is not None:
                 self._join(engine, engine.models)
@@ -324,6 +325,8 @@ class Dispatcher:
         engine list)."""
         self._config = config
         self.repin_after_s = config.repin_after_s
+        self._homes.total = config.max_conversation_homes  # new homes are held to them
+        self._homes.per_tenant = config.max_conversation_homes_per_tenant
         self._ranked.clear()
         for pool in self.pools.values():
             self._configure_queue(pool.queue, config)
@@ -521,7 +524,7 @@ class Dispatcher:
             return next((e for e in self._rank(tenant.id, pool)
                          if e.accepts and self._open(e)), None)
         if affinity is not None and self.by_conversation(tenant, pool):
-            return self._conversation_engine(pool, affinity)
+            return self._conversation_engine(tenant.id, pool, affinity)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
         for engine in self._rank(tenant.id, pool):
@@ -543,7 +546,8 @@ class Dispatcher:
                 and tenant.config.output_tokens_per_second is None
                 and self._config.routing != "pinned")
 
-    def _conversation_engine(self, pool: Pool, affinity: bytes) -> EngineSlots | None:
+    def _conversation_engine(self, tenant: str, pool: Pool,
+                             affinity: bytes) -> EngineSlots | None:
         """The engine a conversation's turn goes to (nothing is remembered here: the
         engine its turn is granted becomes its home, ``_remember_home``).
 
@@ -567,7 +571,7 @@ class Dispatcher:
         if not open_engines:
             return None
         least = min(open_engines, key=lambda e: e.inflight)
-        home_url = self._homes.get(affinity)
+        home_url = self._homes.get(tenant, affinity)
         home = None if home_url is None else next(
             (e for e in open_engines if e.url == home_url), None)
         if home is not None:
@@ -581,18 +585,14 @@ class Dispatcher:
         the conversation's home now. Called once per grant, in process and shared."""
         if waiter.affinity is not None and waiter.engine is not None \
                 and self.by_conversation(waiter.tenant, waiter.pool):
-            self._remember_home(waiter.affinity, waiter.engine)
+            self._remember_home(waiter.tenant.id, waiter.affinity, waiter.engine)
 
-    def _remember_home(self, affinity: bytes, engine: EngineSlots) -> str | None:
-        """A turn of conversation ``affinity`` was granted a slot on ``engine``: its home now
-        (the table keeps the ``CONVERSATION_HOMES`` heard of last). Returns the home it had
-        (None: new to this replica). Cost: a dict pop and insert."""
-        homes = self._homes
-        previous = homes.pop(affinity, None)
-        homes[affinity] = engine.url
-        if len(homes) > CONVERSATION_HOMES:
-            homes.popitem(last=False)  # the conversation unheard of longest
-        return previous
+    def _remember_home(self, tenant: str, affinity: bytes, engine: EngineSlots) -> str | None:
+        """A turn of ``tenant``'s conversation ``affinity`` was granted a slot on ``engine``:
+        its home now (``HomeTable``: the tenant's oldest goes first when it holds its
+        bound). Returns the home it had (None: new to this replica). Cost: a few dict
+        operations."""
+        return self._homes.put(tenant, affinity, engine.url)
 
     def _open(self, engine: EngineSlots) -> bool:
         """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
@@ -861,12 +861,6 @@ class Dispatcher:
 
 def _lane_specs(config: GatewayConfig) -> list[LaneSpec]:
     return [LaneSpec(lane.name, lane.priority, lane.min_share) for lane in config.lanes]
-
-
-CONVERSATION_HOMES = 100_000
-"""Conversations whose engine the dispatcher remembers (about 150 bytes each: 15 MB at
-most); one forgotten is placed again as a new one (with ``state`` in Redis its home is
-read from the store first)."""
 
 
 def _affinity_score(url: str, key: bytes) -> bytes:

@@ -196,7 +196,7 @@ class SharedDispatcher(Dispatcher):
         self._declare(pool.queue, tenant)
         with anyio.fail_after(timeout_s):
             if affinity is not None and self.by_conversation(tenant, pool):
-                await self._read_home(pool, affinity)
+                await self._read_home(tenant.id, pool, affinity)
             engine = (self.choose(tenant, pool, affinity)
                       if not len(pool.queue) and self._may_dispatch(tenant.id)
                       and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
@@ -234,7 +234,7 @@ class SharedDispatcher(Dispatcher):
             await self._wait(waiter)
         return waiter
 
-    async def _read_home(self, pool: Pool, affinity: bytes) -> None:
+    async def _read_home(self, tenant: str, pool: Pool, affinity: bytes) -> None:
         """Adopt the engine the store says conversation ``affinity`` runs on (another
         replica may have placed or moved it): one round trip per turn (GETEX; ~0.2 ms on
         this project's loaded CI box, docs/benchmarks.md), the price of every replica making the same choice. A store that
@@ -243,15 +243,14 @@ class SharedDispatcher(Dispatcher):
             url = await self.store.home_read(affinity.hex(), HOME_TTL_S)
         except StateUnavailable:
             return
-        if url is not None and url != self._homes.get(affinity) \
+        if url is not None and url != self._homes.get(tenant, affinity) \
                 and any(e.url == url for e in pool.engines):
-            self._homes[affinity] = url
-            self._homes.move_to_end(affinity)
+            self._homes.put(tenant, affinity, url)
 
-    def _remember_home(self, affinity: bytes, engine: EngineSlots) -> str | None:
+    def _remember_home(self, tenant: str, affinity: bytes, engine: EngineSlots) -> str | None:
         """As in process; a home that is new or moved goes to the store for every replica
         (with its next flush: no round trip)."""
-        previous = super()._remember_home(affinity, engine)
+        previous = super()._remember_home(tenant, affinity, engine)
         if previous != engine.url:
             self.store.home_write(affinity.hex(), engine.url, HOME_TTL_S)
         return previous
