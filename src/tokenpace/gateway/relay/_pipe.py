@@ -89,7 +89,9 @@ class ClientPipe:
         """Keep ``body`` for the client; return at once unless a bound is exceeded, then
         once the client has read enough to be back within it."""
         self._add(body)
-        while self.held > self._limit or self._book.get(self._tenant, 0) > self._tenant_limit:
+        # Over the tenant's bound, each of its requests waits for its own client only.
+        while self.held > self._limit or (
+                self.held and self._book.get(self._tenant, 0) > self._tenant_limit):
             if self._writer is None or self._writer.done():
                 return  # nothing left to wait for (the client is gone)
             self._room = asyncio.get_running_loop().create_future()
