@@ -671,3 +671,49 @@ def test_a_result_being_written_is_in_the_files(tmp_path: Path, expires: bool) -
         assert ended.status == ("expired" if expires else "completed")
     finally:
         slow.close()
+
+
+# -- batches that cannot progress, bounded memory ----------------------------------------
+
+
+def test_a_batch_whose_driving_keeps_failing_ends_failed_after_bounded_tries(
+        store: BatchStore) -> None:
+    """An in-progress batch whose input's stored parts are gone (its driving raises each
+    time while the store answers): tried ``BATCH_ATTEMPTS`` times with back-off, not on
+    every scan, then ``failed`` with the reason; no line ran."""
+    batch = add_batch(store, ids("a", "b"), status="in_progress")
+    with store._transaction():
+        store._execute("DELETE FROM batch_file_parts WHERE file_id = ?",
+                       (batch.input_file_id,))
+    host = Host()
+    ended = asyncio.run(drive(store, host, batch.id, timeout=5.0))
+    assert ended.status == "failed" and host.runs == []
+    assert ended.errors is not None
+    assert [e["code"] for e in ended.errors] == ["batch_failed"]
+    # One claim per try: the scans (every 50 ms here) did not each claim it again.
+    assert len(host.claims) == runner_module.BATCH_ATTEMPTS
+
+
+def test_a_running_batch_holds_one_window_of_its_input(
+        store: BatchStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines are read a window at a time: with a window of 4 lines, the lines waiting in
+    a batch never number more than a window, and every line still runs once."""
+    monkeypatch.setattr(runner_module, "WINDOW_LINES", 4)
+    batch = add_batch(store, ids(*(f"r{i}" for i in range(30))))
+    host = Host(delay=0.005)
+    most = 0
+
+    async def watch(runner: BatchRunner) -> None:
+        async def sample() -> None:
+            nonlocal most
+            while True:
+                for job in list(runner._jobs.values()):
+                    most = max(most, len(job.pending))
+                await asyncio.sleep(0.001)
+
+        asyncio.get_running_loop().create_task(sample())
+
+    ended = asyncio.run(drive(store, host, batch.id, concurrency=2, during=watch))
+    assert ended.status == "completed"
+    assert sorted(host.runs) == list(range(1, 31))
+    assert 0 < most <= 4 + 2, most  # a window, plus lines sent back to wait
