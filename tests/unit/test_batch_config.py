@@ -28,6 +28,9 @@ def test_defaults_need_no_configuration() -> None:
     assert (c.batch.max_lines, c.batch.max_batches, c.batch.headroom) == (50_000, 10, 1)
     assert c.batch.expire_after_s == 24 * 3600 and c.batch.store is None
     assert c.batch_cost_of("m", c.tenants[0]) == c.cost_of("m")  # no discount by default
+    assert (c.batch.max_output_bytes, c.batch.shutdown_wait_s) == (256 << 20, 10.0)
+    raised = config(batch={"max_output_bytes": 1 << 30, "shutdown_wait": "1m"}).batch
+    assert (raised.max_output_bytes, raised.shutdown_wait_s) == (1 << 30, 60.0)
 
 
 def test_costs_the_tenant_before_the_model_before_the_section() -> None:
@@ -52,6 +55,9 @@ def test_costs_the_tenant_before_the_model_before_the_section() -> None:
     ({"max_lines": 0}, "batch.max_lines"),
     ({"expire_after": "soon"}, "batch.expire_after"),
     ({"store": "mysql://x"}, "batch.store"),
+    ({"max_output_bytes": 100}, "batch.max_output_bytes"),
+    ({"shutdown_wait": "0s"}, "batch.shutdown_wait"),
+    ({"shutdown_wait": "later"}, "batch.shutdown_wait"),
     ({"surprise": 1}, "batch.surprise: unknown key"),
 ])
 def test_bad_values_are_refused_by_name(batch: dict[str, Any], message: str) -> None:
