@@ -67,6 +67,7 @@ QUICK = Scale(parse_bomb_bytes=1 * MIB, parse_bomb_connections=2,
 
 HTTP_TIMEOUT_S = 60.0  # any one attacker request
 RAW_IO_TIMEOUT_S = 5.0  # connecting or sending a few bytes on a raw socket
+STOP_GRACE_S = 2.0  # after the stop, for a raw-socket worker to count its connection
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,12 @@ def _label(exc: BaseException) -> str:
 
 
 async def _until_stopped(stop: threading.Event, workers: list[Awaitable[None]]) -> None:
-    """Run ``workers`` until ``stop`` is set (or all return), then cancel what is left."""
+    """Run ``workers`` until ``stop`` is set (or all return); then those that do not end
+    within ``STOP_GRACE_S`` (a request in flight) are cancelled."""
     tasks = [asyncio.ensure_future(w) for w in workers]
     while not stop.is_set() and not all(t.done() for t in tasks):
         await asyncio.sleep(0.1)
+    await asyncio.wait(tasks, timeout=STOP_GRACE_S)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

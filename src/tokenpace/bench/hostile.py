@@ -13,8 +13,9 @@ a ``victim_timeout``. Phases, one at a time:
 - one per attack (``_hostile_attacks.ATTACKS``): a fresh gateway and ledger, the victim
   alone for ``baseline`` seconds (the attack's own baseline), then for ``duration`` seconds
   beside the attack. The attack is stopped, the victim's requests in flight are awaited,
-  the gateway's ``/health`` is asked once, and the gateway gets SIGTERM (SIGKILL after
-  30 s). A gateway that hangs or dies is a figure of its phase.
+  the gateway's ``/health`` is asked once, and the gateway gets SIGTERM (SIGKILL when its
+  processes are still there 30 s later; ``stop_s`` says how long the stop took). A gateway
+  that hangs or dies is a figure of its phase.
 
 Per phase: the victim's latency (p50, p99, max: the seconds from sending to the last byte
 of the answer, or to its failure) over every request sent during the attack, and over
@@ -280,8 +281,10 @@ class _Run:
         try:
             result = self._load(name, gateway, baseline, duration, data)
         finally:
+            stopping = time.monotonic()
             gateway.stop()
-        result["gateway"]["exit_code"] = gateway.proc.returncode
+        result["gateway"]["stop_s"] = time.monotonic() - stopping
+        result["gateway"]["exit_code"] = gateway.proc.poll()
         rows = _ledger_rows(data / "ledger" / "usage.db")
         ok_ids = {c.request_id for c in result.pop("_victim_ok") if c.request_id}
         victim_rows = set(rows.get("victim", []))
