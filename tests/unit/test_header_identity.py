@@ -107,7 +107,11 @@ def test_a_required_header_that_is_missing_is_refused() -> None:
 
 
 BODY = {"output_rate_user": "mallory", "output_rate_application": "mallory-app",
-        "output_rate_end_user": "eve", "output_rate_tokens_per_second": 999, "other": 1}
+        "output_rate_end_user": "eve", "other": 1}
+RATES = {"output_rate_tokens_per_second": 999, "output_rate_version": 7,
+         "output_rate_end_user_tokens_per_second": 99,
+         "output_rate_application_tokens_per_second": 98,
+         "output_rate_application_end_user_tokens_per_second": 97}
 
 
 @pytest.mark.parametrize(("keys", "identity", "expected"), [
@@ -128,11 +132,22 @@ BODY = {"output_rate_user": "mallory", "output_rate_application": "mallory-app",
 ])
 def test_the_headers_replace_the_levels_they_govern(keys: dict, identity: HeaderIdentity | None,
                                                     expected: dict) -> None:
-    params = SimpleNamespace(extra_args=dict(BODY))
+    params = SimpleNamespace(extra_args={**BODY, **RATES})
     shared = params.extra_args
     apply_identity(params, identity, config(**keys))
-    assert params.extra_args == expected
-    assert shared == BODY  # the body's dict is not changed (it may be shared)
+    assert params.extra_args == expected  # no rate field: only the gateway's are kept
+    assert shared == {**BODY, **RATES}  # the body's dict is not changed (it may be shared)
+
+
+@pytest.mark.parametrize("keys", [{"user_header": "x-t"},
+                                  {"user_header": "x-t", "trusted_gateway": True}])
+def test_only_the_trusted_gateways_request_keeps_its_fields(keys: dict) -> None:
+    params = SimpleNamespace(extra_args={**BODY, **RATES})
+    apply_identity(params, HeaderIdentity(gateway=True), config(**keys))
+    assert params.extra_args == {**BODY, **RATES}
+    params = SimpleNamespace(extra_args={**BODY, **RATES})
+    apply_identity(params, HeaderIdentity("alice"), config(**keys))
+    assert params.extra_args == {**BODY, "output_rate_user": "alice"}
 
 
 def test_no_extra_args_at_all() -> None:
@@ -164,10 +179,12 @@ async def _identity_in_task() -> HeaderIdentity | None:
     return current()
 
 
-def _vllm_app(inner: Any, additional: dict | None) -> Any:
-    """What vLLM's Starlette app does for the guard: ``scope["app"]`` with its config."""
+def _vllm_app(inner: Any, additional: dict | None, api_keys: list[str] | None = None) -> Any:
+    """What vLLM's Starlette app does for the guard: ``scope["app"]`` with its config and
+    parsed arguments (``--api-key``)."""
     app = SimpleNamespace(state=SimpleNamespace(
-        vllm_config=SimpleNamespace(additional_config=additional)))
+        vllm_config=SimpleNamespace(additional_config=additional),
+        args=SimpleNamespace(api_key=api_keys)))
 
     async def call(scope: dict, receive: Any, send: Any) -> None:
         scope["app"] = app
@@ -178,13 +195,14 @@ def _vllm_app(inner: Any, additional: dict | None) -> Any:
 
 def _request(additional: dict | None, method: str = "POST",
              header_values: dict[str, str] | None = None,
-             raw_headers: list[tuple[str, str]] | None = None) -> httpx.Response:
+             raw_headers: list[tuple[str, str]] | None = None,
+             api_keys: list[str] | None = None) -> httpx.Response:
     guard = RequestGuard(_Recorder())
     sent = [("content-type", "application/json"), *(header_values or {}).items(),
             *(raw_headers or ())]
 
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=_vllm_app(guard, additional))
+        transport = httpx.ASGITransport(app=_vllm_app(guard, additional, api_keys))
         async with httpx.AsyncClient(transport=transport, base_url="http://engine") as c:
             return await c.request(method, "/v1/completions", headers=sent,
                                    content=b'{"prompt": "x"}' if method == "POST" else None)
@@ -197,9 +215,10 @@ def test_the_guard_sets_the_identity_for_the_request_and_its_tasks() -> None:
     resp = _request({"tokenpace": section}, header_values={"X-Tenant": "team-a",
                                                            "x-end-user": "alice"})
     assert resp.status_code == 200
-    assert resp.json() == {"here": ["team-a", None, "alice"], "child": ["team-a", None, "alice"]}
+    assert resp.json() == {"here": ["team-a", None, "alice", False],
+                           "child": ["team-a", None, "alice", False]}
     resp = _request({"tokenpace": section})
-    assert resp.json()["here"] == [None, None, None]  # absent: anonymous, not refused
+    assert resp.json()["here"] == [None, None, None, False]  # absent: anonymous, not refused
 
 
 def test_without_identity_headers_the_guard_sets_nothing() -> None:
@@ -217,7 +236,30 @@ def test_the_guard_refuses_a_post_with_an_unusable_header() -> None:
     assert resp.status_code == 400 and "more than once" in resp.json()["error"]["message"]
     # a GET generates nothing: it passes (with no identity)
     resp = _request({"tokenpace": section}, method="GET")
-    assert resp.status_code == 200 and resp.json()["here"] == [None, None, None]
+    assert resp.status_code == 200 and resp.json()["here"] == [None, None, None, False]
+
+
+def test_only_a_keyed_request_without_identity_headers_is_the_trusted_gateways() -> None:
+    """``--user-header`` with ``--trusted-gateway``: the gateway (the engine's key, no
+    identity header) keeps its body's fields; a client behind the proxy (the header, with
+    or without the key the proxy adds) and a request without the key do not."""
+    section = {"trusted_gateway": True, "user_header": "x-tenant", "require_user_header": True}
+    keys = ["sk-engine"]
+    gateway = {"authorization": "Bearer sk-engine"}
+
+    def here(**kwargs: Any) -> Any:
+        resp = _request({"tokenpace": section}, api_keys=keys, **kwargs)
+        return resp.status_code, resp.json().get("here")
+
+    assert here(header_values=gateway) == (200, [None, None, None, True])
+    assert here(header_values={**gateway, "x-tenant": "team-a"}) == (
+        200, ["team-a", None, None, False])
+    assert here(header_values={"authorization": "Bearer sk-wrong"})[0] == 400  # required
+    assert here(header_values={"x-tenant": "team-a"}) == (200, ["team-a", None, None, False])
+    # Without trusted_gateway the key makes no gateway.
+    plain = {**RATE, "user_header": "x-tenant"}
+    resp = _request({"tokenpace": plain}, api_keys=keys, header_values=gateway)
+    assert resp.json()["here"] == [None, None, None, False]
 
 
 def test_context_is_left_after_the_request() -> None:

@@ -42,6 +42,7 @@ from typing import Any
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
 from ._aborted import ABORTED_PATH, handle_aborted
+from ._auth import carries_key, keys_of
 from ._ended import ENDED_PATH, handle_ended
 from ._config import PacingConfig
 from ._control import RATES_PATH, handle_rates
@@ -132,8 +133,11 @@ class RequestGuard:
         if config is None or scope["type"] != "http":
             await self._guard(scope, receive, send)
             return
+        # With trusted_gateway, whether the request is keyed (the gateway, when it has no
+        # identity header): a SHA-256 per configured key per request.
+        keyed = config.trusted_gateway and carries_key(scope, keys_of(scope))
         try:
-            identity = read_identity(scope.get("headers", ()), config)
+            identity = read_identity(scope.get("headers", ()), config, keyed)
         except HeaderRefused as exc:
             if scope.get("method") == "POST":
                 await _send_error(send, str(exc), exc.param)

@@ -37,15 +37,28 @@ from ..pacing import LimitsError, validate_user_id
 from ._config import PacingConfig
 from ._identity import ANONYMOUS_USER
 from ._warn import warn_once
-from ._xargs import APPLICATION_EXTRA_ARG, END_USER_EXTRA_ARG, USER_EXTRA_ARG
+from ._xargs import (
+    APPLICATION_END_USER_RATE_EXTRA_ARG,
+    APPLICATION_EXTRA_ARG,
+    APPLICATION_RATE_EXTRA_ARG,
+    END_USER_EXTRA_ARG,
+    END_USER_RATE_EXTRA_ARG,
+    RATE_EXTRA_ARG,
+    RATE_VERSION_EXTRA_ARG,
+    USER_EXTRA_ARG,
+)
 
 
 class HeaderIdentity(NamedTuple):
-    """The names a request's headers give each level (None: that header was absent)."""
+    """The names a request's headers give each level (None: that header was absent);
+    ``gateway``: the request carries none of the identity headers and the engine's key
+    with ``trusted_gateway``, so it comes from the trusted gateway, whose body fields
+    (identity and rates) are honoured as sent."""
 
     user: str | None = None
     application: str | None = None
     end_user: str | None = None
+    gateway: bool = False
 
 
 class HeaderRefused(ValueError):
@@ -61,13 +74,20 @@ _CURRENT: contextvars.ContextVar[HeaderIdentity | None] = contextvars.ContextVar
 """Set by the guard for the handling of one HTTP request (tasks it starts inherit it)."""
 
 
-def read_identity(headers: Iterable[tuple[bytes, bytes]], config: PacingConfig) -> HeaderIdentity:
+def read_identity(headers: Iterable[tuple[bytes, bytes]], config: PacingConfig,
+                  keyed: bool = False) -> HeaderIdentity:
     """The identity ``headers`` (an ASGI scope's: lower-case names, latin-1 values) give.
+
+    ``keyed``: the request carries one of the engine's API keys. With ``trusted_gateway``
+    such a request that has none of the identity headers is the gateway's
+    (``HeaderIdentity(gateway=True)``); a request with a header is a proxied client's
+    whatever key the proxy added.
 
     Raises ``HeaderRefused`` for a header given more than once (a proxy that appends
     instead of overwriting would let the client's copy through: which one counts would
     be a guess), for a value that is not a usable identity (empty, over 256 characters),
-    and for a missing ``user_header`` when ``require_user_header`` is set.
+    and for a missing ``user_header`` when ``require_user_header`` is set (but for the
+    trusted gateway's requests).
     """
     wanted = {name.encode("latin-1"): level for level, name in (
         ("user", config.user_header), ("application", config.application_header),
@@ -86,6 +106,8 @@ def read_identity(headers: Iterable[tuple[bytes, bytes]], config: PacingConfig) 
             found[level] = validate_user_id(value.decode("latin-1").strip(), f"header {header!r}")
         except LimitsError as exc:
             raise HeaderRefused(str(exc), header) from None
+    if not found and keyed and config.trusted_gateway:
+        return HeaderIdentity(gateway=True)
     if config.require_user_header and "user" not in found:
         assert config.user_header is not None
         raise HeaderRefused(f"header {config.user_header!r} is required: this engine takes "
@@ -108,15 +130,27 @@ def current() -> HeaderIdentity | None:
     return _CURRENT.get()
 
 
+_RATE_FIELDS = (RATE_EXTRA_ARG, RATE_VERSION_EXTRA_ARG, END_USER_RATE_EXTRA_ARG,
+                APPLICATION_RATE_EXTRA_ARG, APPLICATION_END_USER_RATE_EXTRA_ARG)
+"""The body fields that set rates: only the trusted gateway's requests may carry them."""
+
+
 def apply_identity(params: Any, identity: HeaderIdentity | None, config: PacingConfig) -> None:
     """Replace the header-governed levels of ``params.extra_args`` (``vllm_xargs``).
 
-    A level whose header is configured gets the header's value, or loses the body's value
-    when the header was absent (anonymous user, no application, no end user). Levels
-    without a header, rates and everything else in ``extra_args`` stay as sent. A new
-    dict is assigned: the caller's may be shared between the prompts of one request.
+    The trusted gateway's request (``identity.gateway``) keeps its fields as sent. Any
+    other request loses the body's rate fields (a client behind the proxy does not set
+    its own rate), and a level whose header is configured gets the header's value, or
+    loses the body's value when the header was absent (anonymous user, no application,
+    no end user). Levels without a header and everything else in ``extra_args`` stay as
+    sent. A new dict is assigned: the caller's may be shared between the prompts of one
+    request.
     """
+    if identity is not None and identity.gateway:
+        return
     extra = dict(getattr(params, "extra_args", None) or {})
+    for field in _RATE_FIELDS:
+        extra.pop(field, None)
     for field, header, value in (
             (USER_EXTRA_ARG, config.user_header, identity and identity.user),
             (APPLICATION_EXTRA_ARG, config.application_header, identity and identity.application),
