@@ -222,7 +222,10 @@ class BatchRunner:
 
     async def _scan(self) -> None:
         now = self._wall()
-        for batch in await asyncio.to_thread(self.store.unfinished):
+        unfinished = await asyncio.to_thread(self.store.unfinished)
+        for batch_id in set(self._failures) - {b.id for b in unfinished}:
+            del self._failures[batch_id]  # finished elsewhere (another replica, a cancel)
+        for batch in unfinished:
             job = self._jobs.get(batch.id)
             if job is not None:
                 if batch.status == "cancelling" and job.stop is None:
@@ -533,9 +536,9 @@ class BatchRunner:
 
     async def _run_line(self, job: _Job, line: Line, model: str) -> None:
         """Run one line and keep its result. The batch counts the line in flight until its
-        result is stored (or it went back to the batch's lines): the batch finalizes from
-        the stored results once nothing is in flight, so a result still being written
-        must count."""
+        result is stored, held for a later write, or the line went back to the batch's
+        lines: the batch finalizes from the stored results once nothing is in flight or
+        held, so a result still being written must count."""
         slot = False
 
         def on_slot() -> None:
