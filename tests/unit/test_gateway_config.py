@@ -301,3 +301,33 @@ def test_reconcile_interval_and_grace_default_and_may_be_zero() -> None:
     for value in (-1, False, "soon"):
         with pytest.raises(ConfigError, match="reconcile_interval"):
             parse_config({**GOOD, "reconcile_interval": value})
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("max_tokenize_bytes", 100, "max_tokenize_bytes: expected an integer >= 1024"),
+    ("max_tokenize_bytes", "1MB", "max_tokenize_bytes: expected an integer"),
+    ("metrics_api_keys", "sk-m", "metrics_api_keys: expected a list of keys"),
+    ("metrics_api_keys", [""], "metrics_api_keys[0]: expected a non-empty string"),
+    ("metrics_cache", "soon", "metrics_cache"),
+    ("max_conversation_homes", 0, "max_conversation_homes: expected an integer >= 1"),
+    ("max_conversation_homes_per_tenant", -1, "max_conversation_homes_per_tenant: expected"),
+])
+def test_side_route_metrics_and_homes_keys_name_themselves(path: str, value: Any,
+                                                           message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_change(path, value))
+    assert message in str(info.value)
+
+
+def test_side_route_metrics_and_homes_defaults_and_keys() -> None:
+    config = parse_config(GOOD)
+    assert (config.max_tokenize_bytes, config.metrics_cache_s, config.metrics_key_hashes) == (
+        1024 * 1024, 2.0, ())
+    assert (config.max_conversation_homes, config.max_conversation_homes_per_tenant) == (
+        100_000, 10_000)
+    config = parse_config({**GOOD, "metrics_api_keys": ["sk-m"], "metrics_cache": 0,
+                           "max_tokenize_bytes": 4096})
+    assert config.is_metrics_key("sk-m") and config.is_metrics_key("admin")
+    assert not config.is_metrics_key("sk-a") and config.is_admin_key("admin")
+    assert not config.is_admin_key("sk-m")  # a metrics key is no admin key
+    assert (config.metrics_cache_s, config.max_tokenize_bytes) == (0.0, 4096)
