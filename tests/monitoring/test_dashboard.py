@@ -78,7 +78,7 @@ def test_no_created_series() -> None:
 
 
 def test_every_gateway_metric_is_documented_once() -> None:
-    section = DOCS.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    section = DOCS.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     for family in [*_metrics.REGISTRY.collect(), *(g.family() for g in _metrics.LIVE)]:
         if not family.name.startswith(PREFIX):
             continue
