@@ -407,3 +407,33 @@ def test_store_text_round_trips_json_lines(store: BatchStore) -> None:
     [stored] = store.results(batch.id)
     assert stored.text == text
     assert json.loads(stored.text)["custom_id"] == 'quote " newline \n é'
+
+
+def test_files_written_from_the_results_stream_in_parts_and_pages(
+        store: BatchStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``finish_from_results``: the output and error files hold the stored results in
+    line order (the extra error lines last), byte for byte what joining them gives, cut
+    into parts and read in pages (made small here so a few results span several)."""
+    import tokenpace.gateway.batch._store as store_module
+
+    monkeypatch.setattr(store_module, "PART_BYTES", 64)
+    monkeypatch.setattr(store_module, "RESULTS_PAGE", 3)
+    batch = make_batch(store, status="finalizing")
+    results = [result(n, ok=n % 3 != 0) for n in (7, 1, 5, 3, 2, 6, 4, 9, 8, 10)]
+    for r in results:
+        store.add_result(batch.id, r)
+    extra = b'{"expired": 11}\n'
+    assert store.result_bytes(batch.id) == (
+        sum(len(r.text) + 1 for r in results if r.ok),
+        sum(len(r.text) + 1 for r in results if not r.ok))
+    ended = store.finish_from_results(batch, "completed", extra)
+    assert ended is not None and ended.status == "completed"
+    in_order = sorted(results, key=lambda r: r.number)
+    output = "".join(r.text + "\n" for r in in_order if r.ok).encode()
+    errors = "".join(r.text + "\n" for r in in_order if not r.ok).encode() + extra
+    assert store.file_content("acme", ended.output_file_id or "") == output
+    assert store.file_content("acme", ended.error_file_id or "") == errors
+    out = store.file("acme", ended.output_file_id or "")
+    assert out is not None and out.bytes == len(output) and len(output) > 3 * 64
+    assert out.filename == f"batch_{batch.id}_output.jsonl"
+    assert store.finish_from_results(batch, "completed") is None  # moved already

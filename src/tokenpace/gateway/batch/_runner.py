@@ -42,7 +42,8 @@ Memory: a batch's input is never held whole. Validation streams the file (one st
 part and one line at a time, a digest per ``custom_id``); a running batch reads its
 lines a window at a time (``WINDOW_BYTES`` of bodies, at least one line) from where the
 last window ended, so a batch holds one part, one window and its lines in flight,
-whatever the file's size (per tenant: ``batch.max_batches`` times that).
+whatever the file's size (per tenant: ``batch.max_batches`` times that). Its output and
+error files are written by the store from the stored results, a page at a time.
 
 Expiry: a batch not finished by its ``expires_at`` stops starting lines, lets those in
 flight end, and ends ``expired`` with its results so far; the lines that never ran go to
@@ -519,11 +520,7 @@ class BatchRunner:
                              f"{largest} bytes, more than this gateway keeps in one file "
                              f"({self.max_output_bytes}, batch.max_output_bytes)")
             return None
-        results = await asyncio.to_thread(self.store.results, batch.id)
-        output = "".join(r.text + "\n" for r in results if r.ok).encode()
-        errors = "".join(r.text + "\n" for r in results if not r.ok).encode() + expired
-        del results
-        ended = await asyncio.to_thread(self.store.finish, batch, end, output, errors)
+        ended = await asyncio.to_thread(self.store.finish_from_results, batch, end, expired)
         if ended is not None:
             if unrun:
                 metrics.child(metrics.BATCH_LINES, batch.tenant, "expired").inc(unrun)

@@ -28,6 +28,7 @@ checked in the transaction that writes, so concurrent requests cannot pass them 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -60,6 +61,9 @@ the largest write (an output file's parts), far below a hang."""
 
 PART_BYTES = 1024 * 1024
 """Bytes of a file's content per stored part: what one locked read copies."""
+
+RESULTS_PAGE = 1000
+"""Results read at a time when a batch's files are written from them."""
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS batch_files (
@@ -441,6 +445,63 @@ class BatchStore:
                     self._insert_file(record, content)
                     fields[column] = record.id
             return self._move(batch.id, batch.status, new, fields)
+
+    def finish_from_results(self, batch: BatchRecord, new: str,
+                            extra_errors: bytes = b"") -> BatchRecord | None:
+        """``finish`` with the files written from the batch's stored results, in line
+        order (``extra_errors`` after the error file's results), streamed: a page of
+        ``RESULTS_PAGE`` results and one part in memory at a time, whatever the files'
+        sizes. One transaction (the lock held while the files are written, as ``finish``);
+        None when the batch was no longer in its status."""
+        check_move(batch.status, new)
+        fields: dict[str, Any] = {}
+        with self._transaction():
+            current = self.batch_locked(batch.id)
+            if current is None or current.status != batch.status:
+                return None
+            now = int(time.time())
+            for ok, kind, column, tail in ((1, "output", "output_file_id", b""),
+                                           (0, "error", "error_file_id", extra_errors)):
+                file_id = new_id("file-")
+                size = self._write_parts(file_id, self._result_texts(batch.id, ok), tail)
+                if size:
+                    self._execute(f"INSERT INTO batch_files ({_FILE_COLUMNS}, content) "
+                                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                  (file_id, batch.tenant, "batch_output",
+                                   f"batch_{batch.id}_{kind}.jsonl", size, now, b""))
+                    fields[column] = file_id
+            return self._move(batch.id, batch.status, new, fields)
+
+    def _result_texts(self, batch_id: str, ok: int) -> Iterator[bytes]:
+        """The stored results' lines (``ok`` 1: answered 2xx), in line order, read a page
+        at a time by line number; inside a transaction."""
+        after = 0
+        while True:
+            rows = self._execute("SELECT line, text FROM batch_results WHERE batch_id = ? "
+                                 "AND ok = ? AND line > ? ORDER BY line LIMIT ?",
+                                 (batch_id, ok, after, RESULTS_PAGE)).fetchall()
+            if not rows:
+                return
+            for _, text in rows:
+                yield text.encode() + b"\n"
+            after = int(rows[-1][0])
+
+    def _write_parts(self, file_id: str, chunks: Iterator[bytes], tail: bytes) -> int:
+        """Store ``chunks`` then ``tail`` as the parts of ``file_id`` (``PART_BYTES``
+        each, the last shorter); their total bytes. Inside a transaction."""
+        buffer, part, size = bytearray(), 0, 0
+        for chunk in itertools.chain(chunks, (tail,)):
+            buffer += chunk
+            while len(buffer) >= PART_BYTES:
+                self._execute("INSERT INTO batch_file_parts (file_id, part, data) VALUES "
+                              "(?, ?, ?)", (file_id, part, bytes(buffer[:PART_BYTES])))
+                del buffer[:PART_BYTES]
+                part, size = part + 1, size + PART_BYTES
+        if buffer:
+            self._execute("INSERT INTO batch_file_parts (file_id, part, data) VALUES "
+                          "(?, ?, ?)", (file_id, part, bytes(buffer)))
+            size += len(buffer)
+        return size
 
     # -- results -----------------------------------------------------------------------
 

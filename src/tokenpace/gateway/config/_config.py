@@ -228,8 +228,8 @@ class BatchConfig:
     headroom: int = 1  # slots per engine left free for live requests
     concurrency: int = 64  # lines in flight per gateway process, all batches together
     store: str | None = None  # the store's URL; None: beside the ledger
-    # Bytes of one output or error file a batch may write (finalizing builds it in
-    # memory once); a batch whose results would pass it ends failed (output_too_large).
+    # Bytes of one output or error file a batch may write (streamed from its results into
+    # the store); a batch whose results would pass it ends failed (output_too_large).
     max_output_bytes: int = 256 * 1024 * 1024
     # How long a clean shutdown lets the lines in flight finish (their results stored)
     # before it stops the rest as if their client had left.
