@@ -59,17 +59,19 @@ def line(custom_id: str, model: str = "fake") -> bytes:
 
 def test_text_no_store_keeps_fails_the_batch_at_validation(engine: EngineServer,
                                                            tmp_path: Path) -> None:
-    """A lone surrogate in a custom_id (SQLite cannot encode it) and a NUL in a model
-    (Postgres cannot keep it): the batch ends failed at validation, each bad line named,
-    and no line of it reaches the engine."""
+    """A lone surrogate in a custom_id (SQLite cannot encode it), a NUL in a model and in
+    a custom_id (Postgres cannot keep it): the batch ends failed at validation, each bad
+    line named, and no line of it reaches the engine."""
     gw = GatewayProcess(tmp_path, batch_config(engine, tmp_path)).start()
     try:
         api = client(gw, KEY_B)
-        content = jsonl(2) + line("bad-\ud800") + line("bad-model", model="m\u0000")
+        content = (jsonl(2) + line("bad-\ud800") + line("bad-model", model="m\u0000")
+                   + line("nul-\u0000-id"))
         batch = wait_status(api, submit(api, content).id, timeout_s=15)
         assert batch.status == "failed", batch
         assert [(e.code, e.param, e.line) for e in batch.errors.data] == [
-            ("invalid_value", "custom_id", 3), ("invalid_value", "body.model", 4)]
+            ("invalid_value", "custom_id", 3), ("invalid_value", "body.model", 4),
+            ("invalid_value", "custom_id", 5)]
         time.sleep(1.5)  # a scan or more: the batch is not picked up again
         assert api.batches.retrieve(batch.id).status == "failed"
         assert engine.engine.requests == []
