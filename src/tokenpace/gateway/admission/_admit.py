@@ -343,7 +343,9 @@ def prompt_bytes(req: ParsedRequest) -> int:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return len(prompt)
-        return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+        # A batch of strings (one pass in C), or of token ids (no text).
+        return sum(map(len, prompt)) if isinstance(prompt, list) and set(
+            map(type, prompt)) == {str} else 0
     if req.kind == "responses":
         size = _text_size(body.get("instructions"))
         items = body.get("input")

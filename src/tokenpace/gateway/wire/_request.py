@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ...pacing import LimitsError, validate_user_id
+from ._clip import clip
 from ._errors import GatewayError
 
 Kind = Literal["chat", "completion", "responses", "messages"]
@@ -100,9 +101,16 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     text an OpenAI client can mean. vLLM 0.32 refuses a surrogate (its tokenizer raises)
     and a non-finite sampling parameter, but renders ``NaN`` in ``chat_template_kwargs``
     into the prompt; the gateway's own upstream encoder cannot send either. They are
-    refused here with the field's path, before any work. Cost: the parse, one
-    regular-expression scan of the raw bytes, plus a walk of the parsed body only when the
-    scan or the parser saw a suspect value.
+    refused here with the field's path (clipped), before any work.
+
+    Cost bound, linear in the body's size: the parse (C, which holds the interpreter for
+    its whole length), one regular-expression scan of the raw bytes, and, only when the
+    scan or the parser saw a suspect value (any escaped emoji), one walk of the parsed
+    body that visits each value once and allocates nothing per value (``_first_unencodable``;
+    lists of scalars are checked in C). The walk costs at most about what the parse does,
+    so a suspect body costs at most about twice a clean one of the same size; memory is
+    the parsed body itself. docs/gateway.md ("Request bodies and parsing") gives the
+    measured milliseconds per MiB.
     """
     _suspect[0] = False
     try:
@@ -118,45 +126,115 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point in a ``str`` (UTF-8 cannot encode one, paired or not)."""
+
+
 def _has_lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    # O(1) for ASCII text (CPython keeps the flag); else one scan, nothing allocated.
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _refuse_unencodable(body: dict[str, Any]) -> None:
     """Raise a 400 naming the first lone surrogate or non-finite number in ``body``.
 
-    Iterative, so a body nested as deep as the parser allows cannot exhaust the stack.
+    Iterative (one iterator per open container), so a body nested as deep as the parser
+    allows cannot exhaust the stack. Cost: linear in the body's values, with nothing
+    allocated per value: a type test per value, a flag test per string (a scan only of
+    non-ASCII strings), one iterator per container; the offending value's path is only
+    built for the error (about as much CPU per MiB of body as the parse itself).
     """
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if _has_lone_surrogate(value):
-                raise GatewayError(
-                    400, f"'{path}' holds a lone UTF-16 surrogate, which is not Unicode text; "
-                    "send valid UTF-8 (a surrogate pair written as two escapes is fine)",
-                    reason="bad_request", code="invalid_unicode", param=path)
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise GatewayError(
-                    400, f"'{path}' is {value!r}: JSON has no NaN or Infinity, and the engine "
-                    "cannot take a non-finite number", reason="bad_request",
-                    code="invalid_number", param=path)
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                child = f"{path}.{key}" if path else str(key)
+    found = _first_unencodable(body)
+    if found is None:
+        return
+    where, value, in_key = found
+    path = _path(where)
+    if in_key:
+        raise GatewayError(
+            400, f"a key in '{path or 'the body'}' holds a lone UTF-16 surrogate, "
+            "which is not Unicode text", reason="bad_request",
+            code="invalid_unicode", param=path or None)
+    if isinstance(value, str):
+        raise GatewayError(
+            400, f"'{path}' holds a lone UTF-16 surrogate, which is not Unicode text; "
+            "send valid UTF-8 (a surrogate pair written as two escapes is fine)",
+            reason="bad_request", code="invalid_unicode", param=path)
+    raise GatewayError(
+        400, f"'{path}' is {value!r}: JSON has no NaN or Infinity, and the engine "
+        "cannot take a non-finite number", reason="bad_request",
+        code="invalid_number", param=path)
+
+
+def _first_unencodable(body: dict[str, Any]) -> tuple[list[Any], Any, bool] | None:
+    """(the keys and indices down to it, the value, whether it is a key) of the first
+    lone surrogate or non-finite number in depth-first order, or None."""
+    iters: list[Any] = [iter(body.items())]  # dict items, or enumerate() of a list
+    keyed = [True]
+    where: list[Any] = [None]  # the key or index each open container is at
+    while iters:
+        it, is_dict = iters[-1], keyed[-1]
+        for entry in it:  # items() and enumerate() reuse their tuple: no allocation
+            if is_dict:
+                key, value = entry
                 if _has_lone_surrogate(key):
-                    raise GatewayError(
-                        400, f"a key in '{path or 'the body'}' holds a lone UTF-16 surrogate, "
-                        "which is not Unicode text", reason="bad_request",
-                        code="invalid_unicode", param=path or None)
-                stack.append((child, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+                    return where[:-1], key, True
+                where[-1] = key
+            else:
+                where[-1], value = entry
+            kind = type(value)
+            if kind is str:
+                if _has_lone_surrogate(value):
+                    return where, value, False
+            elif kind is float:
+                if not math.isfinite(value):
+                    return where, value, False
+            elif kind is dict:
+                iters.append(iter(value.items()))
+                keyed.append(True)
+                where.append(None)
+                break
+            elif kind is list:
+                if _plain(value):
+                    continue
+                iters.append(enumerate(value))
+                keyed.append(False)
+                where.append(None)
+                break
+        else:
+            iters.pop()
+            keyed.pop()
+            where.pop()
+    return None
+
+
+_SCALARS = frozenset((int, bool, type(None)))
+
+
+def _plain(items: list[Any]) -> bool:
+    """Whether a list certainly holds nothing to refuse: only integers, booleans and nulls,
+    only ASCII strings, or only finite numbers (a list of token ids, of prompts). Each test
+    runs in C over the list, a few nanoseconds an item, allocating a set of the types seen
+    (at most seven); a mixed list returns False and is walked item by item."""
+    kinds = set(map(type, items))
+    if kinds <= _SCALARS:
+        return True
+    if kinds == {str}:
+        return all(map(str.isascii, items))
+    if kinds == {float}:
+        return all(map(math.isfinite, items))
+    return False
+
+
+def _path(where: list[Any]) -> str:
+    """``a.b[2].c`` from the keys and indices down to a value, clipped (``clip``): it is
+    echoed in the error. Cost: O(depth), whatever the keys' lengths."""
+    parts = []
+    for step in where:  # at most the parser's depth limit of steps, each clipped
+        if isinstance(step, int):
+            parts.append(f"[{step}]")
+        else:
+            parts.append(("." if parts else "") + clip(str(step), 40))
+    return clip("".join(parts))
 
 
 def parse_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
@@ -215,7 +293,7 @@ def _completion_prompts(prompt: Any) -> int:
     if isinstance(prompt, str) or _is_token_ids(prompt):
         return 1
     if isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)):
+            set(map(type, prompt)) == {str} or all(map(_is_token_ids, prompt))):
         return len(prompt)
     raise GatewayError(
         400, "'prompt' must be a string, a list of token ids, or a non-empty list of either "
@@ -256,7 +334,7 @@ def prompt_token_ids(req: ParsedRequest) -> list[list[int]] | None:
     prompt = req.body.get("prompt")
     if _is_token_ids(prompt):
         return [prompt]
-    if isinstance(prompt, list) and all(_is_token_ids(p) for p in prompt):
+    if isinstance(prompt, list) and all(map(_is_token_ids, prompt)):
         return prompt
     return None
 
@@ -383,5 +461,6 @@ def dumps(value: Any) -> str:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    """A non-empty list of integers (not booleans). Cost: one pass in C, no per-item
+    allocation (a set of the item types seen)."""
+    return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
