@@ -191,3 +191,33 @@ def test_four_replicas_creating_batches_at_once_keep_exactly_max_batches(
 
     _race([threading.Thread(target=create, args=(stores[i % 4], i)) for i in range(16)])
     assert len(made) == 3 and stores[0].count_unfinished("acme") == 3
+
+
+def test_a_file_stored_before_parts_is_read_whole(stores: list[BatchStore]) -> None:
+    store = stores[0]
+    with store._transaction():  # a row as an older gateway wrote it: content inline
+        store._execute("INSERT INTO batch_files (id, tenant, purpose, filename, bytes, "
+                       "created_at, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       ("file-old", "acme", "batch", "in.jsonl", 3 * PART_BYTES, 1,
+                        b"y" * (3 * PART_BYTES)))
+    assert stores[1].file_content("acme", "file-old") == b"y" * (3 * PART_BYTES)
+    assert stores[1].stored("acme") == (1, 3 * PART_BYTES)
+    assert stores[1].delete_file("acme", "file-old")
+
+
+@pytest.mark.parametrize(("batch", "message"), [
+    ({"max_uploads": 0}, "batch.max_uploads: expected an integer >= 1"),
+    ({"max_tenant_uploads": -1}, "batch.max_tenant_uploads: expected an integer >= 1"),
+    ({"max_stored_bytes": "1GiB"}, "batch.max_stored_bytes: expected an integer >= 1"),
+    ({"max_file_bytes": 2048, "upload_memory": 1024}, "batch.upload_memory: 1024 is less"),
+])
+def test_the_upload_keys_are_checked(batch: dict[str, object], message: str) -> None:
+    from tokenpace.gateway import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"engines": ["http://e:1"], "ledger": "sqlite:///u.db", "batch": batch,
+                      "tenants": [{"id": "a", "api_keys": ["sk-a"]}]})
+    defaults = parse_config({"engines": ["http://e:1"], "ledger": "sqlite:///u.db",
+                             "tenants": [{"id": "a", "api_keys": ["sk-a"]}]}).batch
+    assert (defaults.max_uploads, defaults.max_tenant_uploads, defaults.upload_memory,
+            defaults.max_stored_bytes) == (4, 1, 256 * 1024 * 1024, 1024 ** 3)
