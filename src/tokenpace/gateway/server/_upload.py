@@ -9,7 +9,8 @@ together (``batch.upload_memory``), the parts and their headers. A refused uploa
 being read at once: the gateway answers and closes the connection, so what it read is
 about the bound, whatever the client meant to send (with or without ``Content-Length``).
 
-Cost per chunk of the request (at most what the server hands over, 64 KiB with uvicorn):
+Cost per chunk of the request (what the server received since the last one: uvicorn stops
+reading once 64 KiB wait, so a chunk is at most one socket read beyond that):
 python-multipart's parser (C-speed searches for the boundary), one copy into the file's
 buffer and one translated copy for the line counter. Memory: the file's bytes, charged to
 ``batch.upload_memory`` until the route returns.
