@@ -187,3 +187,4 @@ def test_clients_that_do_not_read_their_streams_do_not_keep_engine_slots(
                 sock.close()
     finally:
         engine.stop()
+
