@@ -142,10 +142,15 @@ class _Job:
     pending: deque[Line] = field(default_factory=deque)
     attempts: dict[int, int] = field(default_factory=dict)  # line number -> runs that failed
     inflight: int = 0
-    # "cancelling", "expired", or "suspended" (a line got no answer): start no more lines
+    # "cancelling", "expired", "suspended" (a line got no answer) or "failed" (driving
+    # the batch raised): start no more lines
     stop: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    reader: _Input | None = None  # the input's lines not read yet (None: all read)
+    # The input's lines not read yet: None before the first read and after a read failed
+    # (opened again, lines before ``next_number`` skipped); ``eof`` once all were read.
+    reader: _Input | None = None
+    next_number: int = 1
+    eof: bool = False
     done: set[int] = field(default_factory=set)  # lines with a stored result at the start
     # Results whose write failed, by line number: written again with back-off, never run.
     unstored: dict[int, LineResult] = field(default_factory=dict)
@@ -269,7 +274,7 @@ class BatchRunner:
                 line = job.pending.popleft()
                 if job.pending:
                     self._offer(job)  # its next line waits its turn at once
-                if len(job.pending) < WINDOW_LINES // 2 and job.reader is not None:
+                if len(job.pending) < WINDOW_LINES // 2 and not job.eof:
                     job.changed.set()  # its driver reads the next window
                 job.inflight += 1
                 self._inflight += 1
@@ -304,12 +309,29 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            await self._settle_job(job)
             await self._failed(job, exc)
         finally:
             self.feed.forget(job.batch.id)
             self._jobs.pop(job.batch.id, None)
-            job.reader = None
+            job.reader = None  # its part of the input, released now
             await self.host.unclaim(job.claim)
+
+    async def _settle_job(self, job: _Job) -> None:
+        """Before a batch whose driving raised is let go: no new line, the lines in
+        flight end (each bounded by the request's own timeout), and one more try to
+        write the results held; any still held are lost, and their lines run again
+        where the batch resumes."""
+        if job.stop is None:
+            self._stop(job, "failed")
+        while job.inflight:
+            job.changed.clear()
+            await job.changed.wait()
+        if job.unstored:
+            await self._store_held(job)
+        if job.unstored:
+            logger.error("batch %s: %d result(s) could not be stored; their lines run "
+                         "again when the batch resumes", job.batch.id, len(job.unstored))
 
     async def _failed(self, job: _Job, exc: Exception) -> None:
         """Driving ``job`` raised ``exc``: back off before the batch is claimed again, and
@@ -389,8 +411,6 @@ class BatchRunner:
         else:
             total, models, problems = checked
         if self._wall() >= batch.expires_at:  # every line written as batch_expired
-            if not problems:
-                job.reader = await asyncio.to_thread(self._input, batch)
             return await self._finalize(job, batch, "expired", expire=not problems)
         if problems:
             moved = await asyncio.to_thread(self.store.move, batch.id, "validating", "failed",
@@ -407,36 +427,51 @@ class BatchRunner:
     def _window(self, job: _Job) -> list[Line]:
         """The next lines of the input without a stored result (blocking): up to
         ``WINDOW_LINES`` lines or ``WINDOW_BYTES`` of bodies, at least one line while any
-        is left; ``job.reader`` becomes None at the end of the file."""
-        reader, lines, size = job.reader, [], 0
-        if reader is None:
+        is left; ``job.eof`` once the file is read. A read that raises (the store does
+        not answer) leaves the job to open the file again on its next call, where it
+        stopped."""
+        lines: list[Line] = []
+        size = 0
+        if job.eof:
             return lines
         batch = job.batch
+        if job.reader is None:
+            job.reader = self._input(batch)
+            if job.reader is None:
+                logger.error("batch %s: its input file %s no longer exists", batch.id,
+                             batch.input_file_id)
+                job.eof = True
+                return lines
+        reader = job.reader
 
         def problem(code: str, message: str, number: int | None, param: str | None) -> None:
             logger.error("batch %s: line %s of its input no longer reads (%s)", batch.id,
                          number, message)
 
-        for number, _, raw in reader:
-            if number in job.done:
-                continue
-            line = read_line(number, raw, batch.endpoint, problem)
-            if line is None:
-                continue
-            lines.append(line)
-            size += len(line.body)
-            if len(lines) >= WINDOW_LINES or size >= WINDOW_BYTES:
-                return lines
-        job.reader = None
+        try:
+            for number, _, raw in reader:
+                if number < job.next_number:
+                    continue  # read before a failed read (the file opened again)
+                job.next_number = number + 1
+                if number in job.done:
+                    continue
+                line = read_line(number, raw, batch.endpoint, problem)
+                if line is None:
+                    continue
+                lines.append(line)
+                size += len(line.body)
+                if len(lines) >= WINDOW_LINES or size >= WINDOW_BYTES:
+                    return lines
+        except BaseException:
+            job.reader = None  # a generator that raised is over: open the file again
+            job.pending.extend(lines)  # the lines read before the failure, not lost
+            raise
+        job.reader, job.eof = None, True
         return lines
 
     async def _run(self, job: _Job) -> BatchRecord | None:
         batch = job.batch
         job.done = await asyncio.to_thread(self.store.done_lines, batch.id)
-        job.reader = await asyncio.to_thread(self._input, batch)
-        if job.reader is None:
-            logger.error("batch %s: its input file %s no longer exists", batch.id,
-                         batch.input_file_id)
         logger.info("batch %s of tenant %s: %d of %d lines to run", batch.id, batch.tenant,
                     max(0, batch.total - len(job.done)), batch.total)
         while True:
@@ -444,13 +479,13 @@ class BatchRunner:
                 await self._store_held(job)
             if job.stop is None and self._wall() >= batch.expires_at:
                 self._stop(job, "expired")
-            if job.stop is None and job.reader is not None \
+            if job.stop is None and not job.eof and not job.unstored \
                     and len(job.pending) < WINDOW_LINES // 2:
-                job.pending.extend(await asyncio.to_thread(self._window, job))
+                await self._read(job)
             if job.stop is None and job.pending and not job.unstored:
                 self._offer(job)
             if job.inflight == 0 and not job.unstored and (
-                    job.stop is not None or (not job.pending and job.reader is None)):
+                    job.stop is not None or (not job.pending and job.eof)):
                 break
             job.changed.clear()
             wait = max(0.05, min(SCAN_S, batch.expires_at - self._wall()))
@@ -471,6 +506,22 @@ class BatchRunner:
         moved = await asyncio.to_thread(self.store.move, batch.id, "in_progress", "finalizing")
         return moved if moved is not None else await asyncio.to_thread(self.store.batch,
                                                                        batch.id)
+
+    async def _read(self, job: _Job) -> None:
+        """The next window into ``job.pending``. A read that fails while the store does
+        not answer (an outage) is tried again on the driver's next turn, the batch kept
+        with its lines in flight and its results held; any other failure raises (the
+        batch's own: counted by ``_failed``)."""
+        try:
+            job.pending.extend(await asyncio.to_thread(self._window, job))
+        except Exception as exc:
+            try:
+                await asyncio.to_thread(self.store.ping)
+            except Exception:
+                logger.warning("batch %s: its input cannot be read now (%s); tried again",
+                               job.batch.id, exc)
+                return
+            raise
 
     def _offer(self, job: _Job) -> None:
         line = job.pending[0]
@@ -500,7 +551,7 @@ class BatchRunner:
                                                "message": "This line could not be run "
                                                           "before the batch's completion "
                                                           "window ended."}) + "\n")
-            if job.reader is None:
+            if job.eof:
                 return "".join(out).encode(), len(out)
             pending = self._window(job)
 
