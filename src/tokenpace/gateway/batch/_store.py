@@ -55,6 +55,11 @@ _SQLITE_BUSY_TIMEOUT_S = 30.0
 _PG_CONNECT_TIMEOUT_S = 10
 """Bound on connecting to Postgres (a few round trips on a live server)."""
 
+_PG_KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10",
+                  "keepalives_count": "3"}
+"""libpq's TCP keepalives (as the ledger's): a peer gone without a FIN is found about a
+minute into an idle connection instead of the kernel's two hours."""
+
 _PG_STATEMENT_TIMEOUT_MS = 60_000
 """Server-side bound on one statement, one lock wait and an idle transaction: well above
 the largest write (an output file's parts), far below a hang."""
@@ -172,13 +177,20 @@ class BatchStore:
         """A new Postgres connection: autocommit (a read leaves no transaction open),
         bounded in time to connect, keepalives to notice a peer gone without a FIN, and
         server-side bounds on a statement, a lock wait and an idle transaction, so a call
-        under the store's lock cannot hang on a server that stopped answering."""
-        return self._psycopg.connect(
-            self._where, autocommit=True, connect_timeout=_PG_CONNECT_TIMEOUT_S,
-            keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
-            options=f"-c statement_timeout={_PG_STATEMENT_TIMEOUT_MS} "
-                    f"-c lock_timeout={_PG_STATEMENT_TIMEOUT_MS} "
-                    f"-c idle_in_transaction_session_timeout={_PG_STATEMENT_TIMEOUT_MS}")
+        under the store's lock does not wait on a lock or a stuck statement for ever.
+        What the URL (or ``PGOPTIONS`` / ``PGCONNECT_TIMEOUT``) sets itself wins."""
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = conninfo_to_dict(self._where)
+        given = str(params.get("options") or os.environ.get("PGOPTIONS", ""))
+        ours = " ".join(f"-c {name}={_PG_STATEMENT_TIMEOUT_MS}" for name in (
+            "statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"))
+        extra: dict[str, Any] = {k: v for k, v in _PG_KEEPALIVES.items() if k not in params}
+        if "connect_timeout" not in params and "PGCONNECT_TIMEOUT" not in os.environ:
+            extra["connect_timeout"] = _PG_CONNECT_TIMEOUT_S
+        # The server applies the last setting of a name: the URL's own come after ours.
+        return self._psycopg.connect(self._where, autocommit=True,
+                                     options=f"{ours} {given}".strip(), **extra)
 
     def _ready(self) -> None:
         """Under the lock: a Postgres connection that broke (the server restarted, the
