@@ -6,34 +6,92 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.e2e._bench_runs import BenchRuns
 from tests.e2e._timing import expect
 
 pytestmark = pytest.mark.vllm
 
 
-def _bench(name: str, model: Path, out: Path, *args: str, plot: bool = True) -> dict:
-    """``tokenpace bench NAME --quick`` (or ``args`` instead of ``--quick``)."""
-    json_path, png = out / f"{name}.json", out / f"{name}.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenpace.cli", "bench", name, *(args or ("--quick",)),
-         "--model", str(model), "--json", str(json_path), *(("--plot", str(png)) if plot else ())],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not plot or png.stat().st_size > 10_000
-    result = json.loads(json_path.read_text())
+EXCLUSIVE = {"pacing", "overhead"}
+"""Benches that bound timings seen at the client: they run with no other bench beside them
+(the others run two at a time, ``_bench_runs``)."""
+RUN_ORDER = ("pacing", "overhead", "fleet", "fairness", "gateway", "metering", "idle")
+"""The order the commands start in: the two alone first, then the longest first, so that
+no long one runs alone at the end."""
+
+
+def _args(name: str) -> tuple[str, ...]:
+    """The bench's arguments: ``--quick``, or what its test asks for instead. Raises the
+    test's skip (or failure) when a server it needs cannot run here."""
+    if name == "overhead":  # --quick's workload, alternated 5 times (see its test)
+        return ("--streams", "8", "--tokens", "64", "--repeats", "5")
+    if name == "gateway":
+        # With the Redis path when there is a redis-server (one engine start for both
+        # gateways; the quick run's third path adds about 15 s) and the control arm (a
+        # byte relay in front of the same engine: one more call in every pair, a few
+        # seconds more).
+        redis = ("--state", "redis") if _redis_for_bench() else ()
+        return ("--quick", "--control", "byte-proxy", *redis)
+    if name == "metering":
+        from tests._postgres import require_postgres
+
+        require_postgres()
+    return ("--quick",)
+
+
+@pytest.fixture(scope="module")
+def benches(request: pytest.FixtureRequest, tiny_model: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """The bench commands of this module's selected tests, started (two at a time) when
+    the first of them asks for its result: name -> (runs, output directory, whether it
+    plots), or the skip or failure its test raises instead."""
+    module = request.node.nodeid + "::"
+    names = [item.name.removeprefix("test_bench_").removesuffix("_quick")
+             for item in request.session.items if item.nodeid.startswith(module)
+             and item.name.startswith("test_bench_")]
+    runs = BenchRuns(slots=2)
+    prepared: dict[str, object] = {}
+    for name in sorted(set(names), key=RUN_ORDER.index):
+        try:
+            args = _args(name)
+        except BaseException as exc:  # pytest's skip and fail: raised by the test itself
+            prepared[name] = exc
+            continue
+        out = tmp_path_factory.mktemp(f"bench-{name}")
+        plot = name != "metering"
+        argv = [sys.executable, "-m", "tokenpace.cli", "bench", name, *args,
+                "--model", str(tiny_model), "--json", str(out / f"{name}.json"),
+                *(("--plot", str(out / f"{name}.png")) if plot else ())]
+        runs.add(name, argv, out, exclusive=name in EXCLUSIVE)
+        prepared[name] = (runs, out, plot)
+    yield prepared
+    runs.close()
+
+
+def _bench(benches: dict[str, object], name: str) -> tuple[dict, Path]:
+    """``tokenpace bench NAME --quick`` (or its test's arguments): its result, and the
+    directory of its JSON and plot."""
+    entry = benches[name]
+    if isinstance(entry, BaseException):
+        raise entry
+    runs, out, plot = entry  # type: ignore[misc]
+    done = runs.result(name)
+    assert done.returncode == 0, (f"exit {done.returncode} after {done.wall_s} s:\n"
+                                  + done.stdout[-3000:] + done.stderr[-3000:])
+    assert not plot or (out / f"{name}.png").stat().st_size > 10_000
+    result = json.loads((out / f"{name}.json").read_text())
     assert result["benchmark"] == name and result["vllm"].startswith("0.32.")
-    return result
+    return result, out
 
 
-def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("pacing", tiny_model, tmp_path)
+def test_bench_pacing_quick(benches: dict[str, object]) -> None:
+    result, out = _bench(benches, "pacing")
     assert [s["slow_streams"] for s in result["scenarios"]] == [1, 4]
     for scenario in result["scenarios"]:
         for user in scenario["users"]:
@@ -42,14 +100,14 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
             # docs/benchmarks.md, and tests/e2e/test_serve.py checks 3%): never above it.
             # Measured at the engine, where GCRA makes it exact (5% for rounding).
             expect("bench_quick", "pacing engine rate / limit", user["engine_rate"]
-                   / user["limit"], 1.05, logs=[tmp_path / "pacing.json"], user=user)
+                   / user["limit"], 1.05, logs=[out / "pacing.json"], user=user)
             # Gaps at the engine: a busy client reads several chunks at once, which makes the
             # client's median gap of a short 100 tok/s stream collapse to ~0 on this box.
             # A paced user's tokens leave at the step after its quota returns: the median
             # gap is the ideal one plus up to a step, never half of it.
             expect("bench_quick", "pacing engine median gap / ideal gap",
                    user["engine_gap_p50_s"] / user["ideal_gap_s"], 0.5, upper=False,
-                   logs=[tmp_path / "pacing.json"], user=user)
+                   logs=[out / "pacing.json"], user=user)
 
 
     # End users at 4 tok/s beside a stream of their user without one (20 tok/s in all):
@@ -59,18 +117,17 @@ def test_bench_pacing_quick(tiny_model: Path, tmp_path: Path) -> None:
     rates = {row["end_user"]: row["client_rate"] for row in end_users["streams"]}
     for name in ("reader-1", "reader-2"):
         expect("bench_quick", f"end user {name} client rate / 4 tok/s", rates[name] / 4.0,
-               1.25, logs=[tmp_path / "pacing.json"], end_users=end_users)
+               1.25, logs=[out / "pacing.json"], end_users=end_users)
     expect("bench_quick", "the stream without an end user / 12 tok/s",
-           rates["(no end user)"] / 12.0, 0.8, upper=False, logs=[tmp_path / "pacing.json"],
+           rates["(no end user)"] / 12.0, 0.8, upper=False, logs=[out / "pacing.json"],
            end_users=end_users)
 
 
-def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
+def test_bench_overhead_quick(benches: dict[str, object]) -> None:
     # --quick's workload (8 streams of 64 tokens: about 0.2 s a run), alternated 5 times:
     # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in issue 19's
     # runs; the median of 5 adjacent pairs does not hang on one moment of the machine.
-    result = _bench("overhead", tiny_model, tmp_path, "--streams", "8", "--tokens", "64",
-                    "--repeats", "5")
+    result, out = _bench(benches, "overhead")  # --streams 8 --tokens 64 --repeats 5
     stock, paced = result["stock_tokens_per_s"], result["paced_tokens_per_s"]
     assert len(stock) == len(paced) == 5
     # A collapse check, not a performance claim (pacing that never throttles costs ~1%,
@@ -81,16 +138,16 @@ def test_bench_overhead_quick(tiny_model: Path, tmp_path: Path) -> None:
     # stalls everyone is slow in every pair.
     best = max(p / s for s, p in zip(stock, paced))
     expect("bench_quick", "overhead paced/stock, best of 5 pairs", best, 0.5, upper=False,
-           logs=[tmp_path / "overhead.json"], stock=stock, paced=paced)
+           logs=[out / "overhead.json"], stock=stock, paced=paced)
 
 
-def test_bench_idle_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("idle", tiny_model, tmp_path)
+def test_bench_idle_quick(benches: dict[str, object]) -> None:
+    result, out = _bench(benches, "idle")
     cases = result["cases"]
     # CPU of the server's process tree (at the source): the busy loop takes about a core.
     expect("bench_quick", "idle cores with idle wait / busy loop",
            cases["idle_wait"]["throttled_cores"] / cases["busy_loop"]["throttled_cores"], 1.0,
-           logs=[tmp_path / "idle.json"], cases=cases)
+           logs=[out / "idle.json"], cases=cases)
 
 
 def _redis_for_bench() -> bool:
@@ -104,13 +161,9 @@ def _redis_for_bench() -> bool:
     return False
 
 
-def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
-    # With the Redis path when there is a redis-server (one engine start for both gateways;
-    # the quick run's third path adds about 15 s) and the control arm (a byte relay in front
-    # of the same engine: one more call in every pair, a few seconds more).
+def test_bench_gateway_quick(benches: dict[str, object]) -> None:
+    result, out = _bench(benches, "gateway")  # --quick --control byte-proxy [--state redis]
     with_redis = _redis_for_bench()
-    result = _bench("gateway", tiny_model, tmp_path, "--quick", "--control", "byte-proxy",
-                    *(("--state", "redis") if with_redis else ()))
     pairs, rounds = result["parameters"]["requests"], result["parameters"]["rounds"]
     paths = ("direct", "gateway", "byte_proxy", *(("gateway_redis",) if with_redis else ()))
     assert set(result["ttft_ms"]) == set(paths)
@@ -135,7 +188,7 @@ def test_bench_gateway_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert len(in_gateway["queue_ms_max"]) == rounds
     assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
     expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
-           0.3, upper=False, logs=[tmp_path / "gateway.json"])  # a sanity bound, not a claim
+           0.3, upper=False, logs=[out / "gateway.json"])  # a sanity bound, not a claim
     _check_control_path(result, pairs, rounds)
     if with_redis:
         _check_redis_path(result, pairs, rounds)
@@ -200,8 +253,8 @@ def _check_control_path(result: dict, pairs: int, rounds: int) -> None:
     assert control["gateway_over_control"]["added_ttft_ms"]["pairs"] == pairs
 
 
-def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
-    result = _bench("fairness", tiny_model, tmp_path)
+def test_bench_fairness_quick(benches: dict[str, object]) -> None:
+    result, _ = _bench(benches, "fairness")
     assert result["capacity"]["cost_per_s"] > 0
     by_name = {w["name"]: w for w in result["workloads"]}
     assert set(by_name) == {"overload_1_2", "on_off", "short_long"}
@@ -210,26 +263,27 @@ def test_bench_fairness_quick(tiny_model: Path, tmp_path: Path) -> None:
             data = workload["policies"][policy]
             assert data["throughput"]["output_tokens_per_s"] > 0
             assert all(t["started"] > 0 for t in data["tenants"].values()), data
-    # No share is bounded here. A quick run is 12 s in 3 s windows with ~60 dispatch
+    # No share is bounded here. A quick run is 6 s in 2 s windows with ~30 dispatch
     # decisions per policy, and on 2 cores beside the engine, two gateways and the load
     # generator its short_long figures swing with the machine: VTC minus FCFS (the short
-    # tenant's share) came out 0.23/0.23 on a quiet box (2026-12-02), 0.09 and 0.29 with one
-    # busy-loop process beside it, and 0.09 and -0.01 in two CI runs, while a VTC that
-    # orders as FCFS gives ~0: no bound separates the two in one quick run. The order
-    # itself is checked without timing (tests/unit/test_fair_queue.py; through a real
-    # gateway process, whose dispatch order an engine with one slot records, in
-    # tests/gateway/test_fair_dispatch_http.py); the shares are measured by the full 90 s
-    # bench (docs/benchmarks.md).
+    # tenant's share) in 12 s quick runs came out 0.23/0.23 on a quiet box (2026-12-02),
+    # 0.09 and 0.29 with one busy-loop process beside it, and 0.09 and -0.01 in two CI
+    # runs, while a VTC that orders as FCFS gives ~0: no bound separates the two in one
+    # quick run. The order itself is checked without timing (tests/unit/test_fair_queue.py;
+    # through a real gateway process, whose dispatch order an engine with one slot
+    # records, in tests/gateway/test_fair_dispatch_http.py); the shares are measured by
+    # the full 90 s bench (docs/benchmarks.md).
     for workload in by_name.values():
         for policy in ("fcfs", "vtc"):
             shares = [t["service_share"] for t in workload["policies"][policy]["tenants"].values()]
             assert abs(sum(shares) - 1) < 0.01 and all(0 < s < 1 for s in shares), workload
 
 
-def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
-    """The fleet bench runs end to end (three engines, two gateways); its figures are
-    measured in docs/benchmarks.md, not asserted here (a quick round is 8 s on 2 cores)."""
-    result = _bench("fleet", tiny_model, tmp_path)
+def test_bench_fleet_quick(benches: dict[str, object]) -> None:
+    """The fleet bench runs end to end (two engines, four gateways: --quick leaves out the
+    full run's idle third engine, tiny-code); its figures are measured in
+    docs/benchmarks.md, not asserted here (a quick round is 4 s on 2 cores)."""
+    result, _ = _bench(benches, "fleet")
     lone = result["lone"]
     assert set(lone["output_tokens_per_s"]) == {"direct", "by_hand", "pool", "pinned"}
     assert all(v[0] > 0 for v in lone["output_tokens_per_s"].values())
@@ -251,20 +305,17 @@ def test_bench_fleet_quick(tiny_model: Path, tmp_path: Path) -> None:
     assert [len(p) for p in paced["uneven"]["rounds"][0]["placement"]] in ([8, 4], [4, 8])
 
 
-def test_bench_metering_quick(tiny_model: Path, tmp_path: Path) -> None:
+def test_bench_metering_quick(benches: dict[str, object]) -> None:
     """Through a gateway SIGKILL, a Postgres outage, clients leaving mid-stream and two
     bad model names, the ledger holds exactly what the engines counted (their books of
     ended requests, what the gateway asks them), per tenant and per request. The event
     logs count one token more for a request aborted while a step of it ran (vLLM drops
     that step's token); every difference from them must be exactly that.
 
-    Cost: 80-85 s on a 2-core machine, most of it the two engines' start-ups (its own,
-    not shared with other tests) and 20 s of load; the first to deselect when CI time
+    Cost: about a minute on a 2-core machine, most of it the two engines' start-ups (its
+    own, not shared with other tests) and 14 s of load; the first to deselect when CI time
     runs short (``-k "not metering"``)."""
-    from tests._postgres import require_postgres
-
-    require_postgres()
-    result = _bench("metering", tiny_model, tmp_path, plot=False)
+    result, _ = _bench(benches, "metering")  # needs a Postgres (skips, or fails in CI)
     summary = {k: result[k] for k in ("tenants", "to_event_logs", "to_engine_books",
                                       "aborted_with_a_step_in_flight", "faults", "clients")}
     assert result["exact_to_engine_books"], summary
