@@ -221,3 +221,45 @@ def test_the_upload_keys_are_checked(batch: dict[str, object], message: str) -> 
                              "tenants": [{"id": "a", "api_keys": ["sk-a"]}]}).batch
     assert (defaults.max_uploads, defaults.max_tenant_uploads, defaults.upload_memory,
             defaults.max_stored_bytes) == (4, 1, 256 * 1024 * 1024, 1024 ** 3)
+
+
+class _CountingLock:
+    """The store's lock, counting its acquisitions (each a separate hold)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holds = 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.holds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_large_file_is_written_a_part_per_hold_and_never_half_seen(
+        stores: list[BatchStore]) -> None:
+    """Five parts: the lock taken once per part and once for the row (other tenants' calls
+    pass between); a write refused at its row leaves no part behind; parts of a write that
+    never got its row (a gateway killed) are gone once a store opens."""
+    store = stores[0]
+    lock = _CountingLock()
+    store._lock = lock  # type: ignore[assignment]
+    content = b"q" * (4 * PART_BYTES + 5)
+    record = store.add_file("acme", "batch", "in.jsonl", content, max_files=2,
+                            max_bytes=10**9)
+    assert lock.holds >= 6
+    assert stores[1].file_content("acme", record.id) == content
+    store.add_file("acme", "batch", "small.jsonl", b"x")
+    with pytest.raises(StoreLimit):
+        store.add_file("acme", "batch", "in.jsonl", content, max_files=2, max_bytes=10**9)
+    parts = store._rows("SELECT COUNT(*) FROM batch_file_parts")[0][0]
+    assert parts == 6  # the first file's five and the small one's
+    with store._transaction():  # a write killed before its row
+        store._insert_part("file-cut", 0, b"y" * PART_BYTES)
+    assert stores[1].file_content("acme", "file-cut") is None
+    BatchStore(store.url).close()
+    assert store._rows("SELECT COUNT(*) FROM batch_file_parts WHERE file_id = ?",
+                       ("file-cut",))[0][0] == 0
+    assert stores[1].file_content("acme", record.id) == content

@@ -19,8 +19,9 @@ thread (``asyncio.to_thread``) so its event loop never waits on the disk. One co
 behind a lock: the work is a few statements per line, far below what one connection does.
 
 A file's content is kept in parts of ``PART_BYTES`` (``batch_file_parts``), so that
-reading a file holds the lock for one part at a time: a tenant downloading a large file
-never keeps the other tenants' batches from the store for longer than one part's read.
+reading or uploading a file holds the lock for one part at a time: a tenant moving a large
+file never keeps the other tenants' batches from the store for longer than one part's
+read or write.
 Rows written before parts existed keep their content in ``batch_files.content`` and are
 read whole. The bounds on what a tenant stores (files, bytes, unfinished batches) are
 checked in the transaction that writes, so concurrent requests cannot pass them together.
@@ -34,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,7 @@ class BatchStore:
                         serial=serial))
         except self._errors as exc:
             raise LedgerError(f"cannot create the batch tables: {exc}") from exc
+        self._drop_orphan_parts()
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -252,32 +254,84 @@ class BatchStore:
                  max_files: int | None = None, max_bytes: int | None = None) -> FileRecord:
         """Keep a file. With ``max_files`` / ``max_bytes``, raise ``StoreLimit`` instead
         when the tenant already keeps that many files, or when its files' bytes (outputs
-        included) plus this one would pass ``max_bytes``: counted and written in one
-        transaction (one per tenant at a time in Postgres), so concurrent uploads cannot
-        pass a bound together. Holds the lock while the content is written."""
+        included) plus this one would pass ``max_bytes``: counted and the file's row written
+        in one transaction (one per tenant at a time in Postgres), so concurrent uploads
+        cannot pass a bound together.
+
+        A file of several parts has its parts written first, each in a transaction of its
+        own (the lock held for one part at a time, so other tenants' calls pass between),
+        and its row last: until then no read sees it. Parts whose row was never written
+        (refused, failed, or a gateway killed meanwhile) are deleted at once, or when a
+        store next opens; if that removed a part of this file, ``LedgerError``."""
         record = FileRecord(file_id or new_id("file-"), tenant, purpose, filename,
                             len(content), int(time.time()))
-        with self._transaction():
-            if max_files is not None or max_bytes is not None:
-                self._serialize(tenant)
-                files, stored = self._stored_locked(tenant)
-                if max_files is not None and files >= max_files:
-                    raise StoreLimit("batch.max_files", max_files, files)
-                if max_bytes is not None and stored + len(content) > max_bytes:
-                    raise StoreLimit("batch.max_stored_bytes", max_bytes, stored)
-            self._insert_file(record, content)
+        view = memoryview(content)
+        parts = -(-len(view) // PART_BYTES)
+        if parts <= 1:
+            with self._transaction():
+                self._check_room(tenant, max_files, max_bytes, len(view))
+                self._insert_file(record, content)
+            return record
+        try:
+            for part in range(parts):
+                with self._transaction():
+                    self._insert_part(record.id, part, view[part * PART_BYTES:
+                                                            (part + 1) * PART_BYTES])
+            with self._transaction():
+                self._check_room(tenant, max_files, max_bytes, len(view))
+                kept = self._execute("SELECT COUNT(*) FROM batch_file_parts WHERE "
+                                     "file_id = ?", (record.id,)).fetchall()[0][0]
+                if int(kept) != parts:
+                    raise LedgerError(f"file {record.id}: parts removed while it was written "
+                                      "(a store opening meanwhile); write it again")
+                self._insert_row(record)
+        except BaseException:
+            with suppress(*self._errors):
+                with self._transaction():
+                    self._execute("DELETE FROM batch_file_parts WHERE file_id = ?",
+                                  (record.id,))
+            raise
         return record
 
-    def _insert_file(self, record: FileRecord, content: bytes | bytearray) -> None:
-        """The file's row (its content column empty) and its parts; inside a transaction."""
+    def _check_room(self, tenant: str, max_files: int | None, max_bytes: int | None,
+                    size: int) -> None:
+        """``add_file``'s bounds; inside its transaction."""
+        if max_files is None and max_bytes is None:
+            return
+        self._serialize(tenant)
+        files, stored = self._stored_locked(tenant)
+        if max_files is not None and files >= max_files:
+            raise StoreLimit("batch.max_files", max_files, files)
+        if max_bytes is not None and stored + size > max_bytes:
+            raise StoreLimit("batch.max_stored_bytes", max_bytes, stored)
+
+    def _drop_orphan_parts(self) -> None:
+        """Delete the parts of files whose row was never written (an upload cut short by a
+        killed gateway). One pass over the parts' index; at open."""
+        try:
+            with self._transaction():
+                self._execute("DELETE FROM batch_file_parts WHERE file_id IN (SELECT DISTINCT "
+                              "p.file_id FROM batch_file_parts p WHERE NOT EXISTS (SELECT 1 "
+                              "FROM batch_files f WHERE f.id = p.file_id))")
+        except self._errors as exc:
+            raise LedgerError(f"cannot clean the batch store: {exc}") from exc
+
+    def _insert_part(self, file_id: str, part: int, data: bytes | memoryview) -> None:
+        self._execute("INSERT INTO batch_file_parts (file_id, part, data) VALUES (?, ?, ?)",
+                      (file_id, part, data))
+
+    def _insert_row(self, record: FileRecord) -> None:
         self._execute(f"INSERT INTO batch_files ({_FILE_COLUMNS}, content) VALUES "
                       "(?, ?, ?, ?, ?, ?, ?)",
                       (record.id, record.tenant, record.purpose, record.filename,
                        record.bytes, record.created_at, b""))
+
+    def _insert_file(self, record: FileRecord, content: bytes | bytearray) -> None:
+        """The file's row (its content column empty) and its parts; inside a transaction."""
+        self._insert_row(record)
         view = memoryview(content)
         for part, start in enumerate(range(0, len(view), PART_BYTES)):
-            self._execute("INSERT INTO batch_file_parts (file_id, part, data) VALUES "
-                          "(?, ?, ?)", (record.id, part, view[start:start + PART_BYTES]))
+            self._insert_part(record.id, part, view[start:start + PART_BYTES])
 
     def _serialize(self, tenant: str) -> None:
         """In Postgres, one writer per tenant until the transaction ends (SQLite's

@@ -316,6 +316,9 @@ class BatchService:
                     max_bytes=limits.max_stored_bytes)
             except StoreLimit as exc:
                 return _limit_error(exc)
+            except LedgerError as exc:  # its parts removed while written: nothing kept
+                return GatewayError(503, f"the file was not kept ({exc})",
+                                    reason="store_busy", headers={"retry-after": "1"}).response()
         return JSONResponse(record.to_json())
 
     @_route
