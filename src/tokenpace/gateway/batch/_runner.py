@@ -186,11 +186,18 @@ class BatchRunner:
         """Scan and pump until cancelled (the gateway's shutdown)."""
         pump = asyncio.create_task(self._pump())
         try:
+            failing = False
             while True:
                 try:
                     await self._scan()
-                except Exception:  # a store hiccup: logged, the next scan tries again
-                    logger.exception("batch scan failed")
+                    if failing:
+                        logger.warning("batch scans work again")
+                    failing = False
+                except Exception:  # the store does not answer: the next scan tries again
+                    if not failing:  # logged once per outage, not once a second
+                        logger.exception("batch scan failed; tried again every %g s",
+                                         SCAN_S)
+                    failing = True
                 self._scan_now.clear()
                 try:
                     async with asyncio.timeout(SCAN_S):
