@@ -26,9 +26,10 @@ the attack's start, its peak until the victim's last answer, the difference); th
 of the ledger's directory (the SQLite ledger, its batch store and journal) once the
 gateway answers and after its stop (the write-ahead log is folded in at the stop: a few
 KB either way are noise), and the victim's answered requests with no ledger row (by
-``x-request-id``); the attacker's outcomes (``_hostile_attacks``); the load average at each phase's start and end. After
-each phase the bench waits until the engine answers a one-token completion within
-``SETTLE_LATENCY_S`` (work the attack left on it), and reports how long that took.
+``x-request-id``); the attacker's outcomes (``_hostile_attacks``); the load average at
+each phase's start and end. After each phase the bench waits until the engine answers a
+one-token completion within ``SETTLE_LATENCY_S`` (work the attack left on it), and
+reports how long that took.
 
 ``gateway_src`` runs the gateway from another source tree (``PYTHONPATH``): the same
 battery measures an older commit. The bench, the attacker and the engine stay this tree's.
