@@ -64,12 +64,13 @@ def test_check_move_allows_exactly_moves(old: str, new: str) -> None:
 
 
 def test_moves_follow_openais_machine() -> None:
-    """The documented graph, spelled out: a change to MOVES must be deliberate."""
+    """The documented graph, spelled out: a change to MOVES must be deliberate. A batch
+    that cannot progress may end ``failed`` from any unfinished status."""
     assert MOVES == {
         "validating": ("in_progress", "failed", "cancelling", "expired"),
-        "in_progress": ("finalizing", "cancelling", "expired"),
-        "finalizing": ("completed",),
-        "cancelling": ("cancelled",),
+        "in_progress": ("finalizing", "cancelling", "expired", "failed"),
+        "finalizing": ("completed", "failed"),
+        "cancelling": ("cancelled", "failed"),
     }
     # every status a batch can enter has the stamp OpenAI shows for it
     entered = {new for news in MOVES.values() for new in news}
