@@ -297,9 +297,9 @@ class BatchService:
     async def create_file(self, request: Request, caller: _Caller) -> Response:
         tenant, store = caller.tenant, caller.store
         limits = self.rt.config.batch
-        files, stored = await asyncio.to_thread(store.stored, tenant.id)
-        _check_room(limits.max_files, files, limits.max_stored_bytes, stored)
-        with self.uploads.enter(tenant.id, limits) as held:
+        with self.uploads.enter(tenant.id, limits) as held:  # O(1), before the store
+            files, stored = await asyncio.to_thread(store.stored, tenant.id)
+            _check_room(limits.max_files, files, limits.max_stored_bytes, stored)
             upload = await read_upload(request, limits, held)  # raises only before its end
             if upload.content is None:
                 return _error(400, "missing the 'file' field (multipart/form-data)",
