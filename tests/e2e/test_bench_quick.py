@@ -21,9 +21,6 @@ pytestmark = pytest.mark.vllm
 EXCLUSIVE = {"pacing", "overhead"}
 """Benches that bound timings seen at the client: they run with no other bench beside them
 (the others run two at a time, ``_bench_runs``)."""
-RUN_ORDER = ("pacing", "overhead", "fleet", "fairness", "gateway", "metering", "idle")
-"""The order the commands start in: the two alone first, then the longest first, so that
-no long one runs alone at the end."""
 
 
 def _args(name: str) -> tuple[str, ...]:
@@ -57,7 +54,7 @@ def benches(request: pytest.FixtureRequest, tiny_model: Path,
              and item.name.startswith("test_bench_")]
     runs = BenchRuns(slots=2)
     prepared: dict[str, object] = {}
-    for name in sorted(set(names), key=RUN_ORDER.index):
+    for name in dict.fromkeys(names):  # in the tests' order: each test waits for less
         try:
             args = _args(name)
         except BaseException as exc:  # pytest's skip and fail: raised by the test itself
