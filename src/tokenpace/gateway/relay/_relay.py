@@ -2,8 +2,10 @@
 
 Non-streamed requests pass the engine's answer on as it is (usage read from it); streamed
 ones relay the engine's SSE events as they come, one ``send`` per network read, counting
-tokens from the usage the engine reports in the stream. However either ends, it ends in
-one ``Exchange.finish`` with its ``Outcome``. One cut short before the engine's final
+tokens from the usage the engine reports in the stream; what a client reading slower than
+its engine writes has yet to read is kept in memory (``ClientPipe``, bounded), so a stream
+is settled, its engine slot back, when the engine's stream ends, not when the client has
+read it. However either ends, it ends in one ``Exchange.finish`` with its ``Outcome``. One cut short before the engine's final
 usage (the client left, ``request_timeout``, the engine stream broke) is settled in the
 background once the engine said what it generated (``_counts``): the larger of that and
 what was relayed, or where the engine cannot tell, what was relayed (streams) or the
@@ -399,6 +401,7 @@ class StreamResponse:
         ex, rewriter, scanner = self.ex, self.rewriter, self.scanner
         progress = self.progress
         splitter = EventSplitter()
+        flow = pipe.flow
         try:
             upstream = self.upstream
             # Per read: one await on the connection; per event a few bytes operations
@@ -429,7 +432,7 @@ class StreamResponse:
                 if body:
                     # Two attribute reads: is the client keeping up? If not, the bytes are
                     # kept (``ClientPipe``) and the engine read on.
-                    if pipe.direct:
+                    if not pipe.held and not flow.paused:
                         await send({"type": "http.response.body", "body": body,
                                     "more_body": True})
                     else:

@@ -152,8 +152,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def _headers_late(self) -> None:
             self._timer = None
+            cycle = self.cycle  # the previous request's, if any: it was answered
             self._cut(f"the request's headers did not arrive within header_timeout "
-                      f"({limits.header_timeout_s:g} s)")
+                      f"({limits.header_timeout_s:g} s)",
+                      answer=cycle is None or cycle.response_complete)
 
         def _body_late(self) -> None:
             self._timer = None
@@ -165,15 +167,16 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 return
             self._cut(f"the request's body did not arrive within body_timeout "
                       f"({limits.body_timeout_s:g} s) plus 1 s per body_min_rate "
-                      f"({limits.body_min_rate} bytes) received")
+                      f"({limits.body_min_rate} bytes) received",
+                      answer=not self.cycle.response_started)
 
-        def _cut(self, message: str) -> None:
-            """Answer 408 (unless a response is under way) and close the connection; the
-            application waiting for the body sees the client go."""
+        def _cut(self, message: str, answer: bool) -> None:
+            """Answer 408 (``answer``: no answer to this request was started) and close the
+            connection; the application waiting for the body sees the client go."""
             if self.transport.is_closing():
                 return
             cycle = self.cycle
-            if cycle is None or cycle.response_complete or not cycle.response_started:
+            if answer:
                 self.transport.write(_json_response("408 Request Timeout", 408, message,
                                                     "request_timeout"))
             if cycle is not None and not cycle.response_complete:
