@@ -265,7 +265,10 @@ def test_segments_are_deleted_once_written_unless_an_open_waits(tmp_path: Path) 
         assert ledger.open(record(999), engine="http://e", kind="chat")  # still in flight
         for i in range(60):
             ledger.record(record(i))
-        assert len(_segments(journal.directory)) > 3
+        # Segments numbered past 3 were made (the writer may already have deleted some:
+        # it writes every 7 rows, so how many are left at this point depends on timing).
+        newest = _segments(journal.directory)[-1]
+        assert int(newest.removeprefix("segment-").removesuffix(".jsonl")) > 3
         ledger.flush()
         assert _count(db) == 60
         left = _segments(journal.directory)
