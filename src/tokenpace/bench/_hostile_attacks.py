@@ -3,9 +3,10 @@
 Each attack runs against a gateway (``Target``) until ``stop`` is set, then returns what the
 attacker saw as a ``Counter`` of outcomes (``"<kind>:<status>"`` for HTTP answers,
 ``"<kind>:timeout"``, ``"<kind>:<exception>"`` otherwise; raw-socket attacks count the
-connections ``open_at_end``, ``closed_by_server`` and ``answered:<status>``). Every request
-has a timeout and every socket is closed on the way out, so a hung gateway ends an attack
-as a figure, never as a hang of the bench.
+connections ``open_at_end``, ``closed_by_server_after_<N>s`` and ``answered:<status>``,
+``N`` the seconds the connection lasted in 5 s steps). Every request has a timeout and
+every socket is closed on the way out, so a hung gateway ends an attack as a figure, never
+as a hang of the bench.
 
 Sizes come from a ``Scale``: ``FULL`` is the battery as a hostile tenant would send it with
 the gateway's default limits, ``QUICK`` a smaller one for CI and smoke runs. Bodies are
@@ -19,6 +20,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -246,10 +248,18 @@ def _status_of(received: bytes) -> str:
     return parts[1].decode(errors="replace") if len(parts) > 1 else "?"
 
 
+def _ended(received: bytes, began: float) -> str:
+    """How the server ended a connection: ``answered:<status>_after_<N>s`` or
+    ``closed_by_server_after_<N>s`` (``N``: the seconds since ``began``, in 5 s steps)."""
+    after = f"_after_{int((time.monotonic() - began) // 5 * 5)}s"
+    return (f"answered:{_status_of(received)}" if received else "closed_by_server") + after
+
+
 async def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> str:
     """Send ``data`` one byte a second until ``stop``; what became of the connection."""
     loop = asyncio.get_running_loop()
     received = b""
+    began = time.monotonic()
     for i in range(len(data)):
         if stop.is_set():
             break
@@ -259,9 +269,9 @@ async def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> s
         except asyncio.TimeoutError:
             continue  # nothing from the server within the second: the connection holds
         except OSError:
-            return f"answered:{_status_of(received)}" if received else "closed_by_server"
+            return _ended(received, began)
         if not got:
-            return f"answered:{_status_of(received)}" if received else "closed_by_server"
+            return _ended(received, began)
         received += got
     return f"answered:{_status_of(received)}" if received else "open_at_end"
 
@@ -314,6 +324,7 @@ async def slow_readers(target: Target, scale: Scale, stop: threading.Event) -> C
             return
         received = b""
         outcome = "open_at_end"
+        began = time.monotonic()
         try:
             await asyncio.wait_for(loop.sock_sendall(sock, request), RAW_IO_TIMEOUT_S)
             while not stop.is_set():
@@ -322,7 +333,7 @@ async def slow_readers(target: Target, scale: Scale, stop: threading.Event) -> C
                 except asyncio.TimeoutError:
                     continue
                 if not got:
-                    outcome = "closed_by_server"
+                    outcome = f"closed_by_server_after_{int((time.monotonic() - began) // 5 * 5)}s"
                     break
                 received += got
                 await asyncio.sleep(1.0)
@@ -376,6 +387,10 @@ def _idle_state(sock: socket.socket) -> str:
         return "reset_by_server"
     return "answered" if got else "closed_by_server"
 
+
+MIN_SECONDS = {"slowloris": 40.0, "connection_flood": 40.0}
+"""The shortest attack phase of the full battery for attacks on connections: long enough
+to see a deadline of up to half a minute close them."""
 
 ATTACKS: dict[str, Attack] = {
     "parse_bomb": parse_bomb,

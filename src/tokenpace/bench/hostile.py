@@ -12,7 +12,8 @@ a ``victim_timeout``. Phases, one at a time:
 - ``baseline``: the victim alone for ``duration`` seconds;
 - one per attack (``_hostile_attacks.ATTACKS``): a fresh gateway and ledger, the victim
   alone for ``baseline`` seconds (the attack's own baseline), then for ``duration`` seconds
-  beside the attack. The attack is stopped, the victim's requests in flight are awaited,
+  beside the attack (at least ``MIN_SECONDS`` for attacks on connections, unless
+  ``quick``). The attack is stopped, the victim's requests in flight are awaited,
   the gateway's ``/health`` is asked once, and the gateway gets SIGTERM (SIGKILL when its
   processes are still there 30 s later; ``stop_s`` says how long the stop took). A gateway
   that hangs or dies is a figure of its phase.
@@ -56,7 +57,16 @@ import httpx
 
 from .._process import Server, free_port, tokenpace_serve_argv
 from ._environment import environment
-from ._hostile_attacks import ATTACKS, FULL, HTTP_TIMEOUT_S, QUICK, Scale, Target, run_attack
+from ._hostile_attacks import (
+    ATTACKS,
+    FULL,
+    HTTP_TIMEOUT_S,
+    MIN_SECONDS,
+    QUICK,
+    Scale,
+    Target,
+    run_attack,
+)
 
 VICTIM_KEY = "sk-bench-hostile-victim"
 ATTACKER_KEY = "sk-bench-hostile-attacker"
@@ -415,7 +425,8 @@ def run(model: Path | None, attacks: Sequence[str] = tuple(ATTACKS), duration: f
         runner = _Run(home, engine_url, served, gateway_src, rate, victim_timeout, scale)
         phases = [runner.phase("baseline", 0.0, duration)]
         for name in attacks:
-            phases.append(runner.phase(name, baseline, duration))
+            seconds = duration if quick else max(duration, MIN_SECONDS.get(name, 0.0))
+            phases.append(runner.phase(name, baseline, seconds))
     finally:
         if engine is not None:
             engine.stop()
@@ -429,6 +440,7 @@ def run(model: Path | None, attacks: Sequence[str] = tuple(ATTACKS), duration: f
         "benchmark": "hostile",
         "parameters": {
             "attacks": list(attacks), "duration_s": duration, "baseline_s": baseline,
+            "min_seconds": {} if quick else MIN_SECONDS,
             "victim_rate": rate, "victim_tokens": VICTIM_TOKENS,
             "victim_timeout_s": victim_timeout, "quick": quick,
             "scale": scale.__dict__, "engine": engine_url if engine is None
