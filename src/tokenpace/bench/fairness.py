@@ -58,6 +58,7 @@ from ._service import Request, service_difference, service_windows
 PROMPT_COST, COMPLETION_COST = 1.0, 2.0
 POLICIES = ("fcfs", "vtc")
 VOCAB = (3, 512)  # the tiny model's ordinary token ids (0-2 are special)
+MAX_QUEUED = 1_000_000  # per tenant: more than a run ever sends (see _gateway_config)
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,12 @@ def _key(tenant_id: str) -> str:
 def _gateway_config(engine_url: str, policy: str, max_inflight: int, ledger: Path,
                     tenant_ids: list[str], state: tuple[str, int] | None = None) -> str:
     """``state``: (Redis URL, replicas) for a replica of a shared set, None in process."""
+    # Overload queues requests in the gateway by design (the dispatch order under test
+    # decides who leaves the queue): no bound of its own on how many wait (the default
+    # max_queued refuses an overloaded tenant's requests beyond 64).
     tenants = "\n".join(
-        f'  - {{id: "{t}", api_keys: ["{_key(t)}"], queue_timeout: 1h}}' for t in tenant_ids
+        f'  - {{id: "{t}", api_keys: ["{_key(t)}"], queue_timeout: 1h, '
+        f"max_queued: {MAX_QUEUED}}}" for t in tenant_ids
     )
     # A generous Redis timeout: this measures fairness, not outages. With the default
     # 100 ms, the replicas' own event loops, hundreds of waiting requests each on a
