@@ -12,7 +12,7 @@ from .. import metrics
 from ..dispatch import EngineSlots, Pool, engine_retry_headers
 from ..exchange import Runtime
 from ..tenants import ApplicationState, TenantState
-from ..wire import GatewayError
+from ..wire import GatewayError, clip
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -69,13 +69,13 @@ def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, 
     if pool is None or not tenant.config.may_use(model):
         if pool is None and rt.dispatcher.unlearned():
             raise GatewayError(
-                503, f"no engine that has reported its models serves {requested!r}; "
+                503, f"no engine that has reported its models serves {clip(requested)!r}; "
                 f"{len(rt.dispatcher.unlearned())} engine(s) have not reported theirs yet",
                 reason="engine_unavailable", code="engine_unavailable",
                 headers={"retry-after": "2"})
         raise GatewayError(
-            404, f"The model {requested!r} does not exist or you do not have access to it; "
-            f"models of tenant {tenant.id!r}: {', '.join(tenant_models(rt, tenant)) or 'none'}",
+            404, f"The model {clip(requested)!r} does not exist or you do not have access to "
+            f"it; models of tenant {tenant.id!r}: {', '.join(tenant_models(rt, tenant)) or 'none'}",
             reason="model_not_found", code="model_not_found", param="model")
     engine = rt.dispatcher.preferred(tenant, pool)
     if engine is None:

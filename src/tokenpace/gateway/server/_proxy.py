@@ -97,7 +97,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
     watch: ClientWatch | None = None
     try:
         req = parse_request(kind, parse_json_body(
-            await read_body(receive, declared, rt.config.max_body_bytes)))
+            await read_body(receive, declared, rt.config.max_body_bytes)),
+            rt.config.max_model_name_chars)
         ex.model = req.model
         watch = ClientWatch(receive)
         model, pool, counting = route(rt, tenant, req.model)

@@ -8,6 +8,7 @@ events passed through (``EventSplitter``, ``ChunkRewriter``), the usage the answ
 reads requests and answers through this package; it imports nothing of the gateway.
 """
 
+from ._clip import ECHO_CHARS, clip
 from ._conversation import conversation_key
 from ._errors import (
     GatewayError,
@@ -18,6 +19,7 @@ from ._errors import (
 )
 from ._ratelimit import go_duration, headroom_headers, refusal_headers
 from ._request import (
+    MAX_MODEL_CHARS,
     MAX_TOKENS_FIELD,
     ROUTES,
     Kind,
@@ -36,11 +38,13 @@ from ._usage import EventScanner, answer_cached, answer_usage
 __all__ = [
     "answer_cached",
     "answer_usage",
+    "clip",
     "conversation_key",
     "anthropic_error_body",
     "ChunkRewriter",
     "count_calls",
     "dumps",
+    "ECHO_CHARS",
     "end_user_of",
     "error_body",
     "error_response",
@@ -50,6 +54,7 @@ __all__ = [
     "go_duration",
     "headroom_headers",
     "Kind",
+    "MAX_MODEL_CHARS",
     "MAX_TOKENS_FIELD",
     "parse_json_body",
     "parse_request",

@@ -1,0 +1,39 @@
+"""The ``model`` a request may name: bounded in length (``max_model_name_chars``), and a
+client's string is echoed in an error only clipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenpace.gateway import ConfigError, parse_config
+from tokenpace.gateway.wire import MAX_MODEL_CHARS, GatewayError, clip, parse_request
+
+GOOD = {"engines": ["http://e:8000"], "tenants": [{"id": "a", "api_keys": ["sk-a"]}],
+        "ledger": "sqlite:///unused.db"}
+
+
+def test_a_model_name_over_the_limit_is_a_400_with_a_clipped_echo() -> None:
+    body = {"model": "m" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(GatewayError) as info:
+        parse_request("chat", body)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "model",
+                                                                      "invalid_value")
+    assert "1000000 characters" in info.value.message and len(info.value.message) < 400
+    body["model"] = "m" * MAX_MODEL_CHARS
+    assert parse_request("chat", body).model == body["model"]
+    assert parse_request("chat", {**body, "model": "m" * 5000}, max_model_chars=5000)
+
+
+def test_clip_keeps_both_ends_and_says_how_much_it_left_out() -> None:
+    assert clip("short") == "short"
+    text = "a" * 150 + "b" * 1_000_000 + "c" * 150
+    assert clip(text) == "a" * 100 + "...[1000100 characters]..." + "c" * 100
+    assert len(clip(text, 10)) < 40
+
+
+def test_max_model_name_chars_defaults_and_is_validated() -> None:
+    assert parse_config(GOOD).max_model_name_chars == MAX_MODEL_CHARS == 256
+    assert parse_config({**GOOD, "max_model_name_chars": 4096}).max_model_name_chars == 4096
+    for bad in (0, "1k", True):
+        with pytest.raises(ConfigError, match="max_model_name_chars"):
+            parse_config({**GOOD, "max_model_name_chars": bad})
