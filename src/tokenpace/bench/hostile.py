@@ -18,7 +18,7 @@ a ``victim_timeout``. Phases, one at a time:
   processes are still there 30 s later; ``stop_s`` says how long the stop took). A gateway
   that hangs or dies is a figure of its phase.
 
-Per phase: the victim's latency (p50, p99, max: the seconds from sending to the last byte
+Per phase: the victim's latency (p50, p90, p99, max: the seconds from sending to the last byte
 of the answer, or to its failure) over every request sent during the attack, and over
 those of its own baseline that ended before the attack began; their ratios, and the ratio
 to the ``baseline`` phase; its outcomes by status (``200``, ``503``, ``timeout``, ...);
@@ -101,7 +101,8 @@ def _victim_stats(calls: Sequence[VictimCall]) -> dict[str, Any]:
     outcomes = Counter(c.outcome for c in calls)
     return {"sent": len(calls), "ok": outcomes.get("200", 0),
             "errors": {k: v for k, v in sorted(outcomes.items()) if k != "200"},
-            "p50_s": _quantile(seconds, 0.5), "p99_s": _quantile(seconds, 0.99),
+            "p50_s": _quantile(seconds, 0.5), "p90_s": _quantile(seconds, 0.9),
+            "p99_s": _quantile(seconds, 0.99),
             "max_s": max(seconds) if seconds else None}
 
 
