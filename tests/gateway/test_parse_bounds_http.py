@@ -52,8 +52,8 @@ def test_a_parse_bomb_costs_about_its_parsed_body(engine: EngineServer, make_gat
         assert resp.status_code == 404, resp.text[:500]
         assert resp.json()["error"]["code"] == "model_not_found"
     grown = _peak_rss(gw) - before
-    # The parsed body is ~45 MB here (pointers, floats), the raw and decoded text 8 MB;
-    # a walk that builds a path per item held ~450 MB more (measured at 530 MB growth).
+    # The parsed body is ~30 MiB here (pointers, floats), the raw and decoded text 8 MiB;
+    # measured: 40 MiB of growth; a walk that built a path per item: 364 MiB.
     assert grown < 160 * MIB, f"peak resident memory grew {grown / MIB:.0f} MiB"
     rows = gw.rows(3)
     assert [r.finish_reason for r in rows[-2:]] == ["rejected:model_not_found"] * 2
