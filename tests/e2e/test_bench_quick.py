@@ -332,5 +332,8 @@ def test_bench_metering_quick(benches: dict[str, object]) -> None:
     assert kill["answering_after_s"] < 60 and result["faults"]["postgres_outage"], summary
     assert result["clients"]["with_request_id"] > 0, summary
     for bad in result["bad_models"]:  # refused, recorded, with no model name
-        assert bad["status"] == 404 and bad["row"] is not None, bad
+        # an unknown model (404); the 6 MiB name may be refused for its length first (400,
+        # a gateway that bounds model names)
+        refused = (404,) if bad["model_chars"] < 256 else (400, 404)
+        assert bad["status"] in refused and bad["row"] is not None, bad
         assert bad["row"]["model_chars"] == 0 and not bad["row"]["served"], bad
