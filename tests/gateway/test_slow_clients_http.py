@@ -114,20 +114,36 @@ def test_headers_and_bodies_a_byte_a_second_are_cut_while_another_tenant_is_serv
     assert _served(gw.url, KEY_A) == 200
 
 
-def test_beyond_max_connections_a_request_is_answered_503(
+def test_beyond_max_connections_idle_ones_make_room_and_requests_under_way_get_503(
         engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
     gw = make_gateway(_config(engine.url, tmp_path / "usage.db", max_connections=3))
+    # Three connections that send nothing (a flood's): a request still gets in, in the
+    # place of the one idle the longest, which is closed.
     idle = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(3)]
     try:
-        with httpx.Client(timeout=30) as client:
-            resp = client.post(f"{gw.url}/v1/chat/completions", json=CHAT,
-                               headers={"authorization": f"Bearer {KEY_B}"})
+        assert _served(gw.url) == 200
+        _, closed = _read_answer(idle[0], limit_s=10)
+        assert closed
+    finally:
+        for sock in idle:
+            sock.close()
+    # Three connections with a request under way (headers whole, body not yet): a new
+    # connection's request is answered 503.
+    busy = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(3)]
+    try:
+        for sock in busy:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         + f"authorization: Bearer {KEY_A}\r\n".encode()
+                         + b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        time.sleep(0.5)  # the server reads them (should it not yet, they are idle: 200)
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=30,
+                          headers={"authorization": f"Bearer {KEY_B}"})
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "too_many_connections"
         assert resp.headers["retry-after"] == "1"
-        assert engine.engine.requests == []
+        assert len(engine.engine.requests) == 1  # the first request's, not this one's
     finally:
-        for sock in idle:
+        for sock in busy:
             sock.close()
     deadline = time.monotonic() + 10
     while _served(gw.url) != 200:

@@ -12,21 +12,27 @@ enforced in the protocol's own callbacks, before the gateway's application runs:
   (a large body sent at a fair rate finishes; a trickle is cut): else a 408 and the
   connection is closed. The application waiting for that body sees the client go
   (``http.disconnect``): its request ends as ``client_disconnected``, ledger row written.
-- **Connections**: beyond ``max_connections`` open at once, a new connection's request is
-  answered 503 with ``retry-after`` and the connection closed.
+- **Connections**: beyond ``max_connections`` open at once, a new connection takes the
+  place of the one idle the longest (no request under way: opened or answered, its next
+  request's headers not complete), which is closed; only when every connection has a
+  request under way is the new connection's request answered 503 with ``retry-after``
+  and the connection closed. So idle connections, however many, cannot keep a client
+  that sends a request out; requests under way can, up to the limit.
 
 It also hands the application each connection's write side (``ClientFlow``): the relay
 reads whether the client keeps up before each write, so a slow reader is fed from memory
 while the engine's stream is read on (``relay.ClientPipe``).
 
 Cost: per connection one timer handle; per request two timer handles (headers, body), one
-dict in the scope and one length addition per body chunk; nothing per response byte.
+dict in the scope, two ordered-dict operations (the idle connections) and one length
+addition per body chunk; nothing per response byte.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +89,9 @@ async def _over_limit(scope: Any, receive: Any, send: Any) -> None:
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
 
+    # The connections with no request under way, idle the longest first (this server's).
+    idle: OrderedDict[HttpToolsProtocol, None] = OrderedDict()
+
     class GuardedProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
         _flow: ClientFlow | None = None
@@ -93,11 +102,25 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._flow = ClientFlow(transport)
-            # ``connections`` holds this one too.
-            self._over = len(self.connections) > limits.max_connections
+            if len(self.connections) > limits.max_connections:  # this one included
+                # Room is made by closing the connection idle the longest, if any.
+                oldest = next(iter(idle), None)
+                if oldest is not None:
+                    del idle[oldest]
+                    oldest.transport.close()
+                else:
+                    self._over = True
+            idle[self] = None
             self._arm(limits.header_timeout_s, self._headers_late)
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle  # a pipelined request's, if one started now
+            if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
+                idle[self] = None
+
         def connection_lost(self, exc: Exception | None) -> None:
+            idle.pop(self, None)
             self._disarm()
             if self._flow is not None:
                 self._flow.paused = False  # sends are dropped from now on: none waits
@@ -111,6 +134,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            idle.pop(self, None)
             if self._over:
                 app, self.app = self.app, _over_limit
                 try:
