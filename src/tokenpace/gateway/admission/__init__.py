@@ -8,6 +8,7 @@ request limits and reserves the budgets (enforced, then observed). Each refusal 
 
 from ._admit import MAX_BYTES_PER_TOKEN, Admission, admit, count_request, prompt_bytes, read_body
 from ._identity import authenticate, authorization_of, bearer_key, identify, route, tenant_models
+from ._parse import LARGE_BODY_BYTES, parse_body
 from ._refusals import (
     budget_error,
     queue_full,
@@ -26,6 +27,8 @@ __all__ = [
     "budget_error",
     "count_request",
     "identify",
+    "LARGE_BODY_BYTES",
+    "parse_body",
     "prompt_bytes",
     "queue_full",
     "read_body",

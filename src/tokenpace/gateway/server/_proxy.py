@@ -27,6 +27,7 @@ from ..admission import (
     Admission,
     admit,
     identify,
+    parse_body,
     queue_full,
     read_body,
     retry_headers,
@@ -47,8 +48,6 @@ from ..wire import (
     ParsedRequest,
     conversation_key,
     end_user_of,
-    parse_json_body,
-    parse_request,
 )
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -96,9 +95,9 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
         ex.batch_id, ex.batch_lane = line.batch_id, rt.config.batch_lane
     watch: ClientWatch | None = None
     try:
-        req = parse_request(kind, parse_json_body(
-            await read_body(receive, declared, rt.config.max_body_bytes)),
-            rt.config.max_model_name_chars)
+        # A large body is parsed in a worker thread, one at a time per tenant.
+        req = await parse_body(tenant.id, kind, await read_body(
+            receive, declared, rt.config.max_body_bytes), rt.config.max_model_name_chars)
         ex.model = req.model
         watch = ClientWatch(receive)
         model, pool, counting = route(rt, tenant, req.model)

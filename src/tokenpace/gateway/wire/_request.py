@@ -12,6 +12,7 @@ import gc
 import json
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,24 +75,30 @@ _PROMPT_FIELD: dict[str, str] = {"chat": "messages", "completion": "prompt",
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
-_suspect = [False]
-"""Set by the decoder's hooks while one body is parsed (parsing never yields to the loop)."""
+class _Parsing(threading.local):
+    """Each thread's decoder, and the flag its hooks set while it parses one body (a
+    large body is parsed in a worker thread while the event loop parses small ones).
+    The decoder is made once per thread: ``json.loads`` with hooks would build one and
+    its scanner on every call."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.decoder = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
 
 
 def _constant(name: str) -> float:
-    _suspect[0] = True
+    _suspect.seen = True
     return float(name)
 
 
 def _number(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        _suspect[0] = True
+        _suspect.seen = True
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
-"""Made once: ``json.loads`` with hooks builds a decoder and its scanner on every call."""
+_suspect = _Parsing()
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -113,13 +120,13 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     the parsed body itself. docs/gateway.md ("Request bodies and parsing") gives the
     measured milliseconds per MiB.
     """
-    _suspect[0] = False
+    _suspect.seen = False
     collecting = gc.isenabled()
     # A parse makes no cyclic garbage, but its new lists would set off collections that
     # walk them all, several times over (most of the cost of a body of small lists).
     gc.disable()
     try:
-        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        body = _suspect.decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (ValueError, RecursionError) as exc:
         raise GatewayError(400, f"the request body is not valid JSON: {exc}", reason="bad_request",
                            code="invalid_json") from None
@@ -129,7 +136,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object", reason="bad_request",
                            code="invalid_json")
-    if _suspect[0] or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
+    if _suspect.seen or b"\x00" in raw[:4] or _MAY_HOLD_SURROGATE.search(raw):
         _refuse_unencodable(body)
     return body
 
