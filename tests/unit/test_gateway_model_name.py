@@ -3,6 +3,8 @@ client's string is echoed in an error only clipped."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tokenpace.gateway import ConfigError, parse_config
@@ -37,3 +39,16 @@ def test_max_model_name_chars_defaults_and_is_validated() -> None:
     for bad in (0, "1k", True):
         with pytest.raises(ConfigError, match="max_model_name_chars"):
             parse_config({**GOOD, "max_model_name_chars": bad})
+
+
+def test_a_batch_line_echoes_its_method_and_url_clipped() -> None:
+    from tokenpace.gateway.batch._lines import read_line
+
+    problems: list[str] = []
+    for field in ("method", "url"):
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m"}, field: "x" * 1_000_000}
+        raw = json.dumps(line).encode()
+        assert read_line(1, raw, "/v1/chat/completions",
+                         lambda code, message, *_: problems.append(message)) is None
+    assert len(problems) == 2 and all(len(m) < 400 for m in problems)

@@ -22,6 +22,8 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from ..wire import clip
+
 ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat",
                              "/v1/completions": "completion",
                              "/v1/responses": "responses"}
@@ -211,12 +213,12 @@ def read_line(number: int, raw: bytes, endpoint: str, problem: _Report) -> Line 
     method = item.get("method")
     if method != "POST":
         problem("invalid_value", f"line {number}: method must be 'POST', got "
-                f"{method!r}", number, "method")
+                f"{clip(repr(method))}", number, "method")
         return None
     url = item.get("url")
     if url != endpoint:
-        problem("invalid_url", f"line {number}: url {url!r} differs from the batch's "
-                f"endpoint {endpoint!r}", number, "url")
+        problem("invalid_url", f"line {number}: url {clip(repr(url))} differs from the "
+                f"batch's endpoint {endpoint!r}", number, "url")
         return None
     body = item.get("body")
     if not isinstance(body, dict):

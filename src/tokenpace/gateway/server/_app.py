@@ -63,7 +63,7 @@ from ..reconcile import Reconciler, tenant_of_user
 from ._recovery import correct_settled, recover_in_flight, snapshot_times
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
-from ..wire import GatewayError, Kind, error_response
+from ..wire import GatewayError, Kind, clip, error_response
 from ._batches import BatchService
 from ._connections import Connections
 from ._proxy import handle
@@ -691,12 +691,13 @@ class Gateway:
         served = ", ".join(f"{' '.join(sorted(set(r.methods or ()) - {'HEAD'}))} {r.path}"
                            for r in self._routes.routes if isinstance(r, Route)
                            and not r.path.startswith("/admin"))
-        return error_response(404, f"no route {request.url.path}; this gateway serves "
+        return error_response(404, f"no route {clip(request.url.path)}; this gateway serves "
                               f"{served} (and POST /admin/reload, /admin/engines/drain)",
                               code="not_found")
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+        return error_response(405, f"{clip(request.method, 20)} is not allowed on "
+                              f"{clip(request.url.path)}",
                               code="method_not_allowed")
 
 

@@ -46,7 +46,7 @@ from ..exchange import Runtime
 from ..ledger import LedgerError
 from ..state import Lease, SlotClaim, StateUnavailable
 from ..tenants import TenantState
-from ..wire import GatewayError, error_body, error_response
+from ..wire import GatewayError, clip, error_body, error_response
 from ._proxy import BatchLine, handle
 from ._upload import UploadGate, read_upload
 
@@ -467,7 +467,8 @@ class BatchService:
 def _page_args(request: Request, most: int) -> tuple[int, str | None]:
     raw = request.query_params.get("limit", "20")
     if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise GatewayError(400, f"limit must be an integer from 1 to {most}, got {raw!r}",
+        raise GatewayError(400, f"limit must be an integer from 1 to {most}, got "
+                           f"{clip(raw)!r}",
                            reason="invalid_request", code="invalid_value", param="limit")
     return int(raw), request.query_params.get("after") or None
 
