@@ -306,8 +306,8 @@ class BatchService:
                               "missing_required_parameter", "file")
             purpose = upload.fields.get("purpose")
             if purpose != "batch":
-                return _error(400, f"purpose {purpose!r} is not served here: this gateway "
-                              "keeps files for the Batch API only (purpose 'batch')",
+                return _error(400, f"purpose {clip(repr(purpose))} is not served here: this "
+                              "gateway keeps files for the Batch API only (purpose 'batch')",
                               "invalid_value", "purpose")
             try:
                 record = await asyncio.to_thread(
@@ -327,7 +327,7 @@ class BatchService:
         limit, after = _page_args(request, 10_000)
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
-            return _error(400, f"order must be 'asc' or 'desc', got {order!r}",
+            return _error(400, f"order must be 'asc' or 'desc', got {clip(repr(order))}",
                           "invalid_value", "order")
         files, more = await asyncio.to_thread(store.files, tenant.id,
                                               request.query_params.get("purpose"), limit,
@@ -363,7 +363,7 @@ class BatchService:
         tenant, store = caller.tenant, caller.store
         file_id = request.path_params["file_id"]
         if await asyncio.to_thread(store.file_in_use, tenant.id, file_id):
-            return _error(400, f"file {file_id} is the input of a batch that has not "
+            return _error(400, f"file {clip(str(file_id))} is the input of a batch that has not "
                           "finished; cancel the batch first", "file_in_use", "file_id")
         if not await asyncio.to_thread(store.delete_file, tenant.id, file_id):
             return _no_file(file_id)
@@ -390,11 +390,11 @@ class BatchService:
             return _error(400, "input_file_id is required", "missing_required_parameter",
                           "input_file_id")
         if endpoint not in ENDPOINTS:
-            return _error(400, f"endpoint {endpoint!r} is not one a batch may run here; "
+            return _error(400, f"endpoint {clip(repr(endpoint))} is not one a batch may run here; "
                           f"expected one of {', '.join(ENDPOINTS)}", "invalid_value",
                           "endpoint")
         if window not in COMPLETION_WINDOWS:
-            return _error(400, f"completion_window must be '24h', got {window!r}",
+            return _error(400, f"completion_window must be '24h', got {clip(repr(window))}",
                           "invalid_value", "completion_window")
         problem = _metadata_problem(metadata)
         if problem is not None:
@@ -403,7 +403,8 @@ class BatchService:
         if record is None:
             return _no_file(file_id, "input_file_id")
         if record.purpose != "batch":
-            return _error(400, f"file {file_id} has purpose {record.purpose!r}, not 'batch'",
+            return _error(400, f"file {clip(str(file_id))} has purpose {record.purpose!r}, "
+                          "not 'batch'",
                           "invalid_value", "input_file_id")
         limits = self.rt.config.batch
         now = int(time.time())
@@ -507,11 +508,12 @@ def _limit_refusal(exc: StoreLimit) -> GatewayError:
 
 
 def _no_file(file_id: str, param: str = "file_id") -> Response:
-    return _error(404, f"No such File object: {file_id}", "file_not_found", param)
+    return _error(404, f"No such File object: {clip(str(file_id))}", "file_not_found", param)
 
 
 def _no_batch(batch_id: str) -> Response:
-    return _error(404, f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+    return _error(404, f"No such Batch object: {clip(str(batch_id))}", "batch_not_found",
+                  "batch_id")
 
 
 def _metadata_problem(metadata: Any) -> str | None:
