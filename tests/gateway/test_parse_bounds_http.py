@@ -90,3 +90,17 @@ def test_a_huge_model_name_is_refused_with_a_short_answer_and_row(
         assert len(resp.content) < 1024
     rows = gw.rows(2)
     assert rows[-1].finish_reason == "rejected:model_not_found" and len(rows[-1].model) <= 256
+
+
+def test_a_batch_of_many_prompts_is_refused_before_any_is_counted(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    # Without max_tokens the gateway counts every prompt of a batch with its own engine
+    # call (/tokenize) to fill it in: 20,000 one-letter prompts would be 20,000 calls.
+    gw = make_gateway(base_config(engine.url, tmp_path / "usage.db"))
+    calls = len(engine.engine.other_calls)
+    resp = httpx.post(f"{gw.url}/v1/completions", timeout=60,
+                      headers={"authorization": f"Bearer {KEY_B}"},
+                      json={"model": "fake", "prompt": ["a"] * 20_000})
+    assert resp.status_code == 400, resp.text[:500]
+    assert resp.json()["error"]["param"] == "prompt"
+    assert [p for p, _ in engine.engine.other_calls[calls:] if p == "/tokenize"] == []

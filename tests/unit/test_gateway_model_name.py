@@ -8,7 +8,13 @@ import json
 import pytest
 
 from tokenpace.gateway import ConfigError, parse_config
-from tokenpace.gateway.wire import MAX_MODEL_CHARS, GatewayError, clip, parse_request
+from tokenpace.gateway.wire import (
+    MAX_MODEL_CHARS,
+    MAX_PROMPTS,
+    GatewayError,
+    clip,
+    parse_request,
+)
 
 GOOD = {"engines": ["http://e:8000"], "tenants": [{"id": "a", "api_keys": ["sk-a"]}],
         "ledger": "sqlite:///unused.db"}
@@ -52,3 +58,15 @@ def test_a_batch_line_echoes_its_method_and_url_clipped() -> None:
         assert read_line(1, raw, "/v1/chat/completions",
                          lambda code, message, *_: problems.append(message)) is None
     assert len(problems) == 2 and all(len(m) < 400 for m in problems)
+
+
+def test_a_prompt_batch_over_the_limit_is_a_400() -> None:
+    body = {"model": "m", "prompt": ["a"] * (MAX_PROMPTS + 1)}
+    with pytest.raises(GatewayError) as info:
+        parse_request("completion", body)
+    assert (info.value.param, info.value.code) == ("prompt", "invalid_value")
+    assert "max_prompts_per_request" in info.value.message
+    assert parse_request("completion", {**body, "prompt": [[1]] * MAX_PROMPTS}).prompts == 2048
+    assert parse_config(GOOD).max_prompts_per_request == MAX_PROMPTS
+    with pytest.raises(ConfigError, match="max_prompts_per_request"):
+        parse_config({**GOOD, "max_prompts_per_request": 0})

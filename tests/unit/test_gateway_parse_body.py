@@ -12,6 +12,7 @@ from tokenpace.gateway.admission import _parse
 from tokenpace.gateway.wire import GatewayError
 
 PAD = b"0," * (LARGE_BODY_BYTES // 2)
+LIMITS = {"max_model_chars": 256, "max_prompts": 8}
 
 
 def _body(last: bytes) -> bytes:
@@ -24,9 +25,10 @@ def test_large_bodies_are_parsed_and_refused_as_small_ones() -> None:
         # ones on the loop: each thread's hook flag is its own.
         good, nan = _body(b"1"), _body(b"NaN")
         results = await asyncio.gather(
-            parse_body("a", "completion", good, 256), parse_body("b", "completion", nan, 256),
-            parse_body("a", "completion", good, 256),
-            parse_body("c", "completion", b'{"model": "m", "prompt": "hi"}', 256),
+            parse_body("a", "completion", good, **LIMITS),
+            parse_body("b", "completion", nan, **LIMITS),
+            parse_body("a", "completion", good, **LIMITS),
+            parse_body("c", "completion", b'{"model": "m", "prompt": "hi"}', **LIMITS),
             return_exceptions=True)
         assert [type(r).__name__ for r in results] == [
             "ParsedRequest", "GatewayError", "ParsedRequest", "ParsedRequest"]
@@ -40,5 +42,5 @@ def test_large_bodies_are_parsed_and_refused_as_small_ones() -> None:
 def test_a_large_body_with_a_long_model_name_is_refused() -> None:
     raw = b'{"model": "' + b"m" * 300 + b'", "prompt": "hi", "pad": [' + PAD + b"1]}"
     with pytest.raises(GatewayError) as info:
-        asyncio.run(parse_body("a", "completion", raw, 256))
+        asyncio.run(parse_body("a", "completion", raw, **LIMITS))
     assert info.value.param == "model"

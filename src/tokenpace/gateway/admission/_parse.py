@@ -23,19 +23,20 @@ _parsing: dict[str, asyncio.Lock] = {}
 """The lock of each tenant with a large body being parsed or waiting (removed when free)."""
 
 
-async def parse_body(tenant: str, kind: Kind, raw: bytes, max_model_chars: int) -> ParsedRequest:
-    """``raw`` parsed and checked (``wire.parse_json_body``, ``wire.parse_request``): on
-    the event loop when small, else in a worker thread, one body at a time per
-    ``tenant``. Raises what they raise (``GatewayError``)."""
+async def parse_body(tenant: str, kind: Kind, raw: bytes, *, max_model_chars: int,
+                     max_prompts: int) -> ParsedRequest:
+    """``raw`` parsed and checked (``wire.parse_json_body``, ``wire.parse_request`` with
+    the limits given): on the event loop when small, else in a worker thread, one body at
+    a time per ``tenant``. Raises what they raise (``GatewayError``)."""
     if len(raw) <= LARGE_BODY_BYTES:
-        return parse_request(kind, parse_json_body(raw), max_model_chars)
+        return parse_request(kind, parse_json_body(raw), max_model_chars, max_prompts)
     lock = _parsing.get(tenant)
     if lock is None:
         lock = _parsing[tenant] = asyncio.Lock()
     try:
         async with lock:
             return await asyncio.to_thread(
-                lambda: parse_request(kind, parse_json_body(raw), max_model_chars))
+                lambda: parse_request(kind, parse_json_body(raw), max_model_chars, max_prompts))
     finally:
         if not lock.locked() and _parsing.get(tenant) is lock:
             del _parsing[tenant]

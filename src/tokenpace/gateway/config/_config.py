@@ -254,6 +254,8 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     # The longest ``model`` a request may name (a longer one: 400, echoed clipped).
     max_model_name_chars: int = 256
+    # The most prompts a completion request may batch (more: 400).
+    max_prompts_per_request: int = 2048
     # Slow clients (docs/gateway.md, "Slow clients and connections"): a request's headers
     # within header_timeout of its first byte (of the connection, for its first request);
     # its body within body_timeout plus one second per body_min_rate bytes received; at
@@ -550,7 +552,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     root = _mapping(data, "the configuration")
     _known(root, "", ("engines", "tenants", "lanes", "cost", "ledger", "admin_api_keys",
                       "request_timeout", "max_body_bytes", "lane_share_window", "repin_after",
-                      "max_model_name_chars",
+                      "max_model_name_chars", "max_prompts_per_request",
                       "header_timeout", "body_timeout", "body_min_rate", "max_connections",
                       "stream_buffer_bytes", "tenant_stream_buffer_bytes",
                       "dispatch_order", "prompt_count", "state", "on_state_failure", "models",
@@ -625,6 +627,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         request_timeout_s=_duration(root, "request_timeout", "", 600.0),
         max_body_bytes=_int(root, "max_body_bytes", "", 8 * 1024 * 1024, minimum=1024) or 0,
         max_model_name_chars=_int(root, "max_model_name_chars", "", 256, minimum=1) or 0,
+        max_prompts_per_request=_int(root, "max_prompts_per_request", "", 2048, minimum=1) or 0,
         header_timeout_s=_duration(root, "header_timeout", "", 20.0),
         body_timeout_s=_duration(root, "body_timeout", "", 30.0),
         body_min_rate=_int(root, "body_min_rate", "", 64 * 1024, minimum=0) or 0,

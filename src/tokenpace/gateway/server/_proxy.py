@@ -96,8 +96,10 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
     watch: ClientWatch | None = None
     try:
         # A large body is parsed in a worker thread, one at a time per tenant.
-        req = await parse_body(tenant.id, kind, await read_body(
-            receive, declared, rt.config.max_body_bytes), rt.config.max_model_name_chars)
+        req = await parse_body(
+            tenant.id, kind, await read_body(receive, declared, rt.config.max_body_bytes),
+            max_model_chars=rt.config.max_model_name_chars,
+            max_prompts=rt.config.max_prompts_per_request)
         ex.model = req.model
         watch = ClientWatch(receive)
         model, pool, counting = route(rt, tenant, req.model)

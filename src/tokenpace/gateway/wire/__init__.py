@@ -20,6 +20,7 @@ from ._errors import (
 from ._ratelimit import go_duration, headroom_headers, refusal_headers
 from ._request import (
     MAX_MODEL_CHARS,
+    MAX_PROMPTS,
     MAX_TOKENS_FIELD,
     ROUTES,
     Kind,
@@ -55,6 +56,7 @@ __all__ = [
     "headroom_headers",
     "Kind",
     "MAX_MODEL_CHARS",
+    "MAX_PROMPTS",
     "MAX_TOKENS_FIELD",
     "parse_json_body",
     "parse_request",

@@ -262,12 +262,18 @@ served name, alias or adapter name in practice (a Hugging Face ``owner/name`` ha
 about 140 characters), and what a ledger row keeps of a name (``ledger.MAX_NAME_CHARS``)."""
 
 
-def parse_request(kind: Kind, body: dict[str, Any],
-                  max_model_chars: int = MAX_MODEL_CHARS) -> ParsedRequest:
+MAX_PROMPTS = 2048
+"""The most prompts a completion request may batch by default (``max_prompts_per_request``):
+each is counted with its own engine call when its size decides anything."""
+
+
+def parse_request(kind: Kind, body: dict[str, Any], max_model_chars: int = MAX_MODEL_CHARS,
+                  max_prompts: int = MAX_PROMPTS) -> ParsedRequest:
     """The fields admission needs, or a 400 naming the first one it cannot take. Cost:
     O(1) per field but the prompt's, which is checked in one pass in C (a batch of
     completion prompts: one per prompt); ``model`` over ``max_model_chars`` characters is
-    refused before it is looked up, echoed clipped."""
+    refused before it is looked up, echoed clipped; a batch of more than ``max_prompts``
+    completion prompts is refused (each may cost an engine call to count it)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "'model' is required (a string)", reason="bad_request",
@@ -314,6 +320,11 @@ def parse_request(kind: Kind, body: dict[str, Any],
         _check_responses(body)
     else:
         prompts = _completion_prompts(body.get("prompt"))
+        if prompts > max_prompts:
+            raise GatewayError(
+                400, f"'prompt' batches {prompts} prompts; at most {max_prompts} are allowed "
+                "(max_prompts_per_request): send the rest in other requests",
+                reason="bad_request", code="invalid_value", param="prompt")
     return ParsedRequest(
         kind=kind, body=body, model=model, stream=stream,
         client_wants_usage=bool(options.get("include_usage")),
