@@ -86,7 +86,9 @@ def test_the_request_checks_allocate_nothing_per_prompt_item() -> None:
     assert _peak(checks) < 64 * 1024
     strings = parse_json_body(BODIES["ASCII strings"])
     strings["model"] = "m"
-    assert _peak(lambda: prompt_bytes(parse_request("completion", strings))) < 64 * 1024
+    # (a batch this long needs max_prompts_per_request raised)
+    assert _peak(lambda: prompt_bytes(parse_request("completion", strings, max_prompts=ITEMS))
+                 ) < 64 * 1024
 
 
 @pytest.mark.parametrize("bad, param", [
