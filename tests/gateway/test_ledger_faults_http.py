@@ -119,8 +119,11 @@ def test_a_full_journal_refuses_new_requests_until_the_database_is_back(
         answered.append(resp.headers["x-request-id"])
         # The refusals have rows too: wait for the served ones, not for a count of rows.
         deadline = time.monotonic() + 30
-        while (sorted(r.request_id for r in (rows := gw.rows(0, timeout_s=0)) if r.served)
-               != sorted(answered) and time.monotonic() < deadline):
+        while True:
+            rows = gw.rows(0, timeout_s=0)
+            if (sorted(r.request_id for r in rows if r.served) == sorted(answered)
+                    or time.monotonic() > deadline):
+                break
             time.sleep(0.2)
     finally:
         gw.stop()
