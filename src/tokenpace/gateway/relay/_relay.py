@@ -97,7 +97,9 @@ def _shape(ex: Exchange, body: bytes) -> tuple[int | None, int | None]:
     if ex.kind not in ("chat", "completion"):
         return 1, 1
     try:
-        parsed = parse_request(ex.kind, json.loads(body))
+        config = ex.rt.config
+        parsed = parse_request(ex.kind, json.loads(body), config.max_model_name_chars,
+                               config.max_prompts_per_request)
     except (ValueError, RecursionError, GatewayError):
         return None, None
     return parsed.n, parsed.prompts
