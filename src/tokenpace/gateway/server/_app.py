@@ -663,7 +663,7 @@ class Gateway:
         engine = next((e for e in self.rt.dispatcher.engines if e.url == url.rstrip("/")), None)
         if engine is None:
             return error_response(
-                404, f"no engine {url!r}; engines: "
+                404, f"no engine {clip(url)!r}; engines: "
                 f"{', '.join(e.url for e in self.rt.dispatcher.engines)}", code="not_found",
                 param="engine")
         self.rt.dispatcher.set_draining(engine, drain)
