@@ -72,6 +72,11 @@ def test_a_huge_model_name_is_refused_with_a_short_answer_and_row(
     assert "max_model_name_chars" in error["message"] and len(resp.content) < 1024
     rows = gw.rows(1)
     assert rows[-1].finish_reason == "rejected:bad_request" and len(rows[-1].model) <= 256
+    # /tokenize takes the same bound (its body within max_tokenize_bytes).
+    resp = httpx.post(f"{gw.url}/tokenize", json={"model": huge[:MIB // 2], "prompt": "hi"},
+                      timeout=60, headers={"authorization": f"Bearer {KEY_B}"})
+    assert resp.status_code == 400 and len(resp.content) < 1024, resp.text[:500]
+    assert "max_model_name_chars" in resp.json()["error"]["message"]
     # A path the gateway does not serve is echoed clipped too.
     resp = httpx.get(f"{gw.url}/{'p' * 60_000}", timeout=30)
     assert resp.status_code == 404 and len(resp.content) < 2048

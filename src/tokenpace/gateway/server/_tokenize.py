@@ -43,7 +43,7 @@ from ..admission import (
 )
 from ..exchange import Runtime
 from ..tenants import TOKENIZE_SLOTS_PER_TENANT, TenantState
-from ..wire import GatewayError, parse_json_body
+from ..wire import GatewayError, check_model_name, parse_json_body
 
 PATHS = ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 TIMEOUT_S = 30.0
@@ -112,6 +112,7 @@ async def _forward(rt: Runtime, request: Request, tenant: TenantState) -> httpx.
     if not isinstance(requested, str):
         raise GatewayError(400, "'model' must be a string", reason="bad_request",
                            code="invalid_value", param="model")
+    check_model_name(requested, rt.config.max_model_name_chars)
     model, _, engine = route(rt, tenant, requested)
     body["model"] = model
     try:

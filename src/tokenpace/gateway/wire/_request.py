@@ -267,6 +267,16 @@ MAX_PROMPTS = 2048
 each is counted with its own engine call when its size decides anything."""
 
 
+def check_model_name(model: str, max_model_chars: int) -> None:
+    """A 400 for a ``model`` over ``max_model_chars`` characters, echoed clipped, before it
+    is looked up (or kept in a ledger row). Cost: one ``len``."""
+    if len(model) > max_model_chars:
+        raise GatewayError(
+            400, f"'model' has {len(model)} characters; at most {max_model_chars} are allowed "
+            f"(max_model_name_chars): {clip(model, 100)!r}", reason="bad_request",
+            code="invalid_value", param="model")
+
+
 def parse_request(kind: Kind, body: dict[str, Any], max_model_chars: int = MAX_MODEL_CHARS,
                   max_prompts: int = MAX_PROMPTS) -> ParsedRequest:
     """The fields admission needs, or a 400 naming the first one it cannot take. Cost:
@@ -278,11 +288,7 @@ def parse_request(kind: Kind, body: dict[str, Any], max_model_chars: int = MAX_M
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "'model' is required (a string)", reason="bad_request",
                            code="invalid_value", param="model")
-    if len(model) > max_model_chars:
-        raise GatewayError(
-            400, f"'model' has {len(model)} characters; at most {max_model_chars} are allowed "
-            f"(max_model_name_chars): {clip(model, 100)!r}", reason="bad_request",
-            code="invalid_value", param="model")
+    check_model_name(model, max_model_chars)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
