@@ -39,7 +39,7 @@ CPU time of ``acquire`` + ``release`` with ``routing: pool`` against ``pinned``,
 of 2 and 8 engines.
 
 Tokens are counted at the client over the round less its first ``warmup_s`` (the
-ramp-up, when not everyone is backlogged yet).
+ramp-up, when not everyone is backlogged yet); a round's time starts at its first token.
 """
 
 from __future__ import annotations
@@ -115,18 +115,29 @@ Target = tuple[str, dict[str, str], dict[str, Any], str]
 """One closed-loop stream: URL, headers, extra body fields, and the tenant it counts for."""
 
 
+FIRST_TOKEN_TIMEOUT_S = 60.0
+"""A round whose first token takes longer than this fails the bench."""
+
+
 async def _closed_loop(targets: list[Target], duration_s: float,
-                       max_tokens: int) -> list[StreamRecord]:
-    """Each target is one stream that sends request after request for ``duration_s``; the
-    records of every request, the unfinished ones too."""
+                       max_tokens: int) -> tuple[list[StreamRecord], float]:
+    """Each target is one stream that sends request after request until ``duration_s``
+    after the round's first token (a slow start, such as an engine's first batch of a new
+    size on a loaded host, does not eat into the round); the records of every request,
+    the unfinished ones too, and the first token's time."""
     records: list[StreamRecord] = []
-    deadline = time.monotonic() + duration_s
+    t0 = time.monotonic()
+    first: list[float] = []
+
+    def deadline() -> float:
+        return first[0] + duration_s if first else t0 + FIRST_TOKEN_TIMEOUT_S
+
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
 
     async def stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
                      extra: dict[str, Any], user: str) -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline():
             record = StreamRecord(user=user, start=time.monotonic())
             records.append(record)
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens,
@@ -136,18 +147,28 @@ async def _closed_loop(targets: list[Target], duration_s: float,
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
                 async for data in sse_payloads(resp.content.iter_any()):
-                    record_chunk(record, data, time.monotonic())
+                    now = time.monotonic()
+                    record_chunk(record, data, now)
+                    if not first and record.token_times:
+                        first.append(now)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = [asyncio.create_task(stream(session, url, headers, extra, user))
                  for url, headers, extra, user in targets]
-        done, pending = await asyncio.wait(tasks, timeout=duration_s + 5)
+        pending: set[asyncio.Task[None]] = set(tasks)
+        # the streams finish the request they are in past the deadline, for up to 5 s
+        while pending and (wait := deadline() + 5 - time.monotonic()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=wait)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for task in done:
-            task.result()  # a failed request fails the bench
-    return records
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.result()  # a failed request fails the bench
+    if not first:
+        raise RuntimeError(f"no token in the round's first {FIRST_TOKEN_TIMEOUT_S:.0f} s "
+                           f"({len(records)} requests sent)")
+    return records, first[0] - t0
 
 
 def _tokens(records: list[StreamRecord], start: float, end: float) -> dict[str, int]:
@@ -160,12 +181,17 @@ def _tokens(records: list[StreamRecord], start: float, end: float) -> dict[str, 
 async def _round(targets: list[Target], duration_s: float,
                  warmup_s: float, max_tokens: int) -> dict[str, Any]:
     t0 = time.monotonic()
-    records = await _closed_loop(targets, duration_s, max_tokens)
-    counted = _tokens(records, t0 + warmup_s, t0 + duration_s)
+    records, first_token_s = await _closed_loop(targets, duration_s, max_tokens)
+    first = t0 + first_token_s
+    counted = _tokens(records, first + warmup_s, first + duration_s)
     total = sum(counted.values())
     span = duration_s - warmup_s
     return {"output_tokens_per_s": round(total / span, 1),
-            "shares": {u: round(n / total, 4) if total else 0.0 for u, n in sorted(counted.items())}}
+            "shares": {u: round(n / total, 4) if total else 0.0 for u, n in sorted(counted.items())},
+            # what a round that counted few tokens had: its requests, those that got a
+            # token, and when its first token came
+            "requests": len(records), "answered": sum(1 for r in records if r.token_times),
+            "first_token_s": round(first_token_s, 3)}
 
 
 def _via_gateway(url: str, tenants: list[str], streams: int) -> list[Target]:
@@ -308,6 +334,7 @@ async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list
                     duration, warmup, max_tokens))
     out: dict[str, Any] = {"lone": {
         "output_tokens_per_s": {p: [r["output_tokens_per_s"] for r in rs] for p, rs in lone.items()},
+        "first_token_s": {p: [r["first_token_s"] for r in rs] for p, rs in lone.items()},
         **{f"{p}_over_direct": ratio_summary([r["output_tokens_per_s"] for r in lone[p]],
                                              [r["output_tokens_per_s"] for r in lone["direct"]])
            for p in (*ROUTINGS, "by_hand")},
@@ -321,6 +348,8 @@ async def _measure(pool_urls: list[str], gateways: dict[str, Server], pair: list
             shares = {t: [r["shares"].get(t, 0.0) for r in runs] for t in tenants}
             entry[routing] = {
                 "output_tokens_per_s": [r["output_tokens_per_s"] for r in runs],
+                "first_token_s": [r["first_token_s"] for r in runs],
+                "answered_requests": [[r["answered"], r["requests"]] for r in runs],
                 "shares": {t: {"median": round(statistics.median(v), 4),
                                "min": min(v), "max": max(v)} for t, v in shares.items()},
                 "min_over_max_share": round(statistics.median(
