@@ -22,7 +22,7 @@ from tokenpace.gateway.ledger._schema import record_row
 
 from tests._postgres import PostgresServer, free_port, psycopg
 
-from .test_ledger import (
+from tests.unit.test_ledger import (
     OLD_REQUESTS_TABLE,
     T0,
     check_a_ledger_without_application_is_migrated,
