@@ -5,23 +5,22 @@ tenants and their applications, state, ledger) or a ``ConfigError`` naming the k
 Nothing here runs a request: every stage reads these values, and a reload swaps them.
 """
 
-from ._config import (
-    BatchConfig,
+from ._engines import keep_engine_keys
+from ._fields import ConfigError
+from ._gateway import GatewayConfig
+from ._gc import paused_gc
+from ._parse import parse_config
+from ._read import load_config
+from ._router_headers import MAX_ROUTER_HEADERS, ROUTER_HEADER_PLACEHOLDERS
+from ._values import (
     APPLICATION_SEPARATOR,
     ApplicationConfig,
-    ConfigError,
+    BatchConfig,
     EngineConfig,
-    GatewayConfig,
     LaneConfig,
-    MAX_ROUTER_HEADERS,
     ModelConfig,
-    ROUTER_HEADER_PLACEHOLDERS,
     TenantConfig,
     hash_key,
-    keep_engine_keys,
-    load_config,
-    parse_config,
-    paused_gc,
 )
 
 __all__ = [
