@@ -38,15 +38,16 @@ def _load_config(p: Path) -> GatewayConfig:
 
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml's parser where PyYAML has it (about 4x faster than the pure-Python one)."""
+"""libyaml's parser where PyYAML has it (the pure-Python one otherwise: same documents,
+slower)."""
 
 
 def _parse_text(text: str) -> Any:
     """The document in ``text``: JSON when it is a JSON object, otherwise YAML.
 
-    JSON is YAML too, and the same document; but Python's JSON parser reads a 10,000-tenant
-    configuration in ~20 ms where PyYAML, even with libyaml, takes ~1.5 s here (it builds a
-    node per scalar in Python). Generated tenant lists should be written as JSON.
+    JSON is YAML too, and the same document; but Python's JSON parser reads it many times
+    faster than PyYAML, even with libyaml, which builds a node per scalar in Python.
+    Generated tenant lists should be written as JSON.
     """
     if text.lstrip().startswith("{"):
         try:
@@ -69,9 +70,9 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 def _construct(loader: Any, node: Any) -> Any:
     """``loader.construct_document(node)``'s value, built faster: plain strings, lists and
-    mappings here (PyYAML's constructor makes a generator per collection, a third of a
-    10,000-tenant file's read), every other scalar (numbers, booleans, null, dates) and any
-    mapping with a merge key (``<<``) by PyYAML's own safe constructor."""
+    mappings here (PyYAML's constructor makes a generator per collection), every other
+    scalar (numbers, booleans, null, dates) and any mapping with a merge key (``<<``) by
+    PyYAML's own safe constructor. O(nodes), recursion as deep as the document."""
     if isinstance(node, yaml.ScalarNode):
         return node.value if node.tag == _STR_TAG else loader.construct_object(node, deep=True)
     if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":
@@ -92,9 +93,9 @@ def _construct(loader: Any, node: Any) -> Any:
 def _drop_gradually(node: Any) -> None:
     """Free a YAML node tree one node at a time.
 
-    Dropped at once, the tree of a 10,000-tenant file (170,000 nodes with their marks) is
-    freed in one chain of deallocations that holds the GIL for ~40 ms: a reload reads the
-    file in a worker thread, and the event loop would wait that out. Taken apart here, the
+    Dropped at once, the tree (O(scalars in the file) nodes with their marks) is freed in
+    one chain of deallocations that holds the GIL throughout: a reload reads the file in a
+    worker thread, and the event loop would wait that out. Taken apart here, the
     interpreter can hand the GIL over between nodes.
     """
     stack = [node] if node is not None else []

@@ -61,7 +61,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Settings of one model name the engines serve: other names clients may send for it,
-    and its cost coefficients (seed 002's a and b depend on the model and its hardware)."""
+    and its cost coefficients (a token's cost depends on the model and its hardware)."""
 
     name: str
     aliases: tuple[str, ...] = ()
