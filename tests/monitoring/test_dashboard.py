@@ -9,7 +9,9 @@ from pathlib import Path
 from tests.monitoring._deploy import all_metric_names, dashboard, dashboard_queries, expand
 from tokenpace.gateway import metrics as _metrics
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+GATEWAY_METRICS = DOCS / "gateway" / "metrics.md"
+ENGINE_METRICS = DOCS / "engine" / "metrics.md"
 PREFIX = "tokenpace_gateway_"
 
 
@@ -59,9 +61,9 @@ def test_every_gateway_metric_the_deploy_files_use_is_exported() -> None:
 
 
 def test_every_engine_metric_is_documented() -> None:
-    section = (DOCS.parent / "engine.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    section = ENGINE_METRICS.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
     for name in engine_names():
-        assert f"`{name}`" in section, f"{name}: not in docs/engine.md#metrics"
+        assert f"`{name}`" in section, f"{name}: not in docs/engine/metrics.md#metrics"
 
 
 def test_no_created_series() -> None:
@@ -78,13 +80,13 @@ def test_no_created_series() -> None:
 
 
 def test_every_gateway_metric_is_documented_once() -> None:
-    section = DOCS.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    section = GATEWAY_METRICS.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     for family in [*_metrics.REGISTRY.collect(), *(g.family() for g in _metrics.LIVE)]:
         if not family.name.startswith(PREFIX):
             continue
         short = family.name[len(PREFIX):] + ("_total" if family.type == "counter" else "")
         count = len(re.findall(rf"`{re.escape(short)}`", section))
-        assert count == 1, f"{family.name}: documented {count} times in docs/gateway.md#metrics"
+        assert count == 1, f"{family.name}: documented {count} times in docs/gateway/metrics.md#metrics"
 
 
 def test_dashboard_is_importable_with_a_datasource_variable() -> None:
