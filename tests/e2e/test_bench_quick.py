@@ -94,7 +94,7 @@ def test_bench_pacing_quick(benches: dict[str, object]) -> None:
         for user in scenario["users"]:
             assert user["tokens"] == user["streams"] * 40
             # 40-token streams are too short to measure a rate closely (the full run is in
-            # docs/benchmarks.md, and tests/e2e/test_serve.py checks 3%): never above it.
+            # docs/benchmarks/pacing.md, and tests/e2e/test_serve.py checks 3%): never above it.
             # Measured at the engine, where GCRA makes it exact (5% for rounding).
             expect("bench_quick", "pacing engine rate / limit", user["engine_rate"]
                    / user["limit"], 1.05, logs=[out / "pacing.json"], user=user)
@@ -128,7 +128,7 @@ def test_bench_overhead_quick(benches: dict[str, object]) -> None:
     stock, paced = result["stock_tokens_per_s"], result["paced_tokens_per_s"]
     assert len(stock) == len(paced) == 5
     # A collapse check, not a performance claim (pacing that never throttles costs ~1%,
-    # docs/benchmarks.md): the best of the 5 adjacent pairs. The engine on this 2-core box
+    # docs/benchmarks/pacing.md): the best of the 5 adjacent pairs. The engine on this 2-core box
     # runs in two modes, ~1.6k and ~8-13k tok/s, for seconds at a time, whichever server
     # it is; a fresh-clone CI run on 2026-12-01 had the paced server's runs in the slow one
     # and failed a bound on the median of the pairs. A paced server that throttles or
@@ -269,7 +269,7 @@ def test_bench_fairness_quick(benches: dict[str, object]) -> None:
     # quick run. The order itself is checked without timing (tests/unit/test_fair_queue.py;
     # through a real gateway process, whose dispatch order an engine with one slot
     # records, in tests/gateway/test_fair_dispatch_http.py); the shares are measured by
-    # the full 90 s bench (docs/benchmarks.md).
+    # the full 90 s bench (docs/benchmarks/fairness.md).
     for workload in by_name.values():
         for policy in ("fcfs", "vtc"):
             shares = [t["service_share"] for t in workload["policies"][policy]["tenants"].values()]
@@ -279,7 +279,7 @@ def test_bench_fairness_quick(benches: dict[str, object]) -> None:
 def test_bench_fleet_quick(benches: dict[str, object]) -> None:
     """The fleet bench runs end to end (two engines, four gateways: --quick leaves out the
     full run's idle third engine, tiny-code); its figures are measured in
-    docs/benchmarks.md, not asserted here (a quick round is 4 s on 2 cores)."""
+    docs/benchmarks/fleet.md, not asserted here (a quick round is 4 s on 2 cores)."""
     result, _ = _bench(benches, "fleet")
     lone = result["lone"]
     assert set(lone["output_tokens_per_s"]) == {"direct", "by_hand", "pool", "pinned"}

@@ -2,7 +2,7 @@
 processes, and ``--workers`` on one port.
 
 Budgets here; shared slots and fair-queue counters through replicas are in
-test_replicas_slots_http.py (docs/gateway.md, "Several replicas").
+test_replicas_slots_http.py (docs/gateway/replicas.md).
 """
 
 from __future__ import annotations

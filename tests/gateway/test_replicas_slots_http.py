@@ -215,12 +215,12 @@ def test_two_backlogged_tenants_share_fairly_through_two_replicas(
               f"of replica 1's service {on_1:.3f}")
         assert sum(total.values()) >= 16 * 40, total
         if routing == "spread":
-            # Documented bound (docs/gateway.md): 0.5 +- 0.1 each.
+            # Documented bound (docs/gateway/replicas.md): 0.5 +- 0.1 each.
             assert 0.4 <= share_b <= 0.6, served
         else:
             # Measured on a loaded 2-core box: team-b 0.48-0.51 overall, 0.59-0.71 of
             # replica 1's service; with per-replica counters (the wiring broken on purpose)
-            # 0.30 and 0.46. Bound (docs/gateway.md): >= 0.4 overall. Replica 1's share is
+            # 0.30 and 0.46. Bound (docs/gateway/replicas.md): >= 0.4 overall. Replica 1's share is
             # not asserted: it rides on the slot race between the replicas, and at a load
             # average of 9 it came to 0.59 against the 0.58 once set for it.
             assert share_b >= 0.4, served

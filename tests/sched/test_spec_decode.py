@@ -4,7 +4,7 @@ A step verifies ``k`` drafts besides its sure token and delivers 1 to ``k + 1`` 
 The drafts are granted from the quota before the step, cut to it, and the rejected ones
 go back when the results arrive (``pacing._drafts``). Bound, counting each delivered token
 at its step's dispatch instant: ``(W + 0.1) x R + 1 + k x n`` over any window, ``n`` the
-user's streams (docs/engine.md, "Speculative decoding").
+user's streams (docs/engine/modes.md, "Speculative decoding").
 """
 
 from __future__ import annotations

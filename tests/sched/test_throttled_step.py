@@ -4,7 +4,7 @@ A step that holds an object per throttled request crosses the garbage collector'
 threshold (700 objects) at a few hundred running requests, so every such step set off a
 collection, and the process's next full collection (whose cost grows with the whole
 heap) often fell on it: at 1,024 running that doubled the step's CPU
-(``tokenpace bench scheduler``; docs/benchmarks.md)."""
+(``tokenpace bench scheduler``; docs/benchmarks/scheduler.md)."""
 
 from __future__ import annotations
 

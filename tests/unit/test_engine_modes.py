@@ -48,7 +48,7 @@ def test_plain_decoder_is_supported():
 ], ids=["spec", "pp", "kv-connector", "ec-connector", "kv-offload", "multimodal",
         "encoder-decoder", "hybrid", "attention-free"])
 def test_production_modes_are_paced(changes):
-    """Each is paced with a stated bound (docs/engine.md, "Engine modes")."""
+    """Each is paced with a stated bound (docs/engine/modes.md, "Engine modes")."""
     assert unsupported_modes(config(**changes)) == []
 
 

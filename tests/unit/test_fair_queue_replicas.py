@@ -6,7 +6,7 @@ state store gives the replicas). Two things loosen the single-queue bound: a rep
 only among its own waiters (with skewed routing the replica holding only one tenant's
 requests always sends that tenant), and counters are shared with a delay (the store
 flushes charges every 50 ms, a few engine steps). This measures by how much, against the
-one-replica bound of tests/unit/test_fair_queue.py; docs/gateway.md quotes the figures.
+one-replica bound of tests/unit/test_fair_queue.py; docs/gateway/replicas.md quotes the figures.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 given by URL), and its CPU time.
 
 ``bench state`` and ``bench gateway --state redis`` need the same set-up, the one
-docs/gateway.md recommends (an append-only file, fsync every second), and ``bench gateway``
+docs/gateway/replicas.md recommends (an append-only file, fsync every second), and ``bench gateway``
 also counts what the store costs beyond the gateway process: the server's own CPU time
 (``INFO``'s ``used_cpu_*``: ``getrusage`` of the server, main and background threads) and
 the commands it ran (``total_commands_processed``: every command, those a Lua script
@@ -67,7 +67,7 @@ class RedisServer:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        # The set-up docs/gateway.md recommends: an append-only file, fsync every second.
+        # The set-up docs/gateway/replicas.md recommends: an append-only file, fsync every second.
         proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
                                  str(home), "--save", "", "--appendonly", "yes",
                                  "--appendfsync", "everysec", "--daemonize", "no"],

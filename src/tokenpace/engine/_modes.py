@@ -4,7 +4,7 @@ Pacing charges a token when a step that samples is dispatched and refunds it at 
 of ``schedule()`` if the step was not dispatched after all; everything else about a
 request (its blocks, its encoder inputs, its connector's transfers, its state-space
 cache) is vLLM's business. That accounting holds in every mode below that is *not*
-refused (docs/engine.md, "Engine modes", has a section per mode with its bound):
+refused (docs/engine/modes.md, "Engine modes", has a section per mode with its bound):
 
 - speculative decoding: a step's drafts are granted from the quota, cut to it, and the
   rejected ones given back (``pacing._drafts``);

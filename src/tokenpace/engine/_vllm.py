@@ -4,7 +4,7 @@ vLLM's scheduler is not a public interface. tokenpace supports the vLLM series i
 ``SUPPORTED_VLLM_SERIES`` and checks at start-up (and in a test) that the names below
 still exist, so a different vLLM fails loudly with a list of what changed instead of
 mis-pacing silently. Every difference between the supported series that the adapter has
-to know about is handled here (see ``watchdog_paused``); docs/engine.md "vLLM versions"
+to know about is handled here (see ``watchdog_paused``); docs/engine/versions.md "vLLM versions"
 lists each seam and how it was verified on each series.
 """
 

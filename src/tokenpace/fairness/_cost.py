@@ -10,7 +10,7 @@ Prompt tokens the engine found in its prefix cache were not computed again, so t
 be priced apart (``cached_prompt``, as OpenAI bills cached input at a discount). It
 defaults to the prompt coefficient: nothing changes unless it is configured. Any value
 >= 0 is accepted, also one above ``prompt`` (an operator who wants to discourage reuse of
-a shared cache may say so); docs/gateway.md says what each choice does. Whether a prompt
+a shared cache may say so); docs/gateway/admission.md says what each choice does. Whether a prompt
 hit the cache is known only after the engine ran it, so a reservation prices the whole
 prompt at ``prompt`` and the settlement applies the cached price (``gateway.exchange``).
 """

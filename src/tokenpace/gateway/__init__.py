@@ -2,7 +2,7 @@
 
 Identity (API key -> tenant), admission (request caps, concurrency, queue depth, token
 budgets), dispatch to the engine a tenant is pinned to, a usage ledger and Prometheus
-metrics. ``tokenpace gateway --config gateway.yaml`` serves it; see docs/gateway.md.
+metrics. ``tokenpace gateway --config gateway.yaml`` serves it; see docs/gateway/index.md.
 
 One subpackage per stage of a request, imported only downward (docs/architecture.md):
 ``server`` (HTTP surface) -> ``admission`` and ``relay`` -> ``exchange`` (a request's

@@ -1,5 +1,5 @@
 """The Batch API's files, batches and their runner: offline work in the gateway's idle
-capacity (docs/gateway.md "Batch API").
+capacity (docs/gateway/batch.md).
 
 ``_lines`` reads an input file (pure), ``_objects`` holds the records and the status
 machine, ``_store`` keeps them durably beside the ledger, ``_feed`` decides which line

@@ -46,7 +46,7 @@ class GatewayConfig:
     max_model_name_chars: int = 256
     # The most prompts a completion request may batch (more: 400).
     max_prompts_per_request: int = 2048
-    # Slow clients (docs/gateway.md, "Slow clients and connections"): a request's headers
+    # Slow clients (docs/gateway/limits.md, "Slow clients and connections"): a request's headers
     # within header_timeout of its first byte (of the connection, for its first request);
     # its body within body_timeout plus one second per body_min_rate bytes received; at
     # most max_connections client connections; a streamed answer buffered for a slow
@@ -87,7 +87,7 @@ class GatewayConfig:
     conversation_affinity: int = 8
     # A tenant's series leave /metrics once it has been idle this long (``tenants._series``).
     metrics_idle_after_s: float = 900.0
-    # Side routes, metrics and dispatch tables (docs/gateway.md, "Limits that protect other
+    # Side routes, metrics and dispatch tables (docs/gateway/limits.md, "Limits that protect other
     # tenants"): a /tokenize, /detokenize or count_tokens body of at most
     # max_tokenize_bytes; /metrics behind one of metrics_api_keys (or an admin key) when
     # any is set, its page rendered at most once per metrics_cache; the conversation

@@ -179,7 +179,7 @@ class TenantConfig:
 @dataclass(frozen=True)
 class BatchConfig:
     """The Batch API (``/v1/files``, ``/v1/batches``): where its lines run, what they
-    cost, and the bounds on what a tenant may store and run (docs/gateway.md "Batch API")."""
+    cost, and the bounds on what a tenant may store and run (docs/gateway/batch.md)."""
 
     # The lane batch lines run in (ledger, metrics, the engine's priority); None: the
     # lowest configured lane, resolved by ``GatewayConfig.batch_lane``.

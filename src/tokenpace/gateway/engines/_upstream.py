@@ -3,7 +3,7 @@ the frequent background calls (health, gauges).
 
 A general HTTP client does much per call that this one call never needs: aiohttp built a
 request object, URL, header multidict, timer and payload writer for every completion and
-was a tenth of the gateway's CPU in a burst (py-spy, docs/benchmarks.md). Here one request
+was a tenth of the gateway's CPU in a burst (py-spy, docs/benchmarks/gateway.md). Here one request
 is one pre-formatted ``bytes`` written to a kept-alive connection, and the answer is
 parsed in C by httptools (llhttp, the parser uvicorn uses for the client side), whose
 callbacks hand the body over as it arrives.

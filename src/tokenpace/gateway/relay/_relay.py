@@ -129,7 +129,7 @@ SHUTTING_DOWN = b"after shutdown"
 """In a 500 answer: vLLM's API server shutting down (SIGTERM, draining for
 ``--shutdown-timeout``) answers every new request so ("cannot schedule new futures after
 shutdown", its executors are closed) while its ``/health`` still answers 200 and its
-requests in flight finish. Measured on vLLM 0.32 (docs/gateway.md, When engines fail)."""
+requests in flight finish. Measured on vLLM 0.32 (docs/gateway/failures.md, When engines fail)."""
 
 
 def not_taken(status: int, content: bytes) -> tuple[bool, bool]:

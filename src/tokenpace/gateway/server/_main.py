@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "budgets, fair dispatch to vLLM engines, usage ledger, Prometheus metrics.",
     )
     parser.add_argument("--config", required=True, metavar="FILE",
-                        help="gateway YAML file (see docs/gateway.md)")
+                        help="gateway YAML file (see docs/gateway/configuration.md)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--log-level", default="info",

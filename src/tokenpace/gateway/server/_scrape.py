@@ -91,4 +91,4 @@ def warn_if_open(config: GatewayConfig) -> None:
     if not config.metrics_key_hashes:
         logger.warning("metrics_api_keys is not set: /metrics is open to anyone who reaches "
                        "this port (it names tenants, their usage and budgets); set it and "
-                       "give Prometheus the key (docs/gateway.md, 'Metrics, health and logs')")
+                       "give Prometheus the key (docs/gateway/metrics.md, 'Metrics, health and logs')")

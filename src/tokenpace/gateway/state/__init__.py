@@ -4,7 +4,7 @@ One replica needs nothing shared (:class:`LocalStore`). Several replicas behind 
 balancer share one Redis (:class:`RedisStore`), so that together they admit no more than
 one would, hold slots as leases that a crashed replica gives back by expiry, and order
 their queues by the same virtual counters. ``on_state_failure`` (:class:`FailoverStore`)
-says what happens while Redis does not answer. See docs/gateway.md, "Several replicas".
+says what happens while Redis does not answer. See docs/gateway/replicas.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ module reads what they do say:
   could not send in time, and holds back a token that ends inside a UTF-8 character. A
   stream that ends before its final count (the client left, the time ran out) is charged
   what tokenpace's engine says the aborted request generated, or this bound where the
-  engine cannot tell (``_relay.engine_output_count``; docs/gateway.md).
+  engine cannot tell (``_relay.engine_output_count``; docs/gateway/endpoints.md).
 
 Cost per event: one ``bytes.startswith`` or ``rfind`` for the event's type; only the two
 or three events that carry usage are parsed as JSON (the cached count is read from those
