@@ -21,7 +21,7 @@ import pytest
 
 from tests.gateway._engine import EngineServer, FakeEngine
 from tests.gateway.conftest import GatewayProcess
-from tokenpace.gateway.dispatch import HEALTH_INTERVAL_S
+from tokenpace.gateway.fleet import HEALTH_INTERVAL_S
 
 KEY = "sk-fleet"
 
@@ -207,6 +207,7 @@ def test_drain_by_admin_and_by_reload(pair: Any, tmp_path: Path) -> None:
     assert len(drained.engine.requests) > seen
 
 
+@pytest.mark.redis
 def test_every_replica_leaves_a_dead_engine_on_its_own(tmp_path: Path) -> None:
     """Two gateway replicas sharing slots and counters in a real ``redis-server``: each
     finds the dead engine by its own refused connection (passive health is per process,

@@ -23,7 +23,7 @@ from tests.gateway._engine import EngineServer, FakeEngine
 from tests.gateway.conftest import ADMIN_HEADERS
 from tests.gateway.test_engine_failures_http import KEY, burst, engine_health
 from tokenpace.gateway.config import parse_config
-from tokenpace.gateway.engines import Discovery
+from tokenpace.gateway.fleet import Discovery
 from tokenpace.gateway.server import Gateway
 
 

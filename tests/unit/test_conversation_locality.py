@@ -206,7 +206,7 @@ def test_a_down_engine_moves_only_its_conversations() -> None:
     pool = dispatcher.pools["chat"]
     before = {i: dispatcher._conversation_engine("a", pool, key(i)) for i in range(40)}
     down = pool.engines[0]
-    dispatcher.set_health(down, False)
+    dispatcher.fleet.set_health(down, False)
     for i, engine in before.items():
         now = dispatcher._conversation_engine("a", pool, key(i))
         assert now is not None and now is not down

@@ -37,11 +37,11 @@ def test_a_reading_that_shows_the_gateways_own_burst_does_not_close_the_gate() -
     async def main() -> None:
         dispatcher, tenant = setup()
         engine = dispatcher.engines[0]
-        dispatcher.set_load(engine, 0.0, 0.0, running=0.0)
+        dispatcher.fleet.set_load(engine, 0.0, 0.0, running=0.0)
         first = await burst(dispatcher, tenant, 16)
         assert granted(first) == 16
         # The poll lands before the engine's next step: all 16 still "waiting" in it.
-        dispatcher.set_load(engine, 16.0, 0.01, running=16.0)
+        dispatcher.fleet.set_load(engine, 16.0, 0.01, running=16.0)
         second = await burst(dispatcher, tenant, 16)
         assert granted(second) == 16  # the old gate held these until a later poll
         for t in first + second:
@@ -53,15 +53,15 @@ def test_with_a_known_capacity_a_larger_burst_waits_in_the_gateway() -> None:
     async def main() -> None:
         dispatcher, tenant = setup(max_num_seqs=8, max_engine_waiting=4)
         engine = dispatcher.engines[0]
-        dispatcher.set_load(engine, 0.0, 0.0, running=0.0)
+        dispatcher.fleet.set_load(engine, 0.0, 0.0, running=0.0)
         tasks = await burst(dispatcher, tenant, 32)
         assert granted(tasks) == 8 + 4  # capacity + what may wait in the engine
         assert engine.inflight == 12 and engine.waiting() == 20
-        dispatcher.set_load(engine, 4.0, 0.2, running=8.0)  # the engine holds our 12
+        dispatcher.fleet.set_load(engine, 4.0, 0.2, running=8.0)  # the engine holds our 12
         dispatcher.release(await tasks[0])
         assert engine.inflight == 12  # the freed slot went to the next one in the queue
         # Another client now has 3 more requests waiting in the engine: 7 > 4 wait there.
-        dispatcher.set_load(engine, 4.0 + 3, 0.2, running=8.0)
+        dispatcher.fleet.set_load(engine, 4.0 + 3, 0.2, running=8.0)
         dispatcher.release(await tasks[1])
         assert engine.inflight == 11  # the gate holds
         for t in tasks:
@@ -75,9 +75,9 @@ def test_capacity_is_learned_from_requests_waiting_across_two_readings() -> None
         engine = dispatcher.engines[0]
         tasks = await burst(dispatcher, tenant, 20)
         assert granted(tasks) == 20  # capacity unknown: nothing holds a first burst
-        dispatcher.set_load(engine, 12.0, 0.1, running=8.0)  # just after the burst
+        dispatcher.fleet.set_load(engine, 12.0, 0.1, running=8.0)  # just after the burst
         assert engine.capacity is None
-        dispatcher.set_load(engine, 12.0, 0.1, running=8.0)  # still so, one poll later
+        dispatcher.fleet.set_load(engine, 12.0, 0.1, running=8.0)  # still so, one poll later
         assert engine.capacity == 8
         more = await burst(dispatcher, tenant, 4)
         assert granted(more) == 0  # 20 in flight on an engine that runs 8
@@ -92,17 +92,17 @@ def test_waiting_the_gateway_did_not_cause_holds_requests() -> None:
     async def main() -> None:
         dispatcher, tenant = setup(max_engine_waiting=4)
         engine = dispatcher.engines[0]
-        dispatcher.set_load(engine, 9.0, None)
+        dispatcher.fleet.set_load(engine, 9.0, None)
         held = await burst(dispatcher, tenant, 1)
         assert granted(held) == 0
-        dispatcher.set_load(engine, 0.0, None)
+        dispatcher.fleet.set_load(engine, 0.0, None)
         await asyncio.sleep(0)
         assert granted(held) == 1
         tasks = await burst(dispatcher, tenant, 10)
-        dispatcher.set_load(engine, 10.0, None)  # the 11 just dispatched, not yet scheduled
+        dispatcher.fleet.set_load(engine, 10.0, None)  # the 11 just dispatched, not yet scheduled
         more = await burst(dispatcher, tenant, 1)
         assert granted(more) == 1
-        dispatcher.set_load(engine, 10.0, None)  # ... still waiting a poll later: real
+        dispatcher.fleet.set_load(engine, 10.0, None)  # ... still waiting a poll later: real
         last = await burst(dispatcher, tenant, 1)
         assert granted(last) == 0
         for t in held + tasks + more + last:
@@ -114,10 +114,10 @@ def test_a_full_kv_cache_holds_requests() -> None:
     async def main() -> None:
         dispatcher, tenant = setup(max_kv_cache_usage=0.9)
         engine = dispatcher.engines[0]
-        dispatcher.set_load(engine, 0.0, 0.95, running=3.0)
+        dispatcher.fleet.set_load(engine, 0.0, 0.95, running=3.0)
         tasks = await burst(dispatcher, tenant, 2)
         assert granted(tasks) == 0
-        dispatcher.set_load(engine, 0.0, 0.5, running=3.0)
+        dispatcher.fleet.set_load(engine, 0.0, 0.5, running=3.0)
         await asyncio.sleep(0)
         assert granted(tasks) == 2
     asyncio.run(main())
@@ -129,7 +129,7 @@ def test_a_stale_running_gauge_of_an_idle_engine_does_not_hold_a_burst() -> None
     async def main() -> None:
         dispatcher, tenant = setup(max_num_seqs=32, max_engine_waiting=4)
         engine = dispatcher.engines[0]
-        dispatcher.set_load(engine, 0.0, 0.1, running=32.0)
+        dispatcher.fleet.set_load(engine, 0.0, 0.1, running=32.0)
         tasks = await burst(dispatcher, tenant, 40)
         assert granted(tasks) == 36
         for t in tasks:
@@ -138,7 +138,7 @@ def test_a_stale_running_gauge_of_an_idle_engine_does_not_hold_a_burst() -> None
 
 
 def test_a_gate_closed_on_an_old_reading_reads_again_at_once() -> None:
-    from tokenpace.gateway.server._app import LOAD_SOON_S, reread_delay
+    from tokenpace.gateway.fleet import LOAD_SOON_S, reread_delay
 
     # closed 0.4 s after the reading (taken under load that has since ended): at once
     assert reread_delay(10.0, 10.4) == 0.0

@@ -12,11 +12,11 @@ import pytest
 
 from tokenpace.fairness import FairQueue, LaneSpec
 from tokenpace.gateway import parse_config
-from tokenpace.gateway.dispatch import (
+from tokenpace.gateway.dispatch import Dispatcher
+from tokenpace.gateway.fleet import (
     EJECT_LAST_AFTER,
     HEALTH_INTERVAL_S,
     PROBE_FIRST_S,
-    Dispatcher,
     ProbeSchedule,
 )
 from tokenpace.gateway.tenants import Tenants
@@ -82,9 +82,9 @@ def test_an_item_pushed_ahead_with_no_cost_leaves_the_counters_as_they_were() ->
 def test_a_refusal_takes_an_engine_out_of_dispatch_at_once() -> None:
     dispatcher, _, clock = setup()
     dead, live = dispatcher.pools["chat"].engines
-    assert dispatcher.connect_failed(dead) is True
+    assert dispatcher.fleet.connect_failed(dead) is True
     assert (dead.healthy, dead.down_since, live.healthy) == (False, clock.now, True)
-    assert dispatcher.connect_failed(dead) is True  # out already: still out
+    assert dispatcher.fleet.connect_failed(dead) is True  # out already: still out
 
 
 def test_the_last_engine_up_of_a_pool_stays_in_after_one_refusal() -> None:
@@ -92,20 +92,20 @@ def test_the_last_engine_up_of_a_pool_stays_in_after_one_refusal() -> None:
     refusal in a row; a request that reaches it in between resets the count."""
     dispatcher, _, _ = setup()
     first, last = dispatcher.pools["chat"].engines
-    dispatcher.connect_failed(first)
-    assert dispatcher.connect_failed(last) is False and last.healthy
-    dispatcher.connect_ok(last)
-    assert dispatcher.connect_failed(last) is False and last.healthy
+    dispatcher.fleet.connect_failed(first)
+    assert dispatcher.fleet.connect_failed(last) is False and last.healthy
+    last.connect_ok()
+    assert dispatcher.fleet.connect_failed(last) is False and last.healthy
     for _ in range(EJECT_LAST_AFTER - 1):
-        out = dispatcher.connect_failed(last)
+        out = dispatcher.fleet.connect_failed(last)
     assert out is True and not last.healthy
 
 
 def test_a_lone_engine_is_the_last_of_its_pool() -> None:
     dispatcher, _, _ = setup(urls=URLS[:1])
     engine = dispatcher.pools["chat"].engines[0]
-    assert dispatcher.connect_failed(engine) is False
-    assert dispatcher.connect_failed(engine) is True
+    assert dispatcher.fleet.connect_failed(engine) is False
+    assert dispatcher.fleet.connect_failed(engine) is True
 
 
 def test_requests_waiting_for_a_slot_go_to_the_engine_still_up() -> None:
@@ -113,7 +113,7 @@ def test_requests_waiting_for_a_slot_go_to_the_engine_still_up() -> None:
         dispatcher, tenants, _ = setup()
         pool = dispatcher.pools["chat"]
         dead, live = pool.engines
-        dispatcher.connect_failed(dead)
+        dispatcher.fleet.connect_failed(dead)
         waiters = [await dispatcher.acquire(tenants.get("a"), pool, 1.0, 1.0, 1.0)
                    for _ in range(4)]
         assert {w.engine.url for w in waiters} == {live.url}
@@ -129,7 +129,7 @@ def test_a_lease_sent_back_moves_to_another_engine_and_charges_nothing_more() ->
         lease = await dispatcher.lease(tenant, pool, 1.0, 3.0, 3.0).acquire()
         first = lease.engine
         counter = pool.queue.counter("a")
-        dispatcher.connect_failed(first)
+        dispatcher.fleet.connect_failed(first)
         await lease.again()
         assert lease.engine is not first and lease.engine.healthy
         assert (first.inflight, lease.engine.inflight, tenant.inflight) == (0, 1, 1)
@@ -154,7 +154,7 @@ def test_a_lease_sent_back_is_not_held_to_max_queued() -> None:
         queued = asyncio.ensure_future(dispatcher.acquire(tenant, pool, 5.0, 1.0, 1.0))
         await asyncio.sleep(0)
         assert tenant.queued == 1  # the queue is full
-        dispatcher.connect_failed(lease.engine)
+        dispatcher.fleet.connect_failed(lease.engine)
         again = asyncio.ensure_future(lease.again())
         await asyncio.sleep(0)
         assert not again.done()  # waiting (first in line), not refused
@@ -174,10 +174,10 @@ def test_a_restarted_engine_is_not_held_back_by_a_reading_from_before_it_died() 
     it is back empty: going down forgets them."""
     dispatcher, _, _ = setup(max_engine_waiting=0)
     engine = dispatcher.pools["chat"].engines[0]
-    dispatcher.set_load(engine, waiting=12.0, kv_usage=0.5, running=4.0)
+    dispatcher.fleet.set_load(engine, waiting=12.0, kv_usage=0.5, running=4.0)
     assert engine.saturated()
-    dispatcher.set_health(engine, False)
-    dispatcher.set_health(engine, True)
+    dispatcher.fleet.set_health(engine, False)
+    dispatcher.fleet.set_health(engine, True)
     assert not engine.saturated() and engine.has_room()
     assert engine.held.is_set()  # its gauges are read again at once
 
@@ -185,10 +185,10 @@ def test_a_restarted_engine_is_not_held_back_by_a_reading_from_before_it_died() 
 def test_an_engine_back_up_starts_a_new_run_of_refusals() -> None:
     dispatcher, _, _ = setup(urls=URLS[:1])
     engine = dispatcher.pools["chat"].engines[0]
-    dispatcher.connect_failed(engine)
-    dispatcher.connect_failed(engine)
-    dispatcher.set_health(engine, True)
-    assert engine.connect_failures == 0 and dispatcher.connect_failed(engine) is False
+    dispatcher.fleet.connect_failed(engine)
+    dispatcher.fleet.connect_failed(engine)
+    dispatcher.fleet.set_health(engine, True)
+    assert engine.connect_failures == 0 and dispatcher.fleet.connect_failed(engine) is False
 
 
 def test_an_engine_taken_out_is_probed_soon_then_less_often_up_to_the_interval() -> None:
@@ -232,7 +232,7 @@ def test_a_drained_engine_takes_no_new_request_and_its_running_ones_finish() -> 
         tenant = tenants.get("a")
         running = [await dispatcher.acquire(tenant, pool, 1.0, 1.0, 1.0) for _ in range(8)]
         drained = running[0].engine
-        dispatcher.set_draining(drained, True)
+        dispatcher.fleet.set_draining(drained, True)
         assert drained.inflight == 4 and not drained.accepts and drained.healthy
         for waiter in running:
             dispatcher.release(waiter)  # every request finishes, the drained engine's too
@@ -240,7 +240,7 @@ def test_a_drained_engine_takes_no_new_request_and_its_running_ones_finish() -> 
         assert drained.inflight == 0 and all(w.engine is not drained for w in later)
         for waiter in later:
             dispatcher.release(waiter)
-        dispatcher.set_draining(drained, False)
+        dispatcher.fleet.set_draining(drained, False)
         assert (await dispatcher.acquire(tenant, pool, 1.0, 1.0, 1.0)).engine is drained
     asyncio.run(main())
 
@@ -249,9 +249,9 @@ def test_a_tenant_pinned_to_a_drained_engine_moves_at_once() -> None:
     dispatcher, tenants, _ = setup(urls=URLS)
     pool = dispatcher.pools["chat"]
     first = dispatcher.engine_for("a", pool)
-    dispatcher.set_draining(first, True)
+    dispatcher.fleet.set_draining(first, True)
     assert dispatcher.engine_for("a", pool) is not first
-    dispatcher.set_draining(first, False)
+    dispatcher.fleet.set_draining(first, False)
     assert dispatcher.engine_for("a", pool) is first
 
 
@@ -262,14 +262,14 @@ def test_a_reload_applies_each_engines_drain_flag() -> None:
                     {"url": URLS[1], "max_inflight": 4, "models": ["chat"]}],
         "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"})
     engines = list(dispatcher.engines)
-    assert dispatcher.set_engines(config.engines) == ([], [])  # drain is no engine change
+    assert dispatcher.fleet.set_engines(config.engines) == ([], [])  # drain is no engine change
     dispatcher.configure(config)  # as a reload does: the engines, then the rest
     assert dispatcher.engines == engines
     assert [e.draining for e in dispatcher.engines] == [True, False]
     undrained = parse_config({
         "engines": [{"url": u, "max_inflight": 4, "models": ["chat"]} for u in URLS],
         "tenants": [{"id": "a", "api_keys": ["ka"]}], "ledger": "sqlite:///unused.db"})
-    dispatcher.set_engines(undrained.engines)
+    dispatcher.fleet.set_engines(undrained.engines)
     dispatcher.configure(undrained)
     assert [e.draining for e in dispatcher.engines] == [False, False]
 
@@ -279,8 +279,8 @@ def test_a_drained_engine_does_not_count_as_up_for_the_last_engine_rule() -> Non
     does not empty the pool."""
     dispatcher, _, _ = setup()
     drained, last = dispatcher.pools["chat"].engines
-    dispatcher.set_draining(drained, True)
-    assert dispatcher.connect_failed(last) is False
+    dispatcher.fleet.set_draining(drained, True)
+    assert dispatcher.fleet.connect_failed(last) is False
 
 
 # -- an engine shutting down: drained until it is gone ------------------------------------
@@ -289,21 +289,21 @@ def test_a_drained_engine_does_not_count_as_up_for_the_last_engine_rule() -> Non
 def test_an_engine_shutting_down_is_drained_not_failed_until_it_goes_down() -> None:
     dispatcher, _, clock = setup()
     stopping, other = dispatcher.pools["chat"].engines
-    assert dispatcher.set_stopping(stopping) is True
-    assert dispatcher.set_stopping(stopping) is False  # said once
+    assert dispatcher.fleet.set_stopping(stopping) is True
+    assert dispatcher.fleet.set_stopping(stopping) is False  # said once
     assert not stopping.accepts and stopping.drained and stopping.healthy
     assert stopping.connect_failures == 0  # not a failure
     for tenant in ("a", "b"):  # a tenant pinned to it moves at once, as for a drain
         assert dispatcher.engine_for(tenant, dispatcher.pools["chat"]) is other
     # Neither an operator's undrain nor a reload's configuration brings it back ...
-    dispatcher.set_draining(stopping, False)
+    dispatcher.fleet.set_draining(stopping, False)
     dispatcher.configure(dispatcher._config)
     assert not stopping.accepts
     # ... it is the engine going down that ends it; it comes back as any restarted engine.
     clock.now += 3
-    dispatcher.set_health(stopping, False)
+    dispatcher.fleet.set_health(stopping, False)
     assert stopping.stopping_since is None and not stopping.drained
-    dispatcher.set_health(stopping, True)
+    dispatcher.fleet.set_health(stopping, True)
     assert stopping.accepts and other.accepts
 
 

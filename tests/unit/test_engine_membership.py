@@ -12,7 +12,7 @@ import pytest
 from tokenpace.gateway import ConfigError, parse_config
 from tokenpace.gateway.config import EngineConfig, keep_engine_keys
 from tokenpace.gateway.dispatch import Dispatcher
-from tokenpace.gateway.engines import Discovery, engine_at
+from tokenpace.gateway.fleet import Discovery, engine_at
 from tokenpace.gateway.tenants import Tenants
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
@@ -47,7 +47,7 @@ def test_an_engine_added_joins_its_pool_and_takes_requests_at_once() -> None:
         waiting = asyncio.ensure_future(dispatcher.acquire(tenant, pool, 5.0, 1.0, 1.0))
         await asyncio.sleep(0)
         assert not waiting.done()  # A is full
-        added, removed = dispatcher.set_engines(config(chat(A), chat(C)).engines)
+        added, removed = dispatcher.fleet.set_engines(config(chat(A), chat(C)).engines)
         assert [e.url for e in added] == [C] and removed == []
         assert [e.url for e in pool.engines] == [A, C]
         assert (await waiting).engine.url == C  # the waiter went as C joined
@@ -64,7 +64,7 @@ def test_an_engine_removed_gets_nothing_new_and_its_requests_finish() -> None:
                    for i in range(4)]
         gone = next(e for e in dispatcher.engines if e.url == B)
         assert gone.inflight == 2
-        added, removed = dispatcher.set_engines(config(chat(A)).engines)
+        added, removed = dispatcher.fleet.set_engines(config(chat(A)).engines)
         assert added == [] and removed == [gone]
         assert [e.url for e in pool.engines] == [A] and gone.pools == []
         assert [e.url for e in dispatcher.engines] == [A]
@@ -84,7 +84,7 @@ def test_adding_an_engine_moves_only_the_tenants_whose_first_engine_it_is() -> N
     dispatcher, _ = setup(A, B)
     pool = dispatcher.pools["chat"]
     before = {f"t{i}": dispatcher.engine_for(f"t{i}", pool).url for i in range(40)}
-    dispatcher.set_engines(config(chat(A), chat(B), chat(C)).engines)
+    dispatcher.fleet.set_engines(config(chat(A), chat(B), chat(C)).engines)
     after = {t: dispatcher.engine_for(t, pool).url for t in before}
     moved = [t for t in before if after[t] != before[t]]
     assert moved and all(after[t] == C for t in moved)
@@ -95,17 +95,17 @@ def test_a_kept_engine_takes_its_new_settings_and_keeps_its_state() -> None:
     dispatcher, _ = setup(A)
     engine = dispatcher.engines[0]
     engine.learned_capacity = 7
-    dispatcher.set_engines(config(chat(A, max_inflight=9)).engines)
+    dispatcher.fleet.set_engines(config(chat(A, max_inflight=9)).engines)
     assert dispatcher.engines == [engine]
     assert engine.config.max_inflight == 9 and engine.learned_capacity == 7
 
 
 def test_an_engine_without_models_waits_to_be_learned_then_joins() -> None:
     dispatcher, _ = setup(A)
-    added, _ = dispatcher.set_engines(config(chat(A), {"url": C}).engines)
-    assert dispatcher.unlearned() == added
+    added, _ = dispatcher.fleet.set_engines(config(chat(A), {"url": C}).engines)
+    assert dispatcher.fleet.unlearned() == added
     assert [e.url for e in dispatcher.pools["chat"].engines] == [A]
-    dispatcher.set_models(added[0], frozenset({"chat"}))
+    dispatcher.fleet.set_models(added[0], frozenset({"chat"}))
     assert [e.url for e in dispatcher.pools["chat"].engines] == [A, C]
 
 
@@ -236,15 +236,15 @@ def test_an_engine_back_before_its_requests_ended_counts_them_in_its_slots() -> 
         running = [await dispatcher.acquire(tenants.get(f"t{i}"), pool, 5.0, 1.0, 1.0)
                    for i in range(4)]
         gone = next(e for e in dispatcher.engines if e.url == B)
-        dispatcher.set_engines(config(chat(A)).engines)
-        added, _ = dispatcher.set_engines(config(chat(A), chat(B)).engines)
+        dispatcher.fleet.set_engines(config(chat(A)).engines)
+        added, _ = dispatcher.fleet.set_engines(config(chat(A), chat(B)).engines)
         assert added == [gone] and gone.inflight == 2 and not gone.has_room()
         assert gone in pool.engines
         for waiter in running:
             dispatcher.release(waiter)
         # Gone again with nothing in flight: a later return is a fresh engine.
-        dispatcher.set_engines(config(chat(A)).engines)
-        dispatcher.set_engines(config(chat(A)).engines)
-        added, _ = dispatcher.set_engines(config(chat(A), chat(B)).engines)
+        dispatcher.fleet.set_engines(config(chat(A)).engines)
+        dispatcher.fleet.set_engines(config(chat(A)).engines)
+        added, _ = dispatcher.fleet.set_engines(config(chat(A), chat(B)).engines)
         assert added[0] is not gone and added[0].inflight == 0
     asyncio.run(main())

@@ -22,6 +22,7 @@ GATEWAY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("ledger",),
     ("config",),
     ("tenants", "engines"),
+    ("fleet",),
     ("dispatch",),
     ("exchange",),
     ("admission", "relay", "batch", "reconcile"),

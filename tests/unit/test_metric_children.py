@@ -67,12 +67,12 @@ def test_cached_routing_is_the_uncached_choice_and_follows_health() -> None:
         assert cached[tenant] == Dispatcher(config("10s"), lambda: now[0]).engine_for(tenant).url
     tenant = "t0"
     pinned = dispatcher.engine_for(tenant)
-    dispatcher.set_health(pinned, False)
+    dispatcher.fleet.set_health(pinned, False)
     assert dispatcher.engine_for(tenant) is pinned  # not down long enough to move
     now[0] = 11.0
     moved = dispatcher.engine_for(tenant)
     assert moved is not pinned and moved.healthy
-    dispatcher.set_health(pinned, True)
+    dispatcher.fleet.set_health(pinned, True)
     assert dispatcher.engine_for(tenant) is pinned
     dispatcher.configure(config())
     assert dispatcher._ranked == {}

@@ -171,11 +171,11 @@ def test_a_down_engine_is_skipped_and_a_pool_with_none_up_cannot_wait() -> None:
     assert a is not None
     preferred = dispatcher.preferred(a, pool)
     assert preferred is not None
-    dispatcher.set_health(preferred, False)
+    dispatcher.fleet.set_health(preferred, False)
     other = dispatcher.preferred(a, pool)
     assert other is not None and other is not preferred
     assert dispatcher.choose(a, pool) is other
-    dispatcher.set_health(other, False)
+    dispatcher.fleet.set_health(other, False)
     assert not dispatcher.may_wait(a, pool) and dispatcher.choose(a, pool) is None
 
 
@@ -185,18 +185,18 @@ def test_learned_models_move_an_engine_between_pools() -> None:
                                "ledger": "sqlite:///unused.db"})
         clock = lambda: 0.0  # noqa: E731
         dispatcher, tenants = Dispatcher(config, clock), Tenants(config, clock)
-        assert dispatcher.served_models() == [] and len(dispatcher.unlearned()) == 2
+        assert dispatcher.served_models() == [] and len(dispatcher.fleet.unlearned()) == 2
         first, second = dispatcher.engines
-        assert dispatcher.set_models(first, frozenset({"chat"}))
-        assert not dispatcher.set_models(first, frozenset({"chat"}))  # unchanged
+        assert dispatcher.fleet.set_models(first, frozenset({"chat"}))
+        assert not dispatcher.fleet.set_models(first, frozenset({"chat"}))  # unchanged
         waiting = grab(dispatcher, tenants, "a", 1, model="chat")
         await asyncio.sleep(0)
         assert waiting[0].done() and waiting[0].result().engine is first
         # The second engine comes up serving another model, then is restarted with chat.
-        dispatcher.set_models(second, frozenset({"code"}))
+        dispatcher.fleet.set_models(second, frozenset({"code"}))
         assert dispatcher.served_models() == ["chat", "code"]
-        dispatcher.set_models(second, frozenset({"chat"}))
+        dispatcher.fleet.set_models(second, frozenset({"chat"}))
         assert dispatcher.pool_for("code") is None
         assert [e.url for e in dispatcher.pools["chat"].engines] == URLS
-        assert dispatcher.unlearned() == []
+        assert dispatcher.fleet.unlearned() == []
     asyncio.run(main())

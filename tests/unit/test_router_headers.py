@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tokenpace.gateway.config import ConfigError, parse_config
-from tokenpace.gateway.engines import RouterHeaders, compile_router_headers, engine_at, wire_safe
-from tokenpace.gateway.server._connections import Connections
+from tokenpace.gateway.engines import RouterHeaders, compile_router_headers, wire_safe
+from tokenpace.gateway.fleet import Connections, engine_at
 
 LLM_D = {"x-gateway-inference-fairness-id": "{tenant}",
          "x-gateway-inference-objective": "{lane}"}

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .. import metrics
-from ..dispatch import EngineSlots, Pool, engine_retry_headers
+from ..dispatch import Pool
 from ..exchange import Runtime
+from ..fleet import EngineSlots, engine_retry_headers
 from ..tenants import ApplicationState, TenantState
 from ..wire import GatewayError, clip
 
@@ -67,10 +68,10 @@ def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, 
     model = rt.config.served_name(requested)
     pool = rt.dispatcher.pool_for(model)
     if pool is None or not tenant.config.may_use(model):
-        if pool is None and rt.dispatcher.unlearned():
+        if pool is None and rt.dispatcher.fleet.unlearned():
             raise GatewayError(
                 503, f"no engine that has reported its models serves {clip(requested)!r}; "
-                f"{len(rt.dispatcher.unlearned())} engine(s) have not reported theirs yet",
+                f"{len(rt.dispatcher.fleet.unlearned())} engine(s) have not reported theirs yet",
                 reason="engine_unavailable", code="engine_unavailable",
                 headers={"retry-after": "2"})
         raise GatewayError(

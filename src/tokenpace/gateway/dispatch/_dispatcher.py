@@ -33,19 +33,15 @@ import asyncio
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
+from typing import cast
 
 from ...fairness import FairQueue, LaneSpec
 from .. import metrics
-from ..config import EngineConfig, GatewayConfig
+from ..config import GatewayConfig
+from ..fleet import EngineSlots, Fleet
 from ..state import Reservation
 from ..tenants import ApplicationState, TenantState, dispatched
 from ._homes import HomeTable
-
-
-EJECT_LAST_AFTER = 2
-"""Refused connections in a row that take the last engine up of a pool out of dispatch (any
-other engine goes out on the first)."""
 
 
 class QueueFull(Exception):
@@ -55,139 +51,6 @@ class QueueFull(Exception):
     def __init__(self, waiting: int | None = None) -> None:
         super().__init__(waiting)
         self.waiting = waiting
-
-
-class EngineSlots:
-    """One engine's capacity as the gateway sees it, and its queue of waiting requests.
-
-    The saturation gate holds requests here while more would only queue inside the engine.
-    Two signals, because each alone fails:
-
-    - The gateway's own count. With the engine's capacity known (``max_num_seqs``
-      configured, or learned from two readings in a row that show requests waiting beside
-      the same running count), at most capacity + ``max_engine_waiting`` of the gateway's
-      requests are in the engine at once: a burst larger than the engine can run waits here,
-      where the fair queue orders it, and a burst that fits goes at once.
-    - The engine's own waiting count, polled from its ``/metrics``, for load the gateway does
-      not see (other clients, other gateway replicas). A reading is stale: it counts the
-      gateway's fresh dispatches as "waiting" until the engine's next step admits them (a
-      burst would hold itself back until a later poll), so the requests the gateway
-      dispatched between the two last readings are not counted against it. vLLM's running
-      gauge is not used for load: it keeps its last value while the engine is idle.
-
-    While the gate holds requests it sets ``held``, and the poller reads the gauges again
-    within tens of milliseconds (backing off while the engine stays full).
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.pools: list[Pool] = []  # one per model name it serves
-        self.models: frozenset[str] | None = (  # None: not known yet (learned)
-            frozenset(config.models) if config.models is not None else None)
-        self.inflight = 0
-        self.healthy = True
-        self.down_since: float | None = None
-        # Connections refused in a row (requests that never reached it): one takes it out
-        # of dispatch, unless it is the last engine up in one of its pools (``connect_failed``).
-        self.connect_failures = 0
-        # Drained (``engines[].drain``, ``POST /admin/engines/drain``): no new dispatches.
-        self.draining = config.drain
-        # Shutting down (it said so: vLLM on SIGTERM): drained until it goes down; since when.
-        self.stopping_since: float | None = None
-        self.up_gauge = metrics.ENGINE_UP.labels(config.url)
-        self.draining_gauge = metrics.ENGINE_DRAINING.labels(config.url)
-        self.refused_counter = metrics.ENGINE_REFUSED.labels(config.url)
-        self.engine_waiting: float | None = None  # from the engine's /metrics
-        self.engine_running: float | None = None
-        self.kv_cache_usage: float | None = None
-        self.learned_capacity: int | None = None
-        self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
-        self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
-        self._dispatched_since_reading = 0
-        self._fresh_at_reading = 0  # dispatched between the previous reading and the last
-
-    @property
-    def url(self) -> str:
-        return self.config.url
-
-    def publish(self) -> None:
-        """Set the engine's gauges (a new engine: up, nothing in flight)."""
-        self.inflight_gauge.set(self.inflight)
-        self.up_gauge.set(int(self.healthy))
-        self.draining_gauge.set(int(self.drained))
-
-    def unpublish(self) -> None:
-        """Remove the engine's series (it left the configuration)."""
-        for family in (metrics.ENGINE_INFLIGHT, metrics.ENGINE_UP, metrics.ENGINE_DRAINING,
-                       metrics.ENGINE_REFUSED):
-            try:
-                family.remove(self.url)
-            except KeyError:
-                pass
-
-    @property
-    def accepts(self) -> bool:
-        """Whether new requests may go to it: up, not drained, not shutting down (three
-        attribute reads)."""
-        return self.healthy and not self.draining and self.stopping_since is None
-
-    @property
-    def drained(self) -> bool:
-        """Drained by an operator or shutting down: what ``/health`` and the gauge show."""
-        return self.draining or self.stopping_since is not None
-
-    def waiting(self) -> int:
-        """Requests waiting in the queues of the pools this engine serves."""
-        return sum(len(pool.queue) for pool in self.pools)
-
-    @property
-    def capacity(self) -> int | None:
-        """Requests the engine runs at once (configured, else learned; None: unknown)."""
-        return self.config.max_num_seqs or self.learned_capacity
-
-    def record_reading(self, running: float | None, waiting: float | None,
-                       kv_usage: float | None) -> None:
-        """A fresh reading of the engine's gauges (None: not reported)."""
-        if running is not None and waiting and self.engine_waiting and running == self.engine_running \
-                and not self._kv_full(kv_usage):
-            # Requests waited across two polls beside the same running count: that is the
-            # engine's limit, not a burst between two scheduler steps.
-            self.learned_capacity = max(self.learned_capacity or 0, int(running))
-        if running is not None and self.learned_capacity is not None:
-            self.learned_capacity = max(self.learned_capacity, int(running))
-        self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
-        self._fresh_at_reading = self._dispatched_since_reading
-        self._dispatched_since_reading = 0
-
-    def dispatched(self) -> None:
-        self.inflight += 1
-        self._dispatched_since_reading += 1
-
-    def forget_load(self) -> None:
-        """Drop the last gauge reading (the engine went down): a restarted engine starts
-        empty, and a reading from before its death must not hold requests back from it."""
-        self.engine_waiting = self.engine_running = self.kv_cache_usage = None
-        self._dispatched_since_reading = self._fresh_at_reading = 0
-
-    def _kv_full(self, kv_usage: float | None) -> bool:
-        limit = self.config.max_kv_cache_usage
-        return limit is not None and kv_usage is not None and kv_usage >= limit
-
-    def saturated(self) -> bool:
-        """More work now would only queue inside the engine (or its KV cache is full)."""
-        if self._kv_full(self.kv_cache_usage):
-            return True
-        limit = self.config.max_engine_waiting
-        if limit is None:
-            return False
-        capacity = self.capacity
-        if capacity is not None and self.inflight + 1 > capacity + limit:
-            return True
-        waiting = self.engine_waiting
-        return waiting is not None and waiting - self._fresh_at_reading > limit
-
-    def has_room(self) -> bool:
-        return self.inflight < self.config.max_inflight and not self.saturated()
 
 
 class Pool:
@@ -289,13 +152,17 @@ class Lease:
 
 
 class Dispatcher:
+    """Pools of engines per model name, each with its fair queue; the engine choice, and
+    the slots requests hold, counted in this process (``SharedDispatcher``: in a shared
+    store). Its engines and their standing are ``fleet``'s, which tells it of each change
+    (``fleet.Dispatch``)."""
+
     def __init__(self, config: GatewayConfig, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._config = config
-        # The engines named by address; those found by DNS (``engines[].discovery``) join
-        # through ``set_engines``, as do engines a reload adds.
-        self.engines = [EngineSlots(e) for e in config.engines if e.discovery is None]
-        self._departed: dict[str, EngineSlots] = {}  # removed with requests in flight
+        # The engines and their standing; each change comes back as ``join``, ``rerank``,
+        # ``pump`` or ``forget``.
+        self.fleet = Fleet(config, clock, self)
         # Whether a paced tenant's rate can be split over engines: the rate-control call
         # that moves the shares needs each engine's key (``engines[].api_key``). Fixed for
         # the life of the process: a reload that adds an engine without a key is refused.
@@ -312,17 +179,21 @@ class Dispatcher:
         # (``_conversation_engine``), bounded per tenant and in all (``HomeTable``).
         self._homes = HomeTable(config.max_conversation_homes,
                                 config.max_conversation_homes_per_tenant)
-        for engine in self.engines:
+        for engine in self.fleet.engines:
             if engine.models is not None:
-                self._join(engine, engine.models)
+                self.join(engine, engine.models)
         self.configure(config)
-        for engine in self.engines:
-            engine.publish()
+        self.fleet.publish()
+
+    @property
+    def engines(self) -> list[EngineSlots]:
+        """The fleet's engines (``Fleet.engines``), for reading."""
+        return self.fleet.engines
 
     def configure(self, config: GatewayConfig) -> None:
         """Apply (re)loaded lanes, tenant lanes and weights to every pool's queue, and each
-        engine's ``drain`` flag as its configuration says (``set_engines`` changes the
-        engine list)."""
+        engine's ``drain`` flag as its configuration says (``Fleet.configure``;
+        ``Fleet.set_engines`` changes the engine list)."""
         self._config = config
         self.repin_after_s = config.repin_after_s
         self._homes.total = config.max_conversation_homes  # new homes are held to them
@@ -330,61 +201,29 @@ class Dispatcher:
         self._ranked.clear()
         for pool in self.pools.values():
             self._configure_queue(pool.queue, config)
-        for engine in self.engines:
-            self.set_draining(engine, engine.config.drain)
+        self.fleet.configure(config)
 
-    def set_engines(self, configs: Iterable[EngineConfig]) -> tuple[list[EngineSlots],
-                                                                   list[EngineSlots]]:
-        """Make the engines those of ``configs`` (a reload, or DNS discovery finding
-        addresses come and go); returns (added, removed).
+    # -- what the fleet tells (``fleet.Dispatch``) ----------------------------------------
 
-        An added engine joins its pools at once when its models are configured (else once
-        they are learned: ``unlearned``). A removed engine leaves its pools: nothing new is
-        dispatched to it, its requests in flight finish and release their slots as usual;
-        the caller closes its connections once they are done. A kept engine takes its new
-        settings (its learned capacity and gauges stay). Tenants pinned by rendezvous
-        hashing move only where their first engine came or went (about 1/N of them).
-        Cost: O(engines + pools), on configuration changes only.
-        """
-        wanted = {c.url: c for c in configs}
-        current = {e.url: e for e in self.engines}
-        removed = [e for url, e in current.items() if url not in wanted]
-        for engine in removed:
-            for pool in engine.pools:
-                pool.engines.remove(engine)
-            engine.pools = []
-            self._forget(engine)
-            engine.unpublish()
-        # Engines that left with requests in flight: one that comes back before they end
-        # is the same object again, so its slots count them.
-        departed = {url: e for url, e in self._departed.items() if e.inflight > 0}
-        departed.update((e.url, e) for e in removed)
-        added: list[EngineSlots] = []
-        engines: list[EngineSlots] = []
-        for url, cfg in wanted.items():
-            engine = current.get(url)
-            if engine is None:
-                engine = departed.pop(url, None) or EngineSlots(cfg)
-                engine.config = cfg
-                if cfg.models is not None:
-                    engine.models = frozenset(cfg.models)
-                added.append(engine)
-                if engine.models is not None:
-                    self._join(engine, engine.models)
-                engine.publish()
-            else:
-                engine.config = cfg
-                if cfg.models is not None:
-                    self.set_models(engine, frozenset(cfg.models))
-            engines.append(engine)
-        self.engines = engines
-        self._departed = departed
+    def join(self, engine: EngineSlots, models: Iterable[str]) -> None:
+        for model in models:
+            pool = self.pools.get(model)
+            if pool is None:
+                pool = Pool(model, self._new_queue())
+                self.pools[model] = pool
+            pool.engines.append(engine)
+            engine.pools.append(pool)
+
+    def rerank(self) -> None:
         self._ranked.clear()
-        for pool in self.pools.values():
-            self._pump(pool)
-        return added, removed
 
-    def _forget(self, engine: EngineSlots) -> None:
+    def pump(self, engine: EngineSlots | None) -> None:
+        # ``engine.pools`` holds the pools ``join`` put there.
+        pools = self.pools.values() if engine is None else cast("list[Pool]", engine.pools)
+        for pool in pools:
+            self._pump(pool)
+
+    def forget(self, engine: EngineSlots) -> None:
         """Drop what this dispatcher keeps about a removed engine (see SharedDispatcher)."""
 
     def _configure_queue(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
@@ -410,34 +249,6 @@ class Dispatcher:
 
     # -- pools -------------------------------------------------------------------------
 
-    def set_models(self, engine: EngineSlots, models: frozenset[str]) -> bool:
-        """The model names ``engine`` serves, as learned from it; True when they changed.
-
-        Requests already waiting for a pool it leaves stay queued for the pool's other
-        engines (or time out); a pool it joins can dispatch to it at once.
-        """
-        if engine.models == models:
-            return False
-        for pool in list(engine.pools):
-            if pool.model not in models:
-                pool.engines.remove(engine)
-                engine.pools.remove(pool)
-        self._join(engine, models - {pool.model for pool in engine.pools})
-        engine.models = models
-        self._ranked.clear()
-        for pool in engine.pools:
-            self._pump(pool)
-        return True
-
-    def _join(self, engine: EngineSlots, models: frozenset[str] | tuple[str, ...]) -> None:
-        for model in models:
-            pool = self.pools.get(model)
-            if pool is None:
-                pool = Pool(model, self._new_queue())
-                self.pools[model] = pool
-            pool.engines.append(engine)
-            engine.pools.append(pool)
-
     def _new_queue(self) -> FairQueue[Waiter]:
         config = self._config
         queue: FairQueue[Waiter] = FairQueue(_lane_specs(config), self._clock,
@@ -454,10 +265,6 @@ class Dispatcher:
     def served_models(self) -> list[str]:
         """Every model name some engine serves, sorted."""
         return sorted(model for model, pool in self.pools.items() if pool.engines)
-
-    def unlearned(self) -> list[EngineSlots]:
-        """Engines whose model names are not known yet (they have not answered /v1/models)."""
-        return [engine for engine in self.engines if engine.models is None]
 
     # -- routing ---------------------------------------------------------------------
 
@@ -609,86 +416,6 @@ class Dispatcher:
             return 0
         return sum(max(0, engine.config.max_inflight - keep - engine.inflight)
                    for engine in pool.engines if engine.accepts and self._open(engine))
-
-    def set_health(self, engine: EngineSlots, healthy: bool) -> None:
-        if healthy == engine.healthy:
-            return
-        engine.healthy = healthy
-        self._ranked.clear()
-        engine.down_since = None if healthy else self._clock()
-        engine.up_gauge.set(int(healthy))
-        engine.forget_load()
-        if not healthy and engine.stopping_since is not None:  # it is gone: no longer stopping
-            engine.stopping_since = None
-            engine.draining_gauge.set(int(engine.draining))
-        if healthy:
-            engine.connect_failures = 0
-            engine.held.set()  # read its gauges now, not at the next interval
-            for pool in engine.pools:
-                self._pump(pool)
-
-    def set_draining(self, engine: EngineSlots, draining: bool) -> None:
-        """Drain ``engine`` (no new dispatches; what runs there finishes) or undrain it."""
-        if draining == engine.draining:
-            return
-        engine.draining = draining
-        engine.draining_gauge.set(int(engine.drained))
-        self._ranked.clear()
-        for pool in engine.pools:  # its waiters may go elsewhere now, or to it again
-            self._pump(pool)
-
-    def set_stopping(self, engine: EngineSlots) -> bool:
-        """``engine`` said it is shutting down (vLLM draining on SIGTERM): no new dispatches,
-        its requests in flight finish, as for a drain; not counted as a failure. It stays so
-        while its ``/health`` answers (a draining vLLM answers it), and ends when the engine
-        goes down (``set_health``), to come back as any restarted engine. True when it was
-        not shutting down before."""
-        if engine.stopping_since is not None:
-            return False
-        engine.stopping_since = self._clock()
-        engine.draining_gauge.set(1)
-        self._ranked.clear()
-        for pool in engine.pools:
-            self._pump(pool)
-        return True
-
-    def connect_failed(self, engine: EngineSlots) -> bool:
-        """A request's connection to ``engine`` was refused (nothing was sent): take the
-        engine out of dispatch at once, for every request, until a health probe answers
-        (passive health). True when it is out now.
-
-        A network blip must not empty a pool: the last engine up in one of its pools
-        stays in after one refusal and goes out after ``EJECT_LAST_AFTER`` in a row (its
-        request is sent to it once more meanwhile); a request that reaches it resets the
-        count (``connect_ok``). Cost: a counter, and a pool scan on a failure only.
-        """
-        engine.connect_failures += 1
-        engine.refused_counter.inc()
-        if not engine.healthy:
-            return True
-        if engine.connect_failures < EJECT_LAST_AFTER and self._last_up(engine):
-            return False
-        self.set_health(engine, False)
-        return True
-
-    @staticmethod
-    def connect_ok(engine: EngineSlots) -> None:
-        """A request reached ``engine``: its run of refused connections ends (one store
-        per request)."""
-        engine.connect_failures = 0
-
-    @staticmethod
-    def _last_up(engine: EngineSlots) -> bool:
-        """Whether ``engine`` is the only engine up in one of its pools."""
-        return any(all(e is engine or not e.accepts for e in pool.engines)
-                   for pool in engine.pools)
-
-    def set_load(self, engine: EngineSlots, waiting: float | None, kv_usage: float | None,
-                 running: float | None = None) -> None:
-        """Saturation gauges read from the engine's /metrics (None: not reported)."""
-        engine.record_reading(running, waiting, kv_usage)
-        for pool in engine.pools:
-            self._pump(pool)
 
     # -- waiting and dispatch ----------------------------------------------------------
 

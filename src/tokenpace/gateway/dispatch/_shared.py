@@ -74,7 +74,8 @@ from ..state import (
     running_slot,
 )
 from ..tenants import ApplicationState, TenantState, dispatched
-from ._dispatcher import Dispatcher, EngineSlots, Pool, QueueFull, Waiter
+from ..fleet import EngineSlots
+from ._dispatcher import Dispatcher, Pool, QueueFull, Waiter
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -129,7 +130,7 @@ class SharedDispatcher(Dispatcher):
         for pool in self.pools.values():
             pool.queue.lift = False  # the store lifts, over every replica's backlog
 
-    def _forget(self, engine: EngineSlots) -> None:
+    def forget(self, engine: EngineSlots) -> None:
         self._full.pop(engine, None)
 
     def _new_queue(self) -> Any:

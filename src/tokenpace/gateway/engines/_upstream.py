@@ -102,7 +102,7 @@ class Upstream:
 
         A failed connect raises ``ConnectFailed`` at once: nothing was sent, and the
         gateway sends the request to another engine of its pool rather than to this one
-        again (``dispatch``'s ``connect_failed``). A request that was written is sent
+        again (``fleet``'s ``Fleet.connect_failed``). A request that was written is sent
         again only where the engine closed a kept-alive connection without reading it
         (module docstring), never after a byte of answer.
         """

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from ..config import APPLICATION_SEPARATOR, ConfigError, GatewayConfig, load_config
-from ..engines import Discovery
+from ..fleet import Discovery
 from ..ledger import LedgerError, format_table, open_ledger, parse_since
 from ._books import TIMEOUT_S, BookRead, read_book
 from ._compare import Reconciliation, compare, group

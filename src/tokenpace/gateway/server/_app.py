@@ -2,10 +2,10 @@
 
 Start-up opens the ledger and its journal, restores budget levels from it (budgets survive
 a restart), records the requests the process before left in flight (``_recovery``), then
-starts the background loops (engine health, load and discovery; budget snapshots; idle
-series; the ledger checked against the engines' books, ``reconcile``). Shutdown waits a
-bounded time for settlements, writes a last snapshot and closes the ledger, whose journal
-keeps what it could not write.
+starts the background work: the fleet's ``Monitor`` (engine health, load, discovery,
+model names), budget snapshots, idle series, the ledger checked against the engines'
+books (``reconcile``). Shutdown waits a bounded time for settlements, writes a last
+snapshot and closes the ledger, whose journal keeps what it could not write.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import contextlib
 import gc
 import json
 import logging
-import math
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -39,25 +37,10 @@ from ..config import (
     load_config,
     paused_gc,
 )
-from ..dispatch import (
-    DOWN_AFTER_FAILURES,
-    HEALTH_TIMEOUT_S,
-    EngineSlots,
-    ProbeSchedule,
-    make_dispatcher,
-)
-from ..engines import (
-    UNKNOWN,
-    Discovery,
-    RateSplitter,
-    SharedSplitBook,
-    Upstream,
-    UpstreamError,
-    http_send,
-    policy_problem,
-    reported_policy,
-)
+from ..dispatch import make_dispatcher
+from ..engines import RateSplitter, SharedSplitBook, http_send
 from ..exchange import Runtime
+from ..fleet import UNKNOWN, Connections, Discovery, Monitor, policy_problem
 from ..ledger import BudgetState, UsageRecord, open_ledger, redact
 from ..reconcile import Reconciler, tenant_of_user
 from ._recovery import correct_settled, recover_in_flight, snapshot_times
@@ -65,7 +48,6 @@ from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
 from ..wire import GatewayError, Kind, clip, error_response
 from ._batches import BatchService
-from ._connections import Connections
 from ._proxy import handle
 from ._scrape import PageCache, metrics_refusal, shows_details, stream, warn_if_open
 from ._secrets import register_secrets
@@ -73,9 +55,6 @@ from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
 
 logger = logging.getLogger("tokenpace.gateway")
 
-LOAD_INTERVAL_S = 0.5
-LOAD_SOON_S = 0.025
-START_MODELS_TIMEOUT_S = 3.0
 SNAPSHOT_INTERVAL_S = 1.0
 SETTLE_WAIT_S = 5.0
 """How long shutdown waits for settlements still running (a shared store's scripts, an
@@ -101,16 +80,14 @@ class Gateway:
         self.rt: Runtime | None = None
         # Processes serving this port (--workers): open-mode fallback limits divide by it.
         self.workers = 1
-        self.engine_policies: dict[str, str] = {}  # url -> policy its /health reports
         self._started = int(time.time())  # the "created" of /v1/models entries
-        self._models_problem: dict[str, int] = {}  # engine -> status last warned about
         self._reloading = asyncio.Lock()
         self.connections = Connections()  # replaced at start-up
-        self._load_tasks: dict[str, asyncio.Task[None]] = {}  # engine url -> its _load_loop
         self._background: set[asyncio.Task[None]] = set()
-        self._watching = False  # engines' gauge readers started (start-up done)
-        # Engines named by DNS (``engines[].discovery``): None when there are none.
+        # Engines named by DNS (``engines[].discovery``): None when there are none; the
+        # monitor's from start-up on.
         self._discovery = Discovery() if any(e.discovery for e in config.engines) else None
+        self._monitor: Monitor | None = None  # made at start-up
         self.app = self  # the ASGI application to serve (``__call__``)
         self.batches = BatchService(lambda: self.rt)
         self._page = PageCache(self._render_page)  # /metrics, rendered once per metrics_cache
@@ -172,7 +149,7 @@ class Gateway:
             levels = ledger.load_budgets()
             tenants = Tenants(self.config, self.clock, _restore_levels(levels))
             # Connections to the engines named by address now; DNS-named ones and those a
-            # reload adds get theirs as they join (``_apply_engines``).
+            # reload adds get theirs as they join (``Monitor.apply``).
             connections = self.connections = Connections()
             for engine in self.config.engines:
                 if engine.discovery is None:
@@ -200,14 +177,13 @@ class Gateway:
                 logger.warning("engines without api_key: a paced tenant stays on one engine "
                                "per model, paced there at its whole rate (moving its rate "
                                "between engines needs each engine's key)")
-            if self._discovery is not None:  # the engines DNS names, before any request
-                self._apply_engines(await self._discovery.engines(self.config.engines))
-            # Model names first: a request for a model is routed (or refused with 404) by
-            # them, so the gateway learns them before it takes requests.
-            await asyncio.gather(*(self._learn_models(e, START_MODELS_TIMEOUT_S)
-                                   for e in self.rt.dispatcher.unlearned()))
-            tasks = [asyncio.create_task(self._health_loop()),
-                     asyncio.create_task(self._snapshot_loop()),
+            rt = self.rt
+            monitor = self._monitor = Monitor(
+                rt.dispatcher.fleet, connections, self.clock, lambda: rt.config,
+                lambda url: rt.prompt_bounds.forget(url), self._reloading, self._discovery)
+            # DNS-named engines and every engine's model names, before any request.
+            await monitor.join_named()
+            tasks = [asyncio.create_task(self._snapshot_loop()),
                      asyncio.create_task(self._sweep_loop())]
             if store is None:
                 metrics.BUDGET_REMAINING.source = tenants.budget_samples
@@ -219,17 +195,13 @@ class Gateway:
                 metrics.BUDGET_REMAINING.source = shared_levels.samples
                 metrics.APPLICATION_BUDGET_REMAINING.source = shared_levels.application_samples
                 tasks.append(asyncio.create_task(shared_levels.run()))
-            for engine in self.rt.dispatcher.engines:
-                self._watch(engine)
-            self._watching = True
+            monitor.start()
             await self.batches.start()  # after the pools: a resumed batch's lines may run
             # After the engines' clients: each is asked what its orphans generated.
             snapshots = snapshot_times(levels)
             correct_settled(self.rt, ledger.journaled_settlements(), snapshots)
             self._spawn(recover_in_flight(self.rt, ledger.orphans(), snapshots))
             self._spawn(self._reconcile_loop())
-            if self._discovery is not None:
-                tasks.append(asyncio.create_task(self._discovery_loop()))
             warn_if_open(self.config)
             logger.info("tokenpace gateway: %d tenant(s), %d engine(s), ledger %s",
                         len(self.config.tenants), len(self.rt.dispatcher.engines),
@@ -243,10 +215,10 @@ class Gateway:
                 yield
             finally:
                 await self.batches.close()
-                for task in [*tasks, *self._load_tasks.values(), *self._background]:
+                for task in [*tasks, *self._background]:
                     task.cancel()
-                self._load_tasks.clear()
-                self._watching = False
+                monitor.stop()
+                self._discovery = monitor.discovery  # for a later start-up
                 # Settlements in the background (a shared store's scripts, the engines'
                 # counts of cut streams) finish before their rows and levels are written.
                 if self.rt.settling:
@@ -324,162 +296,11 @@ class Gateway:
             await asyncio.sleep(self.rt.tenants.series.sweep_interval_s)
             self.rt.tenants.series.sweep()
 
-    async def _health_loop(self) -> None:
-        """Engine health every 2 s: down after two failed checks in a row, up after one good
-        one. An engine that is down (by these checks, or taken out by a refused connection)
-        is probed sooner: 0.25 s after it went, then doubling up to every 2 s
-        (``ProbeSchedule``)."""
-        assert self.rt is not None
-        dispatcher = self.rt.dispatcher
-        failures: dict[str, int] = {}
-        schedule = ProbeSchedule()
-        clock = self.clock  # the dispatcher's: an engine's down_since is on it
-        while True:
-            for engine in dispatcher.engines:
-                # A shutting-down engine is probed as one that is down (soon, then less
-                # often): its first failed probe is the end of its shutdown.
-                stopping = engine.stopping_since is not None
-                if not schedule.due(engine.url, engine.healthy and not stopping,
-                                    engine.down_since or engine.stopping_since, clock()):
-                    continue
-                upstream = self.rt.upstreams.get(engine.url)
-                if upstream is None:  # it left the configuration
-                    continue
-                try:
-                    status, headers, _ = await upstream.fetch("GET", "/health", HEALTH_TIMEOUT_S)
-                    ok = status == 200
-                except (UpstreamError, TimeoutError):
-                    ok = False
-                if ok:
-                    self._note_policy(engine.config, reported_policy(headers))
-                    if engine.config.models is None:
-                        await self._learn_models(engine, HEALTH_TIMEOUT_S)
-                failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
-                # One slow answer from a busy engine is not an outage.
-                healthy = ok or (engine.healthy and not stopping
-                                 and failures[engine.url] < DOWN_AFTER_FAILURES)
-                if healthy != engine.healthy:
-                    logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
-                    # Back up, it may serve another model or chat template: learn again.
-                    self.rt.prompt_bounds.forget(engine.url)
-                dispatcher.set_health(engine, healthy)
-                schedule.checked(engine.url, engine.healthy and engine.stopping_since is None,
-                                 clock())
-            await asyncio.sleep(schedule.sleep_s(clock()))
-
-    def _watch(self, engine: EngineSlots) -> None:
-        """Start reading ``engine``'s saturation gauges (``_load_loop``)."""
-        self._load_tasks[engine.url] = asyncio.create_task(self._load_loop(engine))
-
-    def _apply_engines(self, engines: list[EngineConfig]) -> None:
-        """Make ``engines`` the engine list (a reload, DNS discovery): an engine that joins
-        gets connections and its gauge reader before the dispatcher may choose it, and its
-        model names are learned at once when not configured; one that leaves gets no new
-        request, and its connections close once its requests in flight are done."""
-        assert self.rt is not None
-        for config in engines:
-            self.connections.open(config)  # no-op for engines already known
-        added, removed = self.rt.dispatcher.set_engines(engines)
-        for engine in removed:
-            task = self._load_tasks.pop(engine.url, None)
-            if task is not None:
-                task.cancel()
-            self.rt.prompt_bounds.forget(engine.url)
-            self.connections.retire(engine, self.rt.config.request_timeout_s)
-            logger.warning("engine %s left the configuration (%d request(s) in flight finish "
-                           "there)", engine.url, engine.inflight)
-        for engine in added:
-            if self._watching:  # before, start-up starts every engine's reader itself
-                self._watch(engine)
-            if engine.models is None and self._watching:  # start-up learns them all at once
-                self._spawn_learn(engine)
-            logger.warning("engine %s joined%s", engine.url, f" (found under "
-                           f"{engine.config.discovered_from})" if engine.config.discovered_from
-                           else "")
-
-    def _spawn_learn(self, engine: EngineSlots) -> None:
-        self._spawn(self._learn_models(engine, START_MODELS_TIMEOUT_S))
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the gateway stops."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _discovery_loop(self) -> None:
-        """Resolve the DNS-named engines every ``discovery_interval`` and apply what
-        changed (``engines.Discovery``)."""
-        assert self.rt is not None and self._discovery is not None
-        while True:
-            await asyncio.sleep(self.rt.config.discovery_interval_s)
-            config = self.rt.config
-            engines = await self._discovery.engines(config.engines)
-            async with self._reloading:  # not between a reload's plan and its commit
-                if self.rt.config is config:
-                    self._apply_engines(engines)
-
-    async def _load_loop(self, engine: EngineSlots) -> None:
-        """The engine's saturation gauges every 0.5 s, and sooner while the gate holds
-        requests: when it closes, from a reading at least 25 ms old (``reread_delay``),
-        then every 25 ms, doubling while the engine stays full."""
-        assert self.rt is not None
-        dispatcher, upstream = self.rt.dispatcher, self.rt.upstreams[engine.url]
-        loop = asyncio.get_running_loop()
-        soon = LOAD_SOON_S
-        read_at = -math.inf
-        while True:
-            if engine.healthy:
-                dispatcher.set_load(engine, *await _engine_load(upstream))
-                read_at = loop.time()
-            if engine.held.is_set():
-                engine.held.clear()
-                if engine.waiting() and engine.saturated():
-                    await asyncio.sleep(soon)
-                    soon = min(2 * soon, LOAD_INTERVAL_S)
-                    continue
-            soon = LOAD_SOON_S
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancel
-                # that lands as the wait ends, and this loop would outlive its gateway.
-                async with asyncio.timeout(LOAD_INTERVAL_S):
-                    await engine.held.wait()
-            except TimeoutError:
-                pass
-            else:
-                await asyncio.sleep(reread_delay(read_at, loop.time()))
-
-    async def _learn_models(self, engine: EngineSlots, timeout_s: float) -> None:
-        """The model names an engine without ``models`` in the configuration serves, from
-        its ``/v1/models`` (at start-up, then with every good health check: an engine
-        restarted with another model moves to that model's pool)."""
-        assert self.rt is not None
-        upstream = self.rt.upstreams.get(engine.url)
-        if upstream is None:  # it left the configuration
-            return
-        try:
-            status, _, content = await upstream.fetch("GET", "/v1/models", timeout_s)
-        except (UpstreamError, TimeoutError):
-            return
-        names = _model_ids(content) if status == 200 else None
-        if names is None:
-            # Once per engine and answer, not with every health check (every 2 s).
-            if engine.models is None and self._models_problem.get(engine.url) != status:
-                self._models_problem[engine.url] = status
-                logger.warning("engine %s: cannot read its model names from /v1/models "
-                               "(HTTP %s); set engines[].models", engine.url, status)
-            return
-        self._models_problem.pop(engine.url, None)
-        if self.rt.dispatcher.set_models(engine, names):
-            logger.info("engine %s serves %s", engine.url, ", ".join(sorted(names)))
-
-    def _note_policy(self, engine: EngineConfig, reported: str) -> None:
-        """Remember the engine's scheduling policy; log a mismatch when it first shows."""
-        if self.engine_policies.get(engine.url) == reported:
-            return
-        self.engine_policies[engine.url] = reported
-        problem = policy_problem(engine.url, engine.scheduling_policy, reported)
-        if problem:
-            logger.warning("%s", problem)
 
     def _load_reload(self) -> ReloadPlan:
         """Read, check and pair the new configuration with the live tenants: the slow part
@@ -487,7 +308,7 @@ class Gateway:
         in a worker thread while the event loop serves.
 
         Tenants, lanes, costs, timeouts, admin keys and engines change (engines join and
-        leave: ``_apply_engines``); the ledger and the state store are fixed for the life
+        leave: ``Monitor.apply``); the ledger and the state store are fixed for the life
         of the process, so a file that changes them is refused as a whole.
         """
         if self.config.source is None:
@@ -517,7 +338,8 @@ class Gateway:
         new = plan.config
         register_secrets(new)  # an engine the reload adds may bring a key
         self.rt.tenants.commit(plan)
-        self._apply_engines(engines)
+        assert self._monitor is not None
+        self._monitor.apply(engines)
         self.rt.dispatcher.configure(new)
         self.rt.config = new
         self.config = new
@@ -537,9 +359,8 @@ class Gateway:
         in-flight requests are not touched. DNS-named engines keep the addresses last
         resolved (a new name is resolved by the next discovery round)."""
         plan = self._load_reload()
-        engines = (self._discovery.known(plan.config.engines) if self._discovery is not None
-                   else list(plan.config.engines))
-        return self._commit_reload(plan, engines)
+        assert self._monitor is not None
+        return self._commit_reload(plan, self._monitor.known(plan.config.engines))
 
     async def reload_async(self) -> GatewayConfig:
         """``reload`` with its slow part in a worker thread (``POST /admin/reload``); one
@@ -549,12 +370,8 @@ class Gateway:
             plan = await asyncio.to_thread(self._load_reload)
             if self.rt is None:
                 raise ConfigError("the gateway stopped during the reload")
-            engines = list(plan.config.engines)
-            if any(e.discovery for e in engines):
-                if self._discovery is None:
-                    self._discovery = Discovery()
-                    self._spawn(self._discovery_loop())
-                engines = await self._discovery.engines(engines)
+            assert self._monitor is not None
+            engines = await self._monitor.resolve(plan.config.engines)
             if self.rt is None:
                 raise ConfigError("the gateway stopped during the reload")
             return self._commit_reload(plan, engines)
@@ -605,7 +422,8 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def _policy_fields(self, engine: EngineConfig) -> dict[str, object]:
-        reported = self.engine_policies.get(engine.url, UNKNOWN)
+        reported = (UNKNOWN if self._monitor is None
+                    else self._monitor.policies.get(engine.url, UNKNOWN))
         fields: dict[str, object] = {"scheduling_policy": {
             "configured": engine.scheduling_policy, "engine": reported}}
         problem = policy_problem(engine.url, engine.scheduling_policy, reported)
@@ -666,7 +484,7 @@ class Gateway:
                 404, f"no engine {clip(url)!r}; engines: "
                 f"{', '.join(e.url for e in self.rt.dispatcher.engines)}", code="not_found",
                 param="engine")
-        self.rt.dispatcher.set_draining(engine, drain)
+        self.rt.dispatcher.fleet.set_draining(engine, drain)
         logger.warning("engine %s %s by POST /admin/engines/drain", engine.url,
                        "drained" if drain else "back in dispatch")
         return JSONResponse({"engine": engine.url, "draining": engine.draining,
@@ -699,74 +517,6 @@ class Gateway:
         return error_response(405, f"{clip(request.method, 20)} is not allowed on "
                               f"{clip(request.url.path)}",
                               code="method_not_allowed")
-
-
-_GAUGES = re.compile(
-    rb"^vllm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc)"
-    rb"(?:\{[^\n]*\})? (\S+)(?: -?\d+)?$", re.MULTILINE)
-"""The three gauges' samples in Prometheus' text format (any labels; an optional timestamp)."""
-_GAUGES_PATH = ("/metrics?name%5B%5D=vllm:num_requests_waiting"
-                "&name%5B%5D=vllm:num_requests_running&name%5B%5D=vllm:kv_cache_usage_perc")
-"""Prometheus's ``name[]`` filter naming the three gauges: a tokenpace engine then leaves
-its own ``tokenpace_engine_*`` series out (and does not ask its engine core for them);
-vLLM's own page ignores the filter."""
-
-
-def reread_delay(read_at: float, now: float, soon: float = LOAD_SOON_S) -> float:
-    """How long to wait before reading the gauges again, the gate having closed at ``now``
-    on the reading taken at ``read_at``.
-
-    A reading taken moments ago may count requests the gateway just dispatched that the
-    engine's next step admits: it is read again once ``soon`` has passed. An older one is
-    read again at once. That is the common case: the gate closed on a reading from up to
-    ``LOAD_INTERVAL_S`` ago, taken while other load queued in the engine, and holds every
-    request of a new burst until a fresh one (the bench's direct bursts ahead of the
-    gateway's held them 33-47 ms, 25 of which were this wait, in 3 of 12 rounds).
-    """
-    return max(0.0, read_at + soon - now)
-
-
-async def _engine_load(upstream: Upstream) -> tuple[float | None, float | None, float | None]:
-    """vLLM's waiting-request count, KV-cache use and running-request count from its
-    /metrics (None: not there; several engines behind one server: counts summed, the
-    fullest KV cache).
-
-    Every 0.5 s, and every 25-500 ms while the gate holds requests. vLLM's /metrics is
-    ~50 KB (600 lines): one poll cost the gateway 2.6 ms of CPU through httpx and 1.0 ms
-    through the hot-path client (uvloop, a slow 2-core box, 2026-12-01).
-    """
-    try:
-        status, _, content = await upstream.fetch("GET", _GAUGES_PATH, 2.0)
-    except (UpstreamError, TimeoutError):
-        return None, None, None
-    if status != 200:
-        return None, None, None
-    waiting = kv = running = None
-    for name, value in _GAUGES.findall(content):
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        if name == b"num_requests_waiting":
-            waiting = (waiting or 0.0) + number
-        elif name == b"num_requests_running":
-            running = (running or 0.0) + number
-        else:
-            kv = max(kv or 0.0, number)
-    return waiting, kv, running
-
-
-def _model_ids(content: bytes) -> frozenset[str] | None:
-    """The ``id`` of every entry of an OpenAI ``/v1/models`` answer (None: not one)."""
-    try:
-        data = json.loads(content).get("data")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(data, list):
-        return None
-    ids = frozenset(entry["id"] for entry in data
-                    if isinstance(entry, dict) and isinstance(entry.get("id"), str))
-    return ids or None
 
 
 def _restore_levels(states: list[BudgetState]) -> dict[str, dict[str, tuple[float, float]]]:

@@ -34,9 +34,10 @@ from ..admission import (
     route,
     state_unavailable,
 )
-from ..dispatch import EngineSlots, Lease, Pool, QueueFull, engine_retry_headers
+from ..dispatch import Lease, Pool, QueueFull
 from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
+from ..fleet import EngineSlots, engine_retry_headers
 from ..ledger import INTERRUPTED, UsageRecord
 from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
@@ -163,7 +164,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
                     watch.stop()
                     return Response(status_code=499)
                 continue
-            rt.dispatcher.connect_ok(engine)
+            engine.connect_ok()
             return answer
     except GatewayError as exc:
         ex.charge_usage = False
@@ -280,12 +281,12 @@ def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
         rt.rate_split.end(tenant.id, tenant.config.output_tokens_per_second, ex.split_on)
         ex.split_on = None
     if why.stopping:
-        if rt.dispatcher.set_stopping(engine):
+        if rt.dispatcher.fleet.set_stopping(engine):
             logger.warning("engine %s is shutting down (request %s): drained until it is gone "
                            "and back", engine.url, ex.id)
     else:
         was_up = engine.healthy
-        out = rt.dispatcher.connect_failed(engine)
+        out = rt.dispatcher.fleet.connect_failed(engine)
         if was_up and out:
             logger.warning("engine %s %s (request %s): out of dispatch until its /health "
                            "answers", engine.url, "refused a connection"

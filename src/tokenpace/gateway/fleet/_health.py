@@ -2,7 +2,7 @@
 less often while it is down.
 
 An engine is taken out of dispatch two ways: by the periodic check (``DOWN_AFTER_FAILURES``
-failed checks in a row) or at once by a refused connection (``Dispatcher.connect_failed``,
+failed checks in a row) or at once by a refused connection (``Fleet.connect_failed``,
 passive health). Either way it comes back only when a probe of its ``/health`` answers. A
 restarted engine should take traffic within one health interval of answering, and a dead
 one should cost little: the first probe follows ``PROBE_FIRST_S`` after it went down, each

@@ -16,8 +16,8 @@ import logging
 import httpx
 
 from ..config import EngineConfig
-from ..dispatch import EngineSlots
 from ..engines import Upstream, compile_router_headers
+from ._slots import EngineSlots
 
 logger = logging.getLogger("tokenpace.gateway")
 
