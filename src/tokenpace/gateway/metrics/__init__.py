@@ -15,7 +15,7 @@ wait out. The server renders at most once per ``metrics_cache`` and serves scrap
 that page (``server._scrape``). A worker thread did not help: it held the GIL for its whole switch interval each
 time the loop needed it, and a request (dozens of loop wake-ups) waited that out each time
 (100+ ms at 1,000 active tenants, issue 42).
-Every name here is documented once, in docs/gateway.md; the dashboard and alert rules in
+Every name here is documented once, in docs/gateway/metrics.md; the dashboard and alert rules in
 deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 

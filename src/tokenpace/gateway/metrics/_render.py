@@ -45,7 +45,7 @@ def exposition() -> bytes:
 SLICE_SAMPLES = 100
 """Samples built and formatted between two turns of the event loop during a scrape: 0.65 ms
 of this machine's CPU (median; 3.3 ms at 500), and a request waits about one slice per step
-it takes on the loop while a scrape runs (docs/benchmarks.md, bench tenants)."""
+it takes on the loop while a scrape runs (docs/benchmarks/tenants.md)."""
 
 
 LIVE_BATCH = 64
