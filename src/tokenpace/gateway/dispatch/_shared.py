@@ -238,7 +238,7 @@ class SharedDispatcher(Dispatcher):
     async def _read_home(self, tenant: str, pool: Pool, affinity: bytes) -> None:
         """Adopt the engine the store says conversation ``affinity`` runs on (another
         replica may have placed or moved it): one round trip per turn (GETEX; ~0.2 ms on
-        this project's loaded CI box, docs/benchmarks.md), the price of every replica making the same choice. A store that
+        this project's loaded CI box, docs/benchmarks/state.md), the price of every replica making the same choice. A store that
         does not answer leaves this replica's own table as the answer."""
         try:
             url = await self.store.home_read(affinity.hex(), HOME_TTL_S)
