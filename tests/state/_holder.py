@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from tokenpace.gateway.state import Lease, RedisStore, SlotClaim
+from tokenpace.gateway.state import RedisStore, SlotClaim, StoreLease
 
 
 async def main(url: str, lease_s: float, key: str, limit: int, count: int) -> None:
@@ -17,7 +17,7 @@ async def main(url: str, lease_s: float, key: str, limit: int, count: int) -> No
     await store.start()
     for _ in range(count):
         lease = await store.acquire([SlotClaim(key, limit)])
-        assert isinstance(lease, Lease), lease
+        assert isinstance(lease, StoreLease), lease
     print("held", flush=True)
     await asyncio.sleep(3600)
 

@@ -24,15 +24,15 @@ require_redis_client()
 from tokenpace.fairness import BudgetRefusal, BudgetSpec  # noqa: E402
 from tokenpace.gateway.state import (
     Admission,
-    Lease,
     LocalStore,
     Reservation,
     SlotClaim,
     SlotRefusal,
     StateStore,
     StateUnavailable,
-    parse_state,
+    StoreLease,
     open_store,
+    parse_state,
     queued_slot,
     running_slot,
 )
@@ -124,19 +124,19 @@ def test_slots_are_global_and_traded_atomically(redis_server: RedisServer) -> No
         try:
             engine = SlotClaim("engine:e1", 2)
             queued = await one.acquire([queued_slot("a", 1)])
-            assert isinstance(queued, Lease)
+            assert isinstance(queued, StoreLease)
             assert isinstance(await two.acquire([queued_slot("a", 1)]), SlotRefusal)
             running = await one.acquire([running_slot("a", 2), engine], releasing=queued)
-            assert isinstance(running, Lease) and queued.released
+            assert isinstance(running, StoreLease) and queued.released
             assert await two.held(["queued:a", "running:a", "engine:e1"]) == {
                 "queued:a": 0, "running:a": 1, "engine:e1": 1}
             other = await two.acquire([running_slot("b", None), engine])
-            assert isinstance(other, Lease)
+            assert isinstance(other, StoreLease)
             refused = await two.acquire([running_slot("c", None), engine])
             assert isinstance(refused, SlotRefusal) and refused.claim == engine and refused.held == 2
             await one.release(running)
             await one.release(running)  # idempotent
-            assert isinstance(await two.acquire([running_slot("c", None), engine]), Lease)
+            assert isinstance(await two.acquire([running_slot("c", None), engine]), StoreLease)
         finally:
             await one.close()
             await two.close()
@@ -162,7 +162,7 @@ def test_a_killed_holders_slots_come_back_within_the_lease(redis_server: RedisSe
                 holder.send_signal(signal.SIGKILL)
                 holder.wait(5)
                 killed = await redis_time(store)
-                while not isinstance(await store.acquire([SlotClaim("engine:e1", 2)]), Lease):
+                while not isinstance(await store.acquire([SlotClaim("engine:e1", 2)]), StoreLease):
                     await asyncio.sleep(0.02)
                 return await redis_time(store) - killed
             finally:
@@ -261,13 +261,13 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
         await store.start()
         try:
             held = await store.acquire([running_slot("a", 4)])
-            assert isinstance(held, Lease) and held.store is store.primary
+            assert isinstance(held, StoreLease) and held.store is store.primary
             admitted = await store.admit("b", [spec], 100, queued_slot("b", 4), "l")
             assert isinstance(admitted, Admission)
             redis_server.kill()
             # Admitted through Redis, dispatched and settled while it is down: no error.
             running = await store.dispatch([running_slot("b", 4)], admitted.queued, "l", 100)
-            assert isinstance(running, Lease) and running.store is store.fallback
+            assert isinstance(running, StoreLease) and running.store is store.fallback
             await store.finish(running, admitted.reservation, 10)
             assert store.lost_settlements == 1
             # Fallback: 1000 / 2 per replica, 4 / 2 slots.
@@ -277,7 +277,7 @@ def test_open_falls_back_to_divided_limits_and_recovers(redis_server: RedisServe
             refusal = await store.reserve("a", [spec], 200)
             assert isinstance(refusal, BudgetRefusal) and refusal.budget.tokens == 500
             slots = [await store.acquire([running_slot("a", 4)]) for _ in range(3)]
-            assert [isinstance(s, Lease) for s in slots] == [True, True, False]
+            assert [isinstance(s, StoreLease) for s in slots] == [True, True, False]
             assert store.fallbacks["reserve"] == 2 and store.fallbacks["acquire"] == 3
             assert store.fallbacks["dispatch"] == 1
             scraped = _scrape(store)
@@ -328,7 +328,7 @@ def test_shared_counters_and_lift(redis_server: RedisServer) -> None:
             assert await two.lift("batch", "b") == 42.5
             assert await two.lift("batch", "c") == 42.5  # b never took a queued place
             waiting = await one.acquire([queued_slot("c", None)])
-            assert isinstance(waiting, Lease)
+            assert isinstance(waiting, StoreLease)
             await two.lift("batch", "c")
             assert await two.counters("batch", ["c"]) == {"c": 42.5}
             # c is backlogged with counter 42.5: d is lifted to 42.5; a counter above the
@@ -416,13 +416,13 @@ def test_stage_calls_admit_dispatch_finish(redis_server: RedisServer, kind: str)
             assert poor.remaining == pytest.approx(700, abs=0.01)  # nothing taken by refusals
             engine = SlotClaim("engine:e1", 1)
             blocker = await store.acquire([engine])
-            assert isinstance(blocker, Lease)
+            assert isinstance(blocker, StoreLease)
             busy = await store.dispatch([running_slot("a", 2), engine], admitted.queued, "batch", 300)
             assert isinstance(busy, SlotRefusal) and busy.claim == engine
             await store.release(blocker)
             running = await store.dispatch([running_slot("a", 2), engine], admitted.queued,
                                            "batch", 300)
-            assert isinstance(running, Lease) and admitted.queued.released
+            assert isinstance(running, StoreLease) and admitted.queued.released
             assert await store.held(["queued:a", "running:a", "engine:e1"]) == {
                 "queued:a": 0, "running:a": 1, "engine:e1": 1}
             assert (await store.lane_costs(["batch"], 30.0))["batch"] == 300.0
@@ -460,7 +460,7 @@ def test_renewal_restores_lost_leases_but_never_released_ones(redis_server: Redi
         try:
             kept = await store.acquire([SlotClaim("engine:e1", 4)])
             gone = await store.acquire([SlotClaim("engine:e1", 4)])
-            assert isinstance(kept, Lease) and isinstance(gone, Lease)
+            assert isinstance(kept, StoreLease) and isinstance(gone, StoreLease)
             # A renewal already on its way when `gone` is released arrives after the release:
             late = [store._k("r", gone.id), store._k("s", "engine:e1")]
             await store.release(gone)
@@ -530,7 +530,7 @@ def test_a_burst_beyond_the_connection_pool_waits_instead_of_failing(
         try:
             results = await asyncio.gather(*(store.acquire([SlotClaim(f"burst:{i}", 1)])
                                              for i in range(300)))
-            assert all(isinstance(r, Lease) for r in results)
+            assert all(isinstance(r, StoreLease) for r in results)
             assert store.healthy and store.failures == 0
         finally:
             await store.close()

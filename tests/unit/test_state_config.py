@@ -8,10 +8,10 @@ import pytest
 
 from tokenpace.fairness import BudgetRefusal, BudgetSpec
 from tokenpace.gateway.state import (
-    Lease,
     LocalStore,
     SlotRefusal,
     StateConfigError,
+    StoreLease,
     check_workers,
     parse_state,
     queued_slot,
@@ -96,7 +96,7 @@ def test_fallback_divides_every_limit() -> None:
         refusal = await store.reserve("a", [spec], 1)
         assert isinstance(refusal, BudgetRefusal) and refusal.budget.tokens == 50
         leases = [await store.acquire([running_slot("a", 5)]) for _ in range(3)]
-        assert [isinstance(x, Lease) for x in leases] == [True, True, False]
+        assert [isinstance(x, StoreLease) for x in leases] == [True, True, False]
         assert isinstance(leases[2], SlotRefusal) and leases[2].held == 2
 
     asyncio.run(run())
@@ -111,7 +111,7 @@ def test_local_lift_forfeits_idle_credit() -> None:
         assert await store.lift("l", "b") == 100.0
         store.charge("l", "b", 50.0)
         lease = await store.acquire([queued_slot("b", None)])
-        assert isinstance(lease, Lease)
+        assert isinstance(lease, StoreLease)
         # b is backlogged at 150: c is lifted to 150, the smallest backlogged counter.
         assert await store.lift("l", "c") == 150.0
         await store.release(lease)

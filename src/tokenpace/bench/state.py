@@ -37,9 +37,9 @@ from typing import Any
 from ..fairness import BudgetSpec
 from ..gateway.state import (
     Admission,
-    Lease,
     LocalStore,
     StateStore,
+    StoreLease,
     engine_slot,
     queued_slot,
     running_slot,
@@ -61,7 +61,7 @@ async def _one(store: StateStore, tenant: str) -> None:
     running = await store.dispatch(
         [running_slot(tenant, 10_000), engine_slot("http://e1", 10_000)], admitted.queued,
         "default", 300.0)
-    assert isinstance(running, Lease)
+    assert isinstance(running, StoreLease)
     store.charge("default", tenant, 200.0)
     await store.finish(running, admitted.reservation, 250.0)
 

@@ -62,7 +62,7 @@ from .. import metrics
 from ..config import GatewayConfig
 from ..state import (
     Admission,
-    Lease as StoreLease,
+    StoreLease,
     Reservation,
     SlotClaim,
     SlotRefusal,

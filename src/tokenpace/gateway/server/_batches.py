@@ -44,7 +44,7 @@ from ..batch import (
 )
 from ..exchange import Runtime
 from ..ledger import LedgerError
-from ..state import Lease, SlotClaim, StateUnavailable
+from ..state import SlotClaim, StateUnavailable, StoreLease
 from ..tenants import TenantState
 from ..wire import GatewayError, clip, error_body, error_response
 from ._proxy import BatchLine, handle
@@ -274,11 +274,11 @@ class BatchService:
             got = await store.acquire([SlotClaim(f"batch:{batch_id}", 1)])
         except StateUnavailable:
             return None
-        return got if isinstance(got, Lease) else None
+        return got if isinstance(got, StoreLease) else None
 
     async def unclaim(self, claim: object) -> None:
         store = self.rt.store
-        if store is not None and isinstance(claim, Lease):
+        if store is not None and isinstance(claim, StoreLease):
             with contextlib.suppress(StateUnavailable):
                 await store.release(claim)
 

@@ -61,7 +61,7 @@ class Admission:
     tenant, and the tenant's virtual counter after the lift."""
 
     reservation: Reservation
-    queued: Lease
+    queued: StoreLease
     counter: float
 
 
@@ -84,9 +84,10 @@ its own window)."""
 
 
 @dataclass(eq=False)
-class Lease:
-    """Slots held together until :meth:`StateStore.release`; the store renews them while
-    held so that only a crashed holder's slots expire."""
+class StoreLease:
+    """Slots held together in a store until :meth:`StateStore.release`; the store renews
+    them while held so that only a crashed holder's slots expire. (A request's own handle
+    on its engine slot is ``dispatch.Lease``; with a shared store it holds one of these.)"""
 
     keys: tuple[str, ...]
     store: StateStore = field(repr=False)
@@ -122,12 +123,12 @@ class StateStore(ABC):
 
     @abstractmethod
     async def acquire(self, claims: Sequence[SlotClaim],
-                      releasing: Lease | None = None) -> Lease | SlotRefusal:
+                      releasing: StoreLease | None = None) -> StoreLease | SlotRefusal:
         """Take one slot of every claim, all or none; on success also give ``releasing``
         back in the same step (a queued place traded for running slots)."""
 
     @abstractmethod
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: StoreLease) -> None:
         """Give a lease's slots back at once (idempotent)."""
 
     @abstractmethod
@@ -207,16 +208,16 @@ class StateStore(ABC):
             return place
         return Admission(reservation, place, counter)
 
-    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
-                       cost: float) -> Lease | SlotRefusal:
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: StoreLease, lane: str,
+                       cost: float) -> StoreLease | SlotRefusal:
         """Dispatch: trade the queued place for running slots (all ``claims`` or none) and
         count ``cost`` in the lane's dispatched share."""
         lease = await self.acquire(claims, releasing=queued)
-        if isinstance(lease, Lease):
+        if isinstance(lease, StoreLease):
             await self.record_dispatch(lane, cost)
         return lease
 
-    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+    async def finish(self, lease: StoreLease | None, reservation: Reservation | None,
                      actual: float) -> None:
         """Settlement: give the slots back and settle the reservation to ``actual``."""
         if lease is not None:

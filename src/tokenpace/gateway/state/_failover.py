@@ -25,12 +25,12 @@ from ...fairness import BudgetRefusal, BudgetSpec
 from ._base import (
     Admission,
     FairnessView,
-    Lease,
     Reservation,
     SlotClaim,
     SlotRefusal,
     StateStore,
     StateUnavailable,
+    StoreLease,
 )
 from ._local import LocalStore
 from ._redis import RedisStore
@@ -95,15 +95,15 @@ class FailoverStore(StateStore):
     # -- slots -----------------------------------------------------------------------
 
     async def acquire(self, claims: Sequence[SlotClaim],
-                      releasing: Lease | None = None) -> Lease | SlotRefusal:
-        async def local() -> Lease | SlotRefusal:
+                      releasing: StoreLease | None = None) -> StoreLease | SlotRefusal:
+        async def local() -> StoreLease | SlotRefusal:
             lease = await self.fallback.acquire(claims)
-            if isinstance(lease, Lease) and releasing is not None:
+            if isinstance(lease, StoreLease) and releasing is not None:
                 await self.release(releasing)
             return lease
         return await self._decide("acquire", lambda: self.primary.acquire(claims, releasing), local)
 
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: StoreLease) -> None:
         try:
             await lease.store.release(lease)
         except StateUnavailable:
@@ -165,18 +165,18 @@ class FailoverStore(StateStore):
             "admit", lambda: self.primary.admit(tenant, budgets, cost, queued, lane),
             lambda: self.fallback.admit(tenant, budgets, cost, queued, lane))
 
-    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
-                       cost: float) -> Lease | SlotRefusal:
-        async def local() -> Lease | SlotRefusal:
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: StoreLease, lane: str,
+                       cost: float) -> StoreLease | SlotRefusal:
+        async def local() -> StoreLease | SlotRefusal:
             lease = await self.fallback.acquire(claims)
-            if isinstance(lease, Lease):
+            if isinstance(lease, StoreLease):
                 await self.release(queued)
                 await self.fallback.record_dispatch(lane, cost)
             return lease
         return await self._decide("dispatch",
                                   lambda: self.primary.dispatch(claims, queued, lane, cost), local)
 
-    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+    async def finish(self, lease: StoreLease | None, reservation: Reservation | None,
                      actual: float) -> None:
         stores = {x.store for x in (lease, reservation) if x is not None}
         if len(stores) != 1:

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ...fairness import BudgetRefusal, BudgetSpec, TenantBudgets, TokenBucket
-from ._base import LANE_KEEP_S, Lease, Reservation, SlotClaim, SlotRefusal, StateStore
+from ._base import LANE_KEEP_S, Reservation, SlotClaim, SlotRefusal, StateStore, StoreLease
 
 
 class LocalStore(StateStore):
@@ -83,20 +83,20 @@ class LocalStore(StateStore):
     # -- slots -----------------------------------------------------------------------
 
     async def acquire(self, claims: Sequence[SlotClaim],
-                      releasing: Lease | None = None) -> Lease | SlotRefusal:
+                      releasing: StoreLease | None = None) -> StoreLease | SlotRefusal:
         for claim in claims:
             limit = self.scaled_limit(claim.limit) if self.divisor > 1 else claim.limit
             held = len(self._slots.get(claim.key, ()))
             if limit is not None and held >= limit:
                 return SlotRefusal(claim, held)
-        lease = Lease(tuple(c.key for c in claims), self)
+        lease = StoreLease(tuple(c.key for c in claims), self)
         for key in lease.keys:
             self._slots.setdefault(key, set()).add(lease.id)
         if releasing is not None:
             await releasing.store.release(releasing)
         return lease
 
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: StoreLease) -> None:
         if lease.released:
             return
         lease.released = True

@@ -32,12 +32,12 @@ from ._base import (
     LANE_KEEP_S,
     Admission,
     FairnessView,
-    Lease,
     Reservation,
     SlotClaim,
     SlotRefusal,
     StateStore,
     StateUnavailable,
+    StoreLease,
 )
 
 logger = logging.getLogger("tokenpace.gateway.state")
@@ -109,7 +109,7 @@ class RedisStore(StateStore):
         self._probing = False
         self.failures = 0
         self.lost_leases = 0
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, StoreLease] = {}
         self._charges: dict[tuple[str, str], float] = {}
         self._dispatches: dict[str, float] = {}  # lane share key -> cost not yet sent
         self._homes: dict[str, tuple[str, int]] = {}  # conversation -> (url, ttl) not yet sent
@@ -195,8 +195,8 @@ class RedisStore(StateStore):
     # -- slots -----------------------------------------------------------------------
 
     async def acquire(self, claims: Sequence[SlotClaim],
-                      releasing: Lease | None = None) -> Lease | SlotRefusal:
-        lease = Lease(tuple(c.key for c in claims), self)
+                      releasing: StoreLease | None = None) -> StoreLease | SlotRefusal:
+        lease = StoreLease(tuple(c.key for c in claims), self)
         keys = [self._k("s", c.key) for c in claims]
         args: list[Any] = [lease.id, self.lease_ms, len(claims),
                            *(-1 if c.limit is None else c.limit for c in claims)]
@@ -220,7 +220,7 @@ class RedisStore(StateStore):
                 await releasing.store.release(releasing)
         return lease
 
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: StoreLease) -> None:
         if lease.released:
             return
         lease.released = True
@@ -392,7 +392,7 @@ class RedisStore(StateStore):
     async def admit(self, tenant: str, budgets: Sequence[BudgetSpec], cost: float,
                     queued: SlotClaim, lane: str) -> Admission | BudgetRefusal | SlotRefusal:
         bkeys, bargs = self._budget_args(tenant, budgets)
-        place = Lease((queued.key,), self)
+        place = StoreLease((queued.key,), self)
         keys = [*bkeys, self._k("s", queued.key), *self._lift_keys(lane)]
         args = [len(budgets), repr(float(cost)), *bargs, place.id, self.lease_ms,
                 -1 if queued.limit is None else queued.limit, tenant, self._k("s", "queued:")]
@@ -404,11 +404,11 @@ class RedisStore(StateStore):
         self._leases[place.id] = place
         return Admission(Reservation(tenant, tuple(budgets), cost, self), place, float(out[1]))
 
-    async def dispatch(self, claims: Sequence[SlotClaim], queued: Lease, lane: str,
-                       cost: float, keep_s: float = LANE_KEEP_S) -> Lease | SlotRefusal:
+    async def dispatch(self, claims: Sequence[SlotClaim], queued: StoreLease, lane: str,
+                       cost: float, keep_s: float = LANE_KEEP_S) -> StoreLease | SlotRefusal:
         if queued.store is not self:
             return await super().dispatch(claims, queued, lane, cost)
-        lease = Lease(tuple(c.key for c in claims), self)
+        lease = StoreLease(tuple(c.key for c in claims), self)
         keys = [*(self._k("s", c.key) for c in claims), self._k("s", queued.keys[0]),
                 self._k("d", lane), self._k("r", queued.id)]
         args = [lease.id, self.lease_ms, len(claims),
@@ -422,7 +422,7 @@ class RedisStore(StateStore):
         self._leases[lease.id] = lease
         return lease
 
-    async def finish(self, lease: Lease | None, reservation: Reservation | None,
+    async def finish(self, lease: StoreLease | None, reservation: Reservation | None,
                      actual: float) -> None:
         if (lease is not None and lease.store is not self) or \
                 (reservation is not None and reservation.store is not self):
