@@ -9,14 +9,12 @@ small fixed sets in the code. A tenant's series exist while it is active: they a
 its first request and go once it has been idle for ``metrics_idle_after`` (``tenants._series``), or
 when a reload removes it; so a scrape's size follows the traffic, not the configuration.
 
-A render builds the page on the event loop in slices (``render``): the text of thousands
-of series takes tens of milliseconds to build and format, which requests in flight must not
-wait out. The server renders at most once per ``metrics_cache`` and serves scrapes from
-that page (``server._scrape``). A worker thread did not help: it held the GIL for its whole switch interval each
-time the loop needed it, and a request (dozens of loop wake-ups) waited that out each time
-(100+ ms at 1,000 active tenants, issue 42).
-Every name here is documented once, in docs/gateway/metrics.md; the dashboard and alert rules in
-deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
+A render builds the page on the event loop in slices (``render_chunks``): a request in
+flight waits about one slice per step it takes on the loop, never the whole page, which at
+thousands of active tenants takes many slices to build and format. The server renders at
+most once per ``metrics_cache`` and serves scrapes from that page (``server._scrape``).
+Every name here is documented once, in docs/gateway/metrics.md; the dashboard and alert
+rules in deploy/ read them by name, and tests/monitoring fails when a name they use is gone.
 """
 
 from ._children import _CHILDREN, child, forget_tenant, has_series, publish_output_rate

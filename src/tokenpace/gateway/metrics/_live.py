@@ -11,14 +11,13 @@ from prometheus_client.registry import Collector
 class LiveGauge(Collector):
     """A gauge whose samples are read from live state when Prometheus scrapes.
 
-    A gauge set on change shows the value of the last change: a token budget refills
-    continuously, so a pushed level was stale between requests, and series of a tenant a
-    reload removed came back with the next push. Read at scrape time, the value is the
-    bucket's level now and only active configured tenants appear.
+    A sample is the value now (a token budget refills continuously: a level pushed on
+    change would be stale between requests), and only what the source yields appears (the
+    active configured tenants: a tenant a reload removed has no series).
 
     Not in ``REGISTRY``: its source reads the gateway's live state, which only the event
-    loop may touch, so a scrape reads it there (``family``) and renders the page in a
-    worker thread (``render``).
+    loop may touch, so a scrape reads it there (``family``, or ``render_chunks`` a few
+    samples at a time).
     """
 
     def __init__(self, name: str, documentation: str, labels: list[str]) -> None:

@@ -43,9 +43,9 @@ def exposition() -> bytes:
 
 
 SLICE_SAMPLES = 100
-"""Samples built and formatted between two turns of the event loop during a scrape: 0.65 ms
-of this machine's CPU (median; 3.3 ms at 500), and a request waits about one slice per step
-it takes on the loop while a scrape runs (docs/benchmarks/tenants.md)."""
+"""Samples built and formatted between two turns of the event loop during a scrape: a
+request waits about one slice per step it takes on the loop while a scrape runs (a slice's
+time is measured in docs/benchmarks/tenants.md)."""
 
 
 LIVE_BATCH = 64
@@ -117,7 +117,7 @@ async def render() -> bytes:
 async def render_chunks() -> AsyncIterator[bytes]:
     """The page for a scrape, built and formatted on the event loop in slices of
     ``SLICE_SAMPLES`` samples with a turn for the loop's other work between two, so a
-    request in flight waits about one slice per step it takes (0.65 ms here), not the page;
+    request in flight waits about one slice per step it takes, not the page;
     given out in pieces of at least ``CHUNK_BYTES`` as they are ready (a page of tens of
     megabytes at 10,000 active tenants is never held whole, nor copied in one go).
 

@@ -140,10 +140,9 @@ async def serve(config: GatewayConfig, host: str, port: int, log_level: str,
     # Worker threads share the GIL with the event loop: a reload reads its file in one, the
     # ledger writes in one. Each time the loop wakes up (a socket is ready) while one of them
     # runs, it waits up to this interval for the GIL; a request wakes it several times.
-    # Python's default, 5 ms, added 30-50 ms to a request sent during a 0.5 MB scrape
-    # formatted in a thread (issue 28; scrapes are now sliced on the loop, issue 42); 1 ms
-    # hands the GIL back five times sooner, at the cost of more switches only while two
-    # threads want it.
+    # 1 ms hands the GIL back five times sooner than Python's default 5 ms, at the cost of
+    # more switches only while two threads want it (docs/benchmarks/tenants.md measures
+    # what the default added to a request).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gateway = Gateway(config)
     gateway.workers = workers
