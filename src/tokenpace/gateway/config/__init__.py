@@ -3,6 +3,11 @@
 ``load_config`` / ``parse_config`` give a ``GatewayConfig`` (engines, models, lanes,
 tenants and their applications, state, ledger) or a ``ConfigError`` naming the key path.
 Nothing here runs a request: every stage reads these values, and a reload swaps them.
+
+Inside: the file read (``_read``, with ``_gc``), the top level checked (``_parse``) with
+one module per section (``_engines`` and ``_router_headers``, ``_models``, ``_tenants``,
+``_batch``) over the checks of one value (``_fields``), into the values (``_values``,
+``_gateway``).
 """
 
 from ._engines import keep_engine_keys

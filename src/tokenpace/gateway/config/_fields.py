@@ -1,8 +1,8 @@
 """Checks of one value of a configuration entry, each raising ``ConfigError`` with the
 key path of what it read (``tenants[1].budgets[0].per``).
 
-Every helper takes the mapping the value sits in, its key and the path of that mapping
-(``where``), so a message always names the full path; none keeps state.
+Each helper is told where the value sits (the path of its mapping and its key, or the
+value's own path), so a message always names the full path; none keeps state.
 """
 
 from __future__ import annotations
