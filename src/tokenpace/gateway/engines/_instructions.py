@@ -25,7 +25,7 @@ from ...engine import (
     USER_EXTRA_ARG,
 )
 from ..config import ApplicationConfig, TenantConfig
-from ..wire import ParsedRequest, dumps
+from ..wire import ParsedRequest, encode_body
 
 
 class EngineInstructions(NamedTuple):
@@ -151,9 +151,9 @@ def engine_body(req: ParsedRequest, instructions: EngineInstructions) -> bytes:
         body["store"] = False
         if instructions.request_id is not None:
             body["request_id"] = f"resp_{instructions.request_id}"
-        return dumps(body).encode()
+        return encode_body(body)
     if req.stream and req.kind != "messages":
         # Usage in every chunk: the gateway then knows how many tokens were generated at
         # any moment, also when the client or the engine goes away mid-stream.
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return dumps(body).encode()
+    return encode_body(body)
