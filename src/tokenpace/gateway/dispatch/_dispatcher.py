@@ -203,7 +203,7 @@ class Dispatcher:
             self._configure_queue(pool.queue, config)
         self.fleet.configure(config)
 
-    # -- what the fleet tells (``fleet.Dispatch``) ----------------------------------------
+    # -- what the fleet tells it (``fleet.Dispatch`` states each call's contract) ----------
 
     def join(self, engine: EngineSlots, models: Iterable[str]) -> None:
         for model in models:

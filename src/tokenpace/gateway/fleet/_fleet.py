@@ -43,8 +43,8 @@ class Fleet:
     """The engine list and every engine's standing, for one dispatcher.
 
     ``engines`` is replaced as a whole by ``set_engines`` (readers may hold the old list).
-    The setters are idempotent; each costs a few stores and, when the standing changed,
-    a ``Dispatch`` call.
+    Setting a standing an engine already has changes nothing; a change costs a few stores
+    and a ``Dispatch`` call.
     """
 
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
