@@ -158,6 +158,7 @@ def _redis_for_bench() -> bool:
     return False
 
 
+@pytest.mark.redis
 def test_bench_gateway_quick(benches: dict[str, object]) -> None:
     result, out = _bench(benches, "gateway")  # --quick --control byte-proxy [--state redis]
     with_redis = _redis_for_bench()
@@ -302,6 +303,7 @@ def test_bench_fleet_quick(benches: dict[str, object]) -> None:
     assert [len(p) for p in paced["uneven"]["rounds"][0]["placement"]] in ([8, 4], [4, 8])
 
 
+@pytest.mark.postgres
 def test_bench_metering_quick(benches: dict[str, object]) -> None:
     """Through a gateway SIGKILL, a Postgres outage, clients leaving mid-stream and two
     bad model names, the ledger holds exactly what the engines counted (their books of

@@ -26,7 +26,7 @@ from tests.e2e._engine_log import all_dispatches, engine_requests, paced_rate, \
     wait_for_engine_requests
 from tests.e2e._timing import expect
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.nginx]
 
 KEYS = {"team-a": "sk-team-a-key", "team-b": "sk-team-b-key"}  # as in the shipped file
 RATES = {"team-a": 20, "team-b": 40}

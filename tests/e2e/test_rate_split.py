@@ -153,6 +153,7 @@ def test_a_paced_tenant_over_two_engines_stays_within_one_rate_and_gets_it_back(
     _check(engines, [gateway, gateway], "rate_split")
 
 
+@pytest.mark.redis
 def test_the_split_holds_across_two_gateway_replicas(
         engines: list[tuple[Server, Path]], replicas: list[GatewayProcess]) -> None:
     """The long streams through one replica, the spilled short ones through the other:

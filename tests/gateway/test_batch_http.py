@@ -362,6 +362,7 @@ def test_a_gateway_killed_mid_batch_resumes_it(held_engine: EngineServer,
         gw.stop()
 
 
+@pytest.mark.redis
 def test_two_replicas_on_redis_run_a_batch_once_and_take_it_over(
         held_engine: EngineServer, tmp_path: Path) -> None:
     """Replicas sharing Redis (state) and one batch store: the replica holding a batch's

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from tests._postgres import PostgresServer, require_postgres
@@ -27,6 +28,8 @@ URL_PASSWORD = "url-Pa55word-engine"
 SECRETS = (PG_PASSWORD, REDIS_PASSWORD, ENGINE_KEY, URL_PASSWORD)
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
 def test_a_gateway_logs_no_password_or_key(engine: EngineServer, tmp_path: Path) -> None:
     require_postgres()
     require_redis_client()

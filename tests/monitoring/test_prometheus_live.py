@@ -38,7 +38,7 @@ from tests.monitoring._deploy import (
     variable_queries,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 KEY_A, KEY_B = "sk-mon-a", "sk-mon-b"
 EXPECTED_EMPTY: dict[str, str] = {}

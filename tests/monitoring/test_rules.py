@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from tests.monitoring._deploy import PROMETHEUS_CONFIG, RULE_TESTS, RULES, prometheus_binary, rules
 
 
@@ -15,11 +17,13 @@ def promtool(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.prometheus
 def test_config_and_rules_are_valid() -> None:
     promtool("check", "config", str(PROMETHEUS_CONFIG))  # also checks the rule files it names
     promtool("check", "rules", str(RULES))
 
 
+@pytest.mark.prometheus
 def test_every_alert_passes_its_unit_tests() -> None:
     promtool("test", "rules", str(RULE_TESTS))
 

@@ -18,6 +18,8 @@ from tokenpace.gateway.batch import BatchRecord, BatchRunner, BatchStore, Line
 
 FIXTURES = (fast_runner,)  # autouse here too: imported so pytest finds it in this module
 
+pytestmark = pytest.mark.postgres
+
 
 def test_an_outage_while_results_wait_runs_no_line_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,18 +27,12 @@ from tokenpace.gateway.batch import (
     result_line,
 )
 
-# The ledger's Postgres fixtures: a module-scoped server (skipped without the binaries,
-# failed in CI) and a fresh database per test. Imported so pytest finds them here.
-from .test_ledger_postgres import pg_url, postgres_server
-
-POSTGRES_FIXTURES = (pg_url, postgres_server)  # used by name (getfixturevalue), not here
-
 NOW = 1_795_000_000
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty batch store database of each kind."""
+    """A fresh, empty batch store database of each kind (Postgres: conftest's ``pg_url``)."""
     if request.param == "sqlite":
         return "sqlite:///" + str(tmp_path / "usage.batches.db")
     return str(request.getfixturevalue("pg_url"))

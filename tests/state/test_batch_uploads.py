@@ -27,11 +27,6 @@ from tokenpace.gateway.config import BatchConfig
 from tokenpace.gateway.server._upload import UploadGate
 from tokenpace.gateway.wire import GatewayError
 
-# The ledger's Postgres fixtures, used by name (getfixturevalue).
-from .test_ledger_postgres import pg_url, postgres_server
-
-POSTGRES_FIXTURES = (pg_url, postgres_server)
-
 
 def test_the_counter_agrees_with_count_lines_for_any_split() -> None:
     rng = random.Random(53)
@@ -87,7 +82,7 @@ def test_the_gate_bounds_uploads_per_tenant_in_all_and_in_memory() -> None:
         again.take(100)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return "sqlite:///" + str(tmp_path / "usage.batches.db")

@@ -7,11 +7,9 @@ psycopg skips the module with the reason, except in CI (``CI=true``), where it f
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +18,7 @@ from tokenpace.gateway.ledger import LedgerError, open_ledger
 from tokenpace.gateway.ledger._postgres import PostgresBackend, _session_options
 from tokenpace.gateway.ledger._schema import record_row
 
-from tests._postgres import PostgresServer, free_port, psycopg
+from tests._postgres import free_port, psycopg
 
 from tests.unit.test_ledger import (
     OLD_REQUESTS_TABLE,
@@ -40,29 +38,6 @@ from tests.unit.test_ledger import (
     check_usage_totals,
     record,
 )
-
-@pytest.fixture(scope="module")
-def postgres_server() -> Iterator[str]:
-    """Start a Postgres server for this module; yields the admin URL."""
-    server = PostgresServer()
-    try:
-        yield server.start().url
-    finally:
-        server.remove()
-
-
-_db_numbers = itertools.count()
-
-
-@pytest.fixture
-def pg_url(postgres_server: str) -> Iterator[str]:
-    """A fresh database per test, so every test starts from an empty ledger."""
-    name = f"ledger_{os.getpid()}_{next(_db_numbers)}"
-    with psycopg.connect(postgres_server, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    yield postgres_server.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(postgres_server, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_round_trip_keeps_every_field(pg_url: str) -> None:

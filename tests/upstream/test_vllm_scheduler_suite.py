@@ -48,6 +48,7 @@ def test_allowlist_parses() -> None:
     assert all("::" in nodeid and nodeid.startswith("tests/v1/core/") for nodeid in entries)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_vllm_scheduler_suite_passes_paced(tmp_path: Path, capsys) -> None:
     pytest.importorskip("vllm")
