@@ -31,7 +31,7 @@ PROM_DATA ?= .prometheus-data
 DOCS_ADDR ?= 127.0.0.1:8008
 DOCS_SITE := .docs-site
 
-.PHONY: install install-vllm033 model serve test test-sched-vllm033 test-upstream services monitor docs docs-build
+.PHONY: install install-vllm033 model serve test test-fast test-sched-vllm033 test-upstream services monitor docs docs-build
 
 install: $(STAMP)
 
@@ -68,6 +68,11 @@ test:
 	$(MAKE) docs-build
 	$(MAKE) test-sched-vllm033
 	$(PY) -m pytest
+
+# A contributor's quick run: tests/unit and tests/sched, which start no server and no engine
+# (tests/README.md: under 3 minutes on 2 cores). The servers' and engines' tests run in `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit tests/sched -p no:cacheprovider
 
 # tests/upstream (vLLM's own tests/v1/core, stock vs paced; sdist cached in .upstream-cache/)
 # is part of the main run above for 0.32 and runs here for 0.33 (1-2 minutes each: the
