@@ -1,4 +1,4 @@
-"""``tokenpace serve``: ``vllm serve`` with the seed's pacing flags.
+"""``tokenpace serve``: ``vllm serve`` with per-user pacing flags.
 
 The flags below are turned into the ``tokenpace`` section of ``--additional-config`` and
 every other argument is passed to vLLM's OpenAI server unchanged, so operators keep all of

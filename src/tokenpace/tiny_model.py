@@ -14,8 +14,10 @@ corpus, so every byte string encodes and the result is identical on every machin
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -157,3 +159,24 @@ def write_tiny_model(target: str | Path, *, force: bool = False) -> bool:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return True
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """``tokenpace tiny-model DIR [--force]``."""
+    parser.description = (
+        "Write a tiny random-weight Llama model (byte-level BPE tokenizer, chat template) "
+        "into DIR. Does nothing if DIR already holds it; refuses a DIR that holds anything "
+        "else.")
+    parser.add_argument("dir", metavar="DIR")
+    parser.add_argument("--force", action="store_true", help="rewrite a previous tiny model")
+
+
+def main(args: argparse.Namespace) -> int:
+    """0 once DIR holds the tiny model; 2 with one error line when DIR is refused."""
+    try:
+        written = write_tiny_model(args.dir, force=args.force)
+    except TinyModelError as exc:
+        print(f"tokenpace tiny-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{'wrote' if written else 'up to date:'} tiny model in {args.dir}")
+    return 0

@@ -20,7 +20,7 @@ from tokenpace.bench.gateway import (
     REDIS_PATH,
     _Bursts,
     _Cpu,
-    _gateway_config,
+    gateway_config,
     figures,
 )
 from tokenpace.gateway import load_config
@@ -38,8 +38,8 @@ IN_PROCESS_KEYS = {
 
 def test_the_redis_gateway_is_the_same_gateway_with_state_in_redis(tmp_path: Path) -> None:
     plain, shared = tmp_path / "plain.yaml", tmp_path / "shared.yaml"
-    plain.write_text(_gateway_config("http://127.0.0.1:9", tmp_path / "a.db"))
-    shared.write_text(_gateway_config("http://127.0.0.1:9", tmp_path / "b.db",
+    plain.write_text(gateway_config("http://127.0.0.1:9", tmp_path / "a.db"))
+    shared.write_text(gateway_config("http://127.0.0.1:9", tmp_path / "b.db",
                                       "redis://127.0.0.1:6390/0"))
     a, b = load_config(plain), load_config(shared)
     assert not a.state.shared

@@ -16,6 +16,11 @@ import asyncio
 import json
 import re
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._process import Server
 
 _LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _MAX_TOKENS = re.compile(rb'"max_(?:completion_)?tokens":\s*(\d+)')
@@ -104,6 +109,14 @@ async def _serve(port: int) -> None:
     server = await loop.create_server(_Protocol, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
+
+
+def server(port: int, log: Path) -> Server:
+    """This upstream on ``port`` in its own process, its output in ``log`` (started, not
+    waited for: ``wait_ready`` or ``start_all`` waits until it answers)."""
+    from .._process import Server
+
+    return Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(port)], port, log)
 
 
 def main(argv: list[str]) -> int:

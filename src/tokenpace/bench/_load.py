@@ -129,9 +129,8 @@ async def stream_aiohttp(session: aiohttp.ClientSession, base_url: str, body: di
     ``stream_completion``.
 
     For load that must not be limited by its own client: aiohttp parses HTTP in C, httpx
-    (h11) in Python (the gateway's relay spent 65-176 us of CPU per chunk receiving with
-    httpx, issue 13). With 32 streams of 128 tokens sharing 2 cores with the servers, a
-    slow client's own backlog becomes part of the time to first token it measures.
+    (h11) in Python, at several times the CPU per chunk. On a host whose cores the servers
+    share, a slow client's own backlog becomes part of the time to first token it measures.
     """
     url = f"{base_url}/v1/completions"
     record = StreamRecord(user=user, start=time.monotonic())

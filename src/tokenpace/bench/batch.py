@@ -55,6 +55,7 @@ its steps with the batch's lines, its first token too.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -71,7 +72,9 @@ import aiohttp
 
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ..up import CPU_BIND_ENV
+from ._cli import add_common_args, bench_model, positive_float, positive_int, write_outputs
 from ._environment import environment
+from ._gateway_yaml import engine_entry, gateway_yaml, tenant_entry
 from ._load import StreamRecord, percentile, stream_aiohttp
 from ._paired import bootstrap_interval, pair_order, ratio_summary
 
@@ -88,20 +91,17 @@ WAIT_S = 180.0  # at most this long for a batch to start running, or to end canc
 
 
 def _gateway_config(engine_url: str, slots: int, headroom: int, ledger: Path) -> str:
-    import yaml
-
-    return yaml.safe_dump({
-        "engines": [{"url": engine_url, "models": ["tiny"], "max_inflight": slots,
-                     "max_num_seqs": slots, "scheduling_policy": "priority"}],
-        "lanes": [{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}],
-        "ledger": f"sqlite:///{ledger}",
-        "metrics_cache": 0,  # counters read after the run: never a cached page
-        "batch": {"lane": "batch", "headroom": headroom},
-        "tenants": [{"id": LIVE, "api_keys": [KEYS[LIVE]], "lane": "interactive",
-                     "queue_timeout": "10m"}]
-        + [{"id": t, "api_keys": [KEYS[t]], "lane": "batch", "weight": w,
-            "queue_timeout": "10m"} for t, w in WEIGHTS.items()],
-    })
+    return gateway_yaml(
+        [engine_entry(engine_url, slots, models=["tiny"], max_num_seqs=slots,
+                scheduling_policy="priority")],
+        [tenant_entry(LIVE, KEYS[LIVE], lane="interactive", queue_timeout="10m")]
+        + [tenant_entry(t, KEYS[t], lane="batch", weight=w, queue_timeout="10m")
+           for t, w in WEIGHTS.items()],
+        ledger,
+        lanes=[{"name": "interactive", "priority": 0}, {"name": "batch", "priority": 10}],
+        metrics_cache=0,  # counters read after the run: never a cached page
+        batch={"lane": "batch", "headroom": headroom},
+    )
 
 
 def _auth(tenant: str) -> dict[str, str]:
@@ -626,3 +626,47 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[3].legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "One engine on the tiny model (--max-num-seqs 16, priority scheduling) behind one "
+        "gateway (lanes interactive and batch, batch.headroom 1). In rounds, the order of the "
+        "phases changing: a live tenant's open-loop Poisson requests alone and while a large "
+        "batch runs (time to first token p50 and p99, requests/s; goals: p50 within 1.2x, "
+        "requests/s unchanged); a batch alone against the same requests sent straight to the "
+        "engine by 16 clients (output tokens/s; goal >= 0.8); two tenants' batches at once, "
+        "weights 2 and 1 (goal: shares 2/3 and 1/3). The engine runs on half of the cores, "
+        "the gateway and the load on the others (--layout).")
+    add_common_args(parser)
+    parser.add_argument("--duration", type=positive_float, default=20.0,
+                        help="seconds per phase and round (default 20)")
+    parser.add_argument("--warmup", type=positive_float, default=4.0,
+                        help="first seconds of a phase left uncounted (default 4)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="rounds, the order of the phases changing (default 3)")
+    parser.add_argument("--rate", type=positive_float, default=4.0,
+                        help="the live tenant's Poisson arrivals, requests/s (default 4)")
+    parser.add_argument("--tokens", type=positive_int, default=32,
+                        help="output tokens per request, live and batch line (default 32)")
+    parser.add_argument("--headroom", type=int, default=1,
+                        help="batch.headroom: of the engine's 16 slots, those batch lines never "
+                        "take (default 1)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="split",
+                        help="split: the engine on half of the cores, the gateway and the load "
+                        "on the others, as on separate machines (default); shared: vLLM's own "
+                        "binding, its processes beside the gateway's on the same cores (on 2 "
+                        "cores the busy engine then keeps the gateway waiting for a core)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        result = run(bench_model(args), duration=8.0, warmup=2.0, rounds=1, rate=args.rate,
+                     max_tokens=args.tokens, batch_lines=1500, headroom=args.headroom,
+                     layout=args.layout)
+    else:
+        if args.warmup >= args.duration:
+            raise SystemExit("tokenpace bench batch: error: --warmup must be below --duration")
+        result = run(bench_model(args), args.duration, args.warmup, args.rounds, args.rate,
+                     args.tokens, headroom=args.headroom, layout=args.layout)
+    return write_outputs(args, result, plot)

@@ -13,7 +13,7 @@ an earlier run helps a later one; the engines' prefix caches are also reset betw
 - ``direct``: each conversation sent straight to one engine (half the conversations each):
   what a prefix-aware router achieves, the ideal;
 - ``tenant``: through a gateway with ``locality: tenant`` (the tenant's engine while it is
-  at most ``pool_affinity`` ahead, else the least loaded: the choice before issue 41);
+  at most ``pool_affinity`` ahead, else the least loaded);
 - ``conversation``: through a gateway with ``locality: conversation`` (each conversation
   on the engine that served its last turn, else the one its opening hashes to, within the
   same load bound).
@@ -47,6 +47,7 @@ import aiohttp
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
 from ..up import CPU_BIND_ENV, cpu_binds
 from ._environment import environment
+from ._gateway_yaml import engine_entry, gateway_yaml, tenant_entry
 from ._load import sse_payloads
 from ._paired import pair_order, ratio_summary
 
@@ -149,22 +150,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _gateway_config(engines: list[str], locality: str, ledger: Path, slots: int) -> str:
-    import yaml
-
-    return yaml.safe_dump({
-        "engines": [{"url": url, "models": ["tiny"], "max_inflight": slots} for url in engines],
-        "locality": locality,
-        "ledger": f"sqlite:///{ledger}",
-        "metrics_cache": 0,  # counters read after the run: never a cached page
-        "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"}
-                    for t in ("solo", "t1", "t2")],
-    })
+    return gateway_yaml(
+        [engine_entry(url, slots, models=["tiny"]) for url in engines],
+        [tenant_entry(t, f"sk-{t}", queue_timeout="10m") for t in ("solo", "t1", "t2")],
+        ledger,
+        locality=locality,
+        metrics_cache=0,  # counters read after the run: never a cached page
+    )
 
 
 def choice_cost(opening_words: int, engines: int) -> float:
     """Microseconds of CPU per request for the conversation key of such an opening, the
     engine choice among ``engines`` for a conversation with a home, and remembering it (the
-    real functions, in process; a new conversation adds a BLAKE2b per engine, 0.5 us)."""
+    real functions, in process; a new conversation adds a BLAKE2b per engine)."""
     from ..gateway import parse_config
     from ..gateway.dispatch import Dispatcher
     from ..gateway.wire import conversation_key, parse_request

@@ -31,7 +31,7 @@ Measured in rounds, the order of the paths changing from round to round (``pair_
   ones spill to the second and end halfway, after which the long ones must get R on
   their own. Measured at the engines' event logs (every token's dispatch instant, on
   either engine): the tenant's rate over the time its streams want tokens against R
-  (goal within 3%), and the most tokens in any window of W seconds against the seed's
+  (goal within 3%), and the most tokens in any window of W seconds against the pacing
   bound for R, (W + 0.1) R plus ``SLACK_PER_ENGINE`` per engine.
 
 And, without any engine, what the engine choice costs per request on the real dispatcher:
@@ -44,6 +44,7 @@ ramp-up, when not everyone is backlogged yet); a round's time starts at its firs
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import os
@@ -65,7 +66,9 @@ from .._process import (
 )
 from ..engine import read_charges
 from ..up import CPU_BIND_ENV, cpu_binds
+from ._cli import add_common_args, bench_model, positive_float, positive_int, write_outputs
 from ._environment import environment
+from ._gateway_yaml import engine_entry, gateway_yaml, tenant_entry
 from ._load import StreamRecord, record_chunk, sse_payloads, stream_aiohttp
 from ._paired import pair_order, ratio_summary
 
@@ -97,18 +100,16 @@ def _tenant_names(urls: list[str]) -> tuple[list[str], list[str]]:
 def _gateway_config(engines: list[str], code_engine: str | None, routing: str,
                     max_inflight: int, tenants: list[str], ledger: Path,
                     paced_rate: float) -> str:
-    import yaml
-
-    return yaml.safe_dump({
-        "engines": [{"url": url, "max_inflight": max_inflight, "max_engine_waiting": None,
-                     "models": ["tiny"], "api_key": ENGINE_KEY} for url in engines]
-        + ([{"url": code_engine, "max_inflight": max_inflight, "models": ["tiny-code"],
-             "api_key": ENGINE_KEY}] if code_engine is not None else []),
-        "routing": routing,
-        "ledger": f"sqlite:///{ledger}",
-        "tenants": [{"id": t, "api_keys": [f"sk-{t}"], "queue_timeout": "10m"} for t in tenants]
-        + [{"id": PACED, "api_keys": [f"sk-{PACED}"], "output_tokens_per_second": paced_rate}],
-    })
+    return gateway_yaml(
+        [engine_entry(url, max_inflight, max_engine_waiting=None, models=["tiny"],
+                api_key=ENGINE_KEY) for url in engines]
+        + ([engine_entry(code_engine, max_inflight, models=["tiny-code"], api_key=ENGINE_KEY)]
+           if code_engine is not None else []),
+        [tenant_entry(t, f"sk-{t}", queue_timeout="10m") for t in tenants]
+        + [tenant_entry(PACED, f"sk-{PACED}", output_tokens_per_second=paced_rate)],
+        ledger,
+        routing=routing,
+    )
 
 
 Target = tuple[str, dict[str, str], dict[str, Any], str]
@@ -519,3 +520,60 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Three engines on the tiny model under two names (2 x tiny, 1 x tiny-code) and two "
+        "gateways (routing: pool and pinned): a lone tenant's throughput against the pool's "
+        "engines driven directly, the shares of two and three backlogged tenants, a paced "
+        "tenant whose rate is split over both engines (even and uneven streams, measured at "
+        "the engines' event logs), and the CPU cost of the engine choice per request.")
+    add_common_args(parser)
+    parser.add_argument("--duration", type=positive_float, default=20.0,
+                        help="seconds per round and path (default 20)")
+    parser.add_argument("--warmup", type=positive_float, default=4.0,
+                        help="first seconds of a round left uncounted (default 4)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="rounds, the order of the paths changing (default 3)")
+    parser.add_argument("--streams", type=positive_int, default=16,
+                        help="closed-loop streams per tenant (default 16)")
+    parser.add_argument("--max-inflight", type=positive_int, default=8,
+                        help="requests the gateway keeps on each engine (default 8)")
+    parser.add_argument("--tokens", type=positive_int, default=64,
+                        help="output tokens per request (default 64)")
+    parser.add_argument("--paced-rate", type=positive_float, default=80.0,
+                        help="the paced tenant's output_tokens_per_second (default 80)")
+    parser.add_argument("--paced-seconds", type=positive_float, default=10.0,
+                        help="about how long each paced scenario's streams run (default 10)")
+    parser.add_argument("--workload", choices=("streams", "conversations"), default="streams",
+                        help="streams: the measurements above (default); conversations: "
+                        "multi-turn conversations over 2 engines with prefix caching, each "
+                        "sent straight to one engine against the gateway's locality: tenant "
+                        "and locality: conversation (prefix-cache hit rate, TTFT, turns/s), "
+                        "two tenants' shares, the choice's cost per request")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``--workload conversations`` runs :mod:`.conversations` instead."""
+    if args.workload == "conversations":
+        from . import conversations
+
+        if args.quick:
+            result = conversations.run(bench_model(args), duration=12.0, warmup=2.0, rounds=1)
+        else:
+            if args.warmup >= args.duration:
+                raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
+            result = conversations.run(bench_model(args), args.duration, args.warmup,
+                                       args.rounds)
+        return write_outputs(args, result, conversations.plot)
+    if args.quick:
+        result = run(bench_model(args), duration=4.0, warmup=1.0, rounds=1,
+                     streams=args.streams, max_inflight=args.max_inflight,
+                     paced_rate=args.paced_rate, paced_s=2.0, code_engine=False)
+    else:
+        if args.warmup >= args.duration:
+            raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
+        result = run(bench_model(args), args.duration, args.warmup, args.rounds, args.streams,
+                     args.max_inflight, args.tokens, args.paced_rate, args.paced_seconds)
+    return write_outputs(args, result, plot)

@@ -48,6 +48,7 @@ slots; release them, after the response) and batched fair-queue charges.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import random
@@ -73,11 +74,13 @@ from .._process import (
     tokenpace_serve_argv,
 )
 from ..gateway.state import StateConfig
-from . import _control
+from . import _control, _fast_upstream as fast_upstream
+from ._cli import add_common_args, bench_model, positive_int, write_outputs
 from ._environment import environment
+from ._gateway_yaml import engine_entry, gateway_yaml, tenant_entry
 from ._load import StreamRecord, async_client, percentile, stream_aiohttp
 from ._paired import difference_summary, pair_order, paired_differences, ratio_summary, run_pairs
-from ._redis_server import RedisServer, Usage
+from ._redis_server import RedisServer, Usage, redis_server_binary
 from .overhead import median_interval
 
 KEY = "sk-bench"
@@ -90,7 +93,7 @@ digits), and different from it, so the engine hashes the same amount and neither
 reuses the other's cached prefix."""
 CPU_ROUNDS = 3
 CPU_MIN_REQUESTS = 60  # a CPU phase spans several 10 ms ticks of the process clock
-# (the quick run's 10 requests, ~13 ms of gateway CPU, could read 0: seen once in CI)
+# (fewer, such as the quick run's 10 requests, can read 0)
 REDIS_PATH = "gateway_redis"
 """The path of the gateway with ``state`` in Redis (``--state redis``)."""
 SETTLE_S = 0.05
@@ -105,7 +108,7 @@ _WORDS = ("river", "stone", "lamp", "orbit", "maple", "quartz", "harbor", "cedar
           "violet", "tundra", "signal", "meadow", "copper", "lantern", "glacier")
 
 
-def _gateway_config(engine_url: str, ledger: Path, state_url: str | None = None) -> str:
+def gateway_config(engine_url: str, ledger: Path, state_url: str | None = None) -> str:
     """The gateway under test; with ``state_url`` the same one keeping its state in Redis.
 
     The Redis gateway's tenant also holds ``SALT_KEY``, which no call uses: the tenant's
@@ -113,13 +116,10 @@ def _gateway_config(engine_url: str, ledger: Path, state_url: str | None = None)
     differently and neither finds the other's blocks in the engine's cache (the client
     and the identity the gateways write are the same).
     """
-    state = f'state: {{url: "{state_url}", timeout: {STATE_TIMEOUT}}}\n' if state_url else ""
-    keys = f'["{KEY}", "{SALT_KEY}"]' if state_url else f'["{KEY}"]'
-    return (
-        f'engines: [{{url: "{engine_url}", max_inflight: 256}}]\n'
-        f'ledger: "sqlite:///{ledger}"\n'
-        f'tenants: [{{id: {TENANT}, api_keys: {keys}}}]\n' + state
-    )
+    keys = (KEY, SALT_KEY) if state_url else (KEY,)
+    state = {"state": {"url": state_url, "timeout": STATE_TIMEOUT}} if state_url else {}
+    return gateway_yaml([engine_entry(engine_url, 256)], [tenant_entry(TENANT, *keys)], ledger,
+                        **state)
 
 
 def prompt_for(nonce: str, index: int, words: int = 24) -> str:
@@ -154,7 +154,7 @@ def body(path: str, prompt: str, tokens: int) -> dict[str, object]:
             "vllm_xargs": {"output_rate_user": TENANT}, **work(path)}
 
 
-def _session(connections: int) -> aiohttp.ClientSession:
+def client_session(connections: int) -> aiohttp.ClientSession:
     """The load generator's client: keep-alive connections for both paths (the gateway
     keeps its own to the engine), created once and warmed up before anything is timed."""
     return aiohttp.ClientSession(
@@ -169,7 +169,7 @@ def _session(connections: int) -> aiohttp.ClientSession:
 async def _sequential(urls: dict[str, str], pairs: int, tokens: int,
                       nonce: str) -> dict[str, list[StreamRecord]]:
     """Pairs of sequential streamed completions, one prompt per pair, after 4 warm-up pairs."""
-    async with _session(4) as session:
+    async with client_session(4) as session:
         def call(path: str, tag: str) -> Callable[[int], Awaitable[StreamRecord]]:
             async def one(i: int) -> StreamRecord:
                 return await stream_aiohttp(session, urls[path],
@@ -222,7 +222,7 @@ async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: Redi
     connections. Redis's counters are read (``INFO``, outside the timed span) around the
     Redis gateway's rounds only."""
     out = _Bursts.empty(list(urls), list(gateways))
-    async with _session(streams) as session:
+    async with client_session(streams) as session:
         for path in urls:
             await _burst(session, urls[path], path, streams, 8, f"{nonce}w")
         for i in range(rounds):
@@ -254,7 +254,7 @@ async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: Redi
     return out
 
 
-async def _plain(url: str, requests: int, concurrency: int, tokens: int = 1) -> float:
+async def plain_requests(url: str, requests: int, concurrency: int, tokens: int = 1) -> float:
     """``requests`` non-streamed completions, ``concurrency`` at a time; seconds taken."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": tokens, "ignore_eos": True}
@@ -346,7 +346,7 @@ def _phase(gateway: Server, requests: int, concurrency: int, redis: RedisServer 
     Redis are read ``settle_s`` after the last response (``SETTLE_S``)."""
     before = redis.usage() if redis is not None else None
     cpu0, t0 = gateway.cpu_seconds(), time.monotonic()
-    asyncio.run(_plain(gateway.base_url, requests, concurrency))
+    asyncio.run(plain_requests(gateway.base_url, requests, concurrency))
     wall = time.monotonic() - t0
     time.sleep(settle_s)
     cpu = gateway.cpu_seconds() - cpu0
@@ -366,7 +366,7 @@ def _cpu_rounds(arms: dict[str, _Arm], requests: int, redis: RedisServer | None,
             settle = SETTLE_S if name == REDIS_PATH else 0.0
             cpu, used, _ = _phase(arm.gateway, requests, 1, redis, settle)
             out.per_request[name].append(cpu / requests)
-            asyncio.run(_plain(arm.fast.base_url, 50, 16))  # warm-up
+            asyncio.run(plain_requests(arm.fast.base_url, 50, 16))  # warm-up
             n = fast_requests or 20 * requests
             cpu, used_fast, wall = _phase(arm.fast, n, 16, redis, settle)
             out.per_core[name].append(n / cpu)
@@ -416,8 +416,7 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
                                          "--allow-unauthenticated-trusted-gateway",
                                          PROMPT_TOKENS_DETAILS), engine_port,
                     home / "engine.log")
-    fast = Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(fast_port)],
-                  fast_port, home / "fast-upstream.log")
+    fast = fast_upstream.server(fast_port, home / "fast-upstream.log")
     servers = [engine, fast]
     arms: dict[str, _Arm] = {}
     states = {"gateway": None, **({REDIS_PATH: redis.url} if redis is not None else {})}
@@ -425,7 +424,7 @@ def _run(model: Path, home: Path, requests: int, tokens: int, streams: int, stre
         pair = []
         for upstream, name in ((engine.base_url, path), (fast.base_url, f"fast-{path}")):
             port, config = free_port(), home / f"{name}.yaml"
-            config.write_text(_gateway_config(upstream, home / f"{name}.db", state_url))
+            config.write_text(gateway_config(upstream, home / f"{name}.db", state_url))
             pair.append(Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
                                 str(config), "--port", str(port), "--log-level", "warning"],
                                port, home / f"{name}.log"))
@@ -629,3 +628,44 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.set_title(f"{result['parameters']['streams']} streams sent at once")
     right.legend()
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--requests", type=positive_int, default=200,
+                        help="pairs of sequential streamed requests (direct, gateway; default 200)")
+    parser.add_argument("--tokens", type=positive_int, default=16,
+                        help="tokens per sequential request (default 16)")
+    parser.add_argument("--streams", type=positive_int, default=32,
+                        help="concurrent streams in the throughput rounds (default 32)")
+    parser.add_argument("--stream-tokens", type=positive_int, default=128,
+                        help="tokens per concurrent stream (default 128)")
+    parser.add_argument("--rounds", type=positive_int, default=24,
+                        help="pairs of burst rounds (direct, gateway; default 24)")
+    parser.add_argument("--state", choices=("memory", "redis"), default="memory",
+                        help="redis: also measure the same gateway with its state in Redis, as "
+                        "a third path in the same pairs (starts a redis-server for the run "
+                        "unless --redis is given; default memory: the in-process gateway only)")
+    parser.add_argument("--redis", metavar="URL", default=None,
+                        help="an existing Redis for --state redis (implies it); its CPU is read "
+                        "with INFO, so it should serve nothing else meanwhile")
+    parser.add_argument("--control", choices=["byte-proxy"], default=None,
+                        help="add a control path to every pair: the engine behind a byte relay "
+                             "in its own process (what any second process on the path costs)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.redis is not None:
+        args.state = "redis"
+    if args.state == "redis":
+        # Before the engine starts (a minute on the CPU), not after.
+        if args.redis is None:
+            redis_server_binary("tokenpace bench gateway", "--state redis")
+        else:
+            RedisServer.given(args.redis, "tokenpace bench gateway").stop()
+    if args.quick:
+        args.requests, args.streams, args.stream_tokens, args.rounds = 10, 8, 32, 3
+    result = run(bench_model(args), args.requests, args.tokens, args.streams,
+                 args.stream_tokens, args.rounds, state=args.state, redis_url=args.redis,
+                 control=args.control, fast_requests=300 if args.quick else None)
+    return write_outputs(args, result, plot)

@@ -38,6 +38,7 @@ battery measures an older commit. The bench, the attacker and the engine stay th
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
@@ -56,6 +57,7 @@ import aiohttp
 import httpx
 
 from .._process import Server, free_port, tokenpace_serve_argv
+from ._cli import add_common_args, bench_model, check_gateway_src, positive_float, write_outputs
 from ._environment import environment
 from ._hostile_attacks import (
     ATTACKS,
@@ -77,7 +79,7 @@ SETTLE_LATENCY_S = 1.0
 SETTLE_TIMEOUT_S = 120.0
 GATEWAY_START_TIMEOUT_S = 120.0
 
-__all__ = ["ATTACKS", "plot", "run"]
+__all__ = ["ATTACKS", "add_cli_args", "main", "plot", "run"]
 
 
 @dataclass
@@ -477,3 +479,53 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.set_xticks(range(len(attacks)), names, fontsize=8)
     right.set_title("gateway RSS growth during the attack (MB)")
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "A gateway with the default limits (two tenants, one engine on the tiny model, a "
+        "SQLite ledger). A victim tenant sends short chat requests at a steady rate, alone, "
+        "then beside each attack in turn (a fresh gateway each): a parse bomb, batch uploads, "
+        "a tokenize flood, slow readers, huge model names, slowloris, a connection flood. Per "
+        "attack: the victim's p50/p99 latency against its own baseline, its errors, the "
+        "gateway's memory growth, the ledger's growth and the victim's rows, what the "
+        "attacker got. --quick: shorter phases and smaller attacks.")
+    add_common_args(parser)
+    parser.add_argument("--duration", type=positive_float, default=None,
+                        help="seconds of each attack, and of the baseline phase (default 15; "
+                        "--quick: 5)")
+    parser.add_argument("--baseline", type=positive_float, default=None,
+                        help="seconds of the victim alone before each attack (default 8; "
+                        "--quick: 4)")
+    parser.add_argument("--rate", type=positive_float, default=8.0,
+                        help="the victim's requests per second (default 8)")
+    parser.add_argument("--victim-timeout", type=positive_float, default=30.0,
+                        help="seconds each victim request may take (default 30)")
+    parser.add_argument("--attacks", type=lambda v: [a for a in v.split(",") if a],
+                        default=None, metavar="NAME[,NAME...]",
+                        help="the attacks to run (default all: parse_bomb, batch_uploads, "
+                        "tokenize_flood, slow_readers, huge_model_names, slowloris, "
+                        "connection_flood)")
+    parser.add_argument("--engine-url", default=None, metavar="URL",
+                        help="use this running engine (its first served model) instead of "
+                        "starting the tiny model")
+    parser.add_argument("--gateway-src", type=Path, default=None, metavar="DIR",
+                        help="run the gateway from this source tree (the src/ directory of "
+                        "another checkout; PYTHONPATH=DIR)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.duration is None:
+        args.duration = 5.0 if args.quick else 15.0
+    if args.baseline is None:
+        args.baseline = 4.0 if args.quick else 8.0
+    check_gateway_src(args.gateway_src, "tokenpace bench hostile")
+    attacks = args.attacks or list(ATTACKS)
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        raise SystemExit(f"tokenpace bench hostile: error: --attacks: unknown "
+                         f"{', '.join(unknown)}; known: {', '.join(ATTACKS)}")
+    result = run(None if args.engine_url else bench_model(args), attacks, args.duration,
+                 args.baseline, args.rate, args.victim_timeout, quick=args.quick,
+                 engine_url=args.engine_url, gateway_src=args.gateway_src)
+    return write_outputs(args, result, plot)

@@ -13,6 +13,7 @@ throttled load, which must not suffer from the naps.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
+from ._cli import add_common_args, bench_model, positive_float, write_outputs
 from ._environment import environment
 from ._load import async_client, run_streams, stream_completion
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
@@ -131,3 +132,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("server CPU (cores)")
     ax.legend(fontsize=8)
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--window", type=positive_float, default=10.0,
+                        help="measurement window in seconds (default 10)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        result = run(bench_model(args), 2.0, names=("idle_wait", "busy_loop"), warmup_tokens=2)
+    else:
+        result = run(bench_model(args), args.window)
+    return write_outputs(args, result, plot)

@@ -49,6 +49,7 @@ refuses (``OPTIONAL_KEYS``) are left out, and the result says which.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -70,6 +71,8 @@ import aiohttp
 from .._process import PROMPT_TOKENS_DETAILS, Server, free_port, start_all, tokenpace_serve_argv
 from ..engine import read_charges
 from ..up import CPU_BIND_ENV, cpu_binds
+from ._cli import add_common_args, bench_model, check_gateway_src, positive_float, positive_int
+from ._cli import write_outputs
 from ._environment import environment
 from ._load import sse_payloads
 from ._postgres_server import PostgresServer, PostgresUnavailable, psycopg
@@ -86,7 +89,7 @@ SETTLE_TIMEOUT_S = 120.0
 LOST_WINDOW_S = 10.0  # requests with no row are told by when they ended, in such windows
 RESTART_TIMEOUT_S = 300.0
 
-__all__ = ["PostgresUnavailable", "run"]
+__all__ = ["PostgresUnavailable", "add_cli_args", "main", "run"]
 _REQUEST_ID = re.compile(r"tpg-[0-9a-f]{32}")
 
 
@@ -663,3 +666,47 @@ def _print(result: dict[str, Any]) -> None:
         print(f"  model {bad['name']!r} ({bad['model_chars']:,} chars): HTTP {bad['status']}, {found}")
     print(f"  exact: against the event logs {'yes' if result['exact_to_event_logs'] else 'no'}, "
           f"against the engine books {'yes' if result['exact_to_engine_books'] else 'no'}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Two engines on the tiny model in one pool behind the gateway, its ledger in a "
+        "throwaway PostgreSQL (initdb and postgres must be installed) with a journal on disk; "
+        "three paced tenants stream and call chat and completions, some clients leaving "
+        "mid-stream. The gateway is SIGKILLed --kills times and started again at once, "
+        "Postgres is stopped for --outage seconds, and a NUL and a 6 MiB model name are sent. "
+        "At the end, per tenant, the ledger's completion tokens against what the engines "
+        "counted (their event logs, and their books of ended requests), and per request: ids "
+        "with no row, counts that differ, ids twice, estimated and dead-letter rows.")
+    add_common_args(parser)
+    parser.add_argument("--duration", type=positive_float, default=80.0,
+                        help="seconds of load (default 80)")
+    parser.add_argument("--kills", type=int, default=3, choices=range(0, 21), metavar="N",
+                        help="gateway SIGKILLs, evenly spaced through the load (default 3)")
+    parser.add_argument("--outage", type=float, default=20.0, metavar="S",
+                        help="seconds Postgres is stopped, from halfway between the first kill "
+                        "and the next on (default 20; 0: none)")
+    parser.add_argument("--loops", type=positive_int, default=4,
+                        help="client loops per tenant, each sending without pause (default 4)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the clients' choices")
+    parser.add_argument("--gateway-src", type=Path, default=None, metavar="DIR",
+                        help="run the gateway from this source tree (the src/ directory of "
+                        "another checkout, e.g. an older commit's worktree; PYTHONPATH=DIR); "
+                        "the engines stay this installation's")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        raise SystemExit("tokenpace bench metering: error: --plot is not supported (use --json)")
+    if args.quick:
+        # the kill at 7 s, the outage from 10.5 to 13.5 s, the bad models at 3.5 s
+        args.duration, args.kills, args.outage = 14.0, 1, 3.0
+    if args.outage < 0:
+        raise SystemExit("tokenpace bench metering: error: --outage must not be negative")
+    check_gateway_src(args.gateway_src, "tokenpace bench metering")
+    try:
+        result = run(bench_model(args), args.duration, args.kills, args.outage, args.loops,
+                     args.seed, gateway_src=args.gateway_src)
+    except PostgresUnavailable as exc:
+        raise SystemExit(f"tokenpace bench metering: error: needs a PostgreSQL server: {exc}")
+    return write_outputs(args, result)

@@ -10,6 +10,7 @@ paced / stock per adjacent pair, reported as median with min and max.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import statistics
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._cli import add_common_args, bench_model, positive_int, write_outputs
 from ._environment import environment
 from ._load import run_streams
 from .._process import Server, free_port, start_all, tokenpace_serve_argv, vllm_server_argv
@@ -129,3 +131,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
                  f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f})", fontsize=9)
     ax.legend(fontsize=8)
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--streams", type=positive_int, default=32, help="concurrent streams")
+    parser.add_argument("--tokens", type=positive_int, default=256, help="tokens per stream")
+    parser.add_argument("--repeats", type=positive_int, default=6, help="alternating runs")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.streams, args.tokens, args.repeats = 8, 64, 1
+    result = run(bench_model(args), args.streams, args.tokens, args.repeats)
+    return write_outputs(args, result, plot)

@@ -1,4 +1,4 @@
-"""`tokenpace bench pacing`: the seed's experiment on a real server with the tiny model.
+"""`tokenpace bench pacing`: the pacing experiment on a real server with the tiny model.
 
 A 20 tok/s user with 1 and then with 4 streams runs next to a 100 tok/s user, 200 tokens
 per stream, ``ignore_eos``, under synchronous and asynchronous scheduling. Each user's
@@ -8,7 +8,7 @@ client (token arrival times). Rates are net of the GCRA burst allowance: ``N`` t
 ``(N - 1 - 0.1 r) / span``. Token gaps are measured over all of a user's streams merged,
 and compared with ``1 / limit``.
 
-Then end users (issue 29): a 20 tok/s user ("readers") with two end users paced at 4 tok/s
+Then end users: a 20 tok/s user ("readers") with two end users paced at 4 tok/s
 each (reading speed), one stream each, beside a stream of the same user that names no end
 user: each end user at 4 at the client, the user's total at 20 at the engine (the stream
 without an end user takes the other 12; unpaced end users would get a third of 20 each).
@@ -16,13 +16,16 @@ without an end user takes the other 12; unpaced end users would get a third of 2
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import shlex
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ._cli import add_common_args, bench_model, positive_int, write_outputs
 from ._environment import environment
 from ._load import StreamRecord, async_client, percentile, run_streams, stream_completion
 from .._process import Server, free_port, start_all, tokenpace_serve_argv
@@ -223,3 +226,34 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("cumulative output tokens")
         ax.legend(fontsize=7)
     save(fig, path)
+
+
+def _modes(value: str) -> list[str]:
+    modes = value.split(",")
+    if not modes or any(m not in ("sync", "async") for m in modes):
+        raise argparse.ArgumentTypeError(f"expected sync, async or sync,async; got {value!r}")
+    return modes
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("A 20 tok/s user with 1 and with 4 streams next to a 100 tok/s user "
+                          "on tokenpace serve with the tiny model; rates at the engine and "
+                          "the client.")
+    add_common_args(parser)
+    parser.add_argument("--tokens", type=positive_int, default=200, help="tokens per stream")
+    parser.add_argument("--modes", type=_modes, default=["sync", "async"],
+                        help="scheduling modes (default sync,async)")
+    parser.add_argument("--serve-flags", default="", metavar="FLAGS",
+                        help="more vllm serve flags for the engines, as one string (e.g. "
+                        "--serve-flags \"--speculative-config '{...}'\"): the experiment in "
+                        "another engine mode")
+
+
+def main(args: argparse.Namespace) -> int:
+    tokens = 40 if args.quick else args.tokens
+    modes = ["sync"] if args.quick else args.modes
+    # --quick: the warm-up unpaced (it warms the engine, it measures nothing)
+    result = run(bench_model(args), modes, tokens, [1, 4],
+                 serve_flags=shlex.split(args.serve_flags),
+                 warmup_rate=1_000_000.0 if args.quick else None)
+    return write_outputs(args, result, plot)

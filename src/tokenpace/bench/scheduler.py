@@ -13,13 +13,17 @@ CPU. The median ratio over the repeats is reported with a 95% bootstrap interval
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._cli import add_common_args, bench_model, fraction_list, int_list, positive_int, write_outputs
 from ._environment import environment
-from ._simulate import Sim, make_sim
 from .overhead import median_interval
+
+if TYPE_CHECKING:
+    from ._simulate import Sim
 
 THROTTLED_RATE = 1e-6  # tokens per second: one token, then none for ~11 days
 FREE_RATE = 1e9
@@ -28,6 +32,8 @@ BLOCK = 10
 
 def _build(model: Path, running: int, throttled_fraction: float | None, steps: int,
            spec_tokens: int = 0) -> Sim:
+    from ._simulate import make_sim  # vLLM's scheduler: imported when a case is built
+
     paced = throttled_fraction is not None
     n_throttled = round(running * (throttled_fraction or 0.0))
     pacing = None
@@ -118,3 +124,27 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("running requests, throttled share of users")
     ax.legend(fontsize=8)
     save(fig, path)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Times vLLM's real scheduler with R resident decoding requests, "
+                          "stock and paced, with a fraction of the users throttled.")
+    add_common_args(parser)
+    parser.add_argument("--running", type=int_list, default=[64, 256, 1024],
+                        help="resident request counts (default 64,256,1024)")
+    parser.add_argument("--throttled", type=fraction_list, default=[0.0, 0.5, 1.0],
+                        help="throttled fractions of users (default 0,0.5,1)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="timed steps per run")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="alternating runs per case")
+    parser.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+                        help="speculative decoding: K drafts per decode step, 70%% of them "
+                        "accepted in turn (default 0: off)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.running, args.throttled, args.steps, args.repeats = [64], [0.0, 1.0], 20, 1
+    result = run(bench_model(args), args.running, args.throttled, args.steps, args.repeats,
+                 spec_tokens=args.spec_tokens)
+    return write_outputs(args, result, plot)

@@ -26,6 +26,7 @@ home first (one round trip more) and a new home goes with the store's flush.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import statistics
@@ -44,6 +45,7 @@ from ..gateway.state import (
     queued_slot,
     running_slot,
 )
+from ._cli import add_common_args, positive_int, write_outputs
 from ._environment import environment
 from ._load import percentile
 from ._redis_server import SETUP, RedisServer
@@ -271,3 +273,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--requests", type=positive_int, default=2000,
+                        help="requests per measurement (default 2000)")
+    parser.add_argument("--concurrency", type=positive_int, default=32,
+                        help="requests at once in the throughput measurement (default 32)")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="alternating repeats per store (default 5)")
+    parser.add_argument("--redis", metavar="URL", default=None,
+                        help="an existing Redis (default: start a redis-server for the run)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.requests, args.repeats = 200, 2
+    result = run(args.requests, args.concurrency, args.repeats, args.redis)
+    return write_outputs(args, result, plot)
