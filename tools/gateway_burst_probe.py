@@ -1,6 +1,6 @@
 """The gateway's own CPU in bursts of streams, with no engine: a quick probe for profiling.
 
-    .venv/bin/python scripts/gateway_burst_probe.py [--rounds 100] [--tokens 16] [--drip]
+    .venv/bin/python tools/gateway_burst_probe.py [--rounds 100] [--tokens 16] [--drip]
 
 Starts ``tokenpace gateway`` (one tenant, no caps, SQLite ledger) in front of an upstream
 that answers at once, then sends ``--rounds`` bursts of 32 streamed completions of
@@ -12,7 +12,8 @@ that answers at once, then sends ``--rounds`` bursts of 32 streamed completions 
 - per burst, when the last stream's first chunk arrived and the median TTFT: with an
   upstream that takes no time, this is the gateway's (and the client's) serial work.
 
-The upstream is ``bench._fast_upstream`` (the whole stream in one write), or with
+The upstream is the benches' fast upstream (``tokenpace.bench.fast_upstream_server``: the
+whole stream in one write), or with
 ``--drip`` a server in this script that writes each event on its own, 5 ms apart, as an
 engine's steps do, so every event costs the gateway a read and a write: the per-chunk
 cost. Attach ``py-spy record -p PID`` to the gateway to see where the time goes.
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--drip", action="store_true",
                         help="events one write each, 5 ms apart (per-chunk cost)")
     args = parser.parse_args(argv)
-    from tokenpace._process import Server, free_port, start_all
+    from tokenpace.bench import Server, fast_upstream_server, free_port, start_all
 
     home = Path(tempfile.mkdtemp(prefix="tokenpace-probe-"))
     upstream_port, gateway_port = free_port(), free_port()
@@ -141,9 +142,11 @@ def main(argv: list[str]) -> int:
         f'engines: [{{url: "http://127.0.0.1:{upstream_port}", max_inflight: 256, models: [tiny]}}]\n'
         f'ledger: "sqlite:///{home}/ledger.db"\n'
         'tenants: [{id: probe, api_keys: ["sk-probe"]}]\n')
-    upstream_argv = ([sys.executable, __file__, "--drip-server", str(upstream_port)] if args.drip
-                     else [sys.executable, "-m", "tokenpace.bench._fast_upstream", str(upstream_port)])
-    upstream = Server(upstream_argv, upstream_port, home / "upstream.log")
+    if args.drip:
+        upstream = Server([sys.executable, __file__, "--drip-server", str(upstream_port)],
+                          upstream_port, home / "upstream.log")
+    else:
+        upstream = fast_upstream_server(upstream_port, home / "upstream.log")
     gateway = Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
                       str(home / "gateway.yaml"), "--port", str(gateway_port),
                       "--log-level", "warning"], gateway_port, home / "gateway.log")

@@ -4,14 +4,14 @@ CPU phase of ``tokenpace bench gateway`` with every gateway up at once and measu
 turn (the order rotating each round), so that the machine's load drifts over all of them.
 
 Each gateway runs ``tokenpace gateway`` from its tree in front of one canned fast upstream
-(``tokenpace.bench._fast_upstream``); a round sends each ``--requests`` non-streamed
+(``tokenpace.bench.fast_upstream_server``); a round sends each ``--requests`` non-streamed
 requests, 16 at a time, and reads the process's CPU seconds before and after; with
 ``--stream-tokens K`` it then sends as many streamed requests of K tokens, and the CPU per
 chunk is (streamed - plain) / K.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python scripts/gateway_cpu_ab.py --before /tmp/before/src --rounds 8
-    .venv/bin/python scripts/gateway_cpu_ab.py --tree old=/tmp/old/src --tree main=/tmp/main/src \
+    .venv/bin/python tools/gateway_cpu_ab.py --before /tmp/before/src --rounds 8
+    .venv/bin/python tools/gateway_cpu_ab.py --tree old=/tmp/old/src --tree main=/tmp/main/src \
         --after ../dev/src --stream-tokens 16
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from tokenpace._process import Server, free_port, start_all
-from tokenpace.bench.gateway import KEY, _gateway_config, _plain
+from tokenpace.bench import Server, fast_upstream_server, free_port, start_all
+from tokenpace.bench.gateway import KEY, gateway_config, plain_requests
 
 
 async def _streamed(url: str, requests: int, concurrency: int, tokens: int) -> None:
@@ -77,12 +77,11 @@ def main() -> int:
         raise SystemExit("unset PYTHONPATH: each gateway gets its own")
     home = Path(tempfile.mkdtemp())
     fast_port = free_port()
-    fast = Server([sys.executable, "-m", "tokenpace.bench._fast_upstream", str(fast_port)],
-                  fast_port, home / "fast.log")
+    fast = fast_upstream_server(fast_port, home / "fast.log")
     gateways: dict[str, Server] = {}
     for name, src in trees:
         port, config = free_port(), home / f"{name}.yaml"
-        config.write_text(_gateway_config(fast.base_url, home / f"{name}.db"))
+        config.write_text(gateway_config(fast.base_url, home / f"{name}.db"))
         env = {"PYTHONPATH": src} if src else {}
         gateways[name] = Server(
             [sys.executable, "-m", "tokenpace.cli", "gateway", "--config", str(config),
@@ -93,14 +92,14 @@ def main() -> int:
     names = list(gateways)
     try:
         for server in gateways.values():
-            asyncio.run(_plain(server.base_url, 200, 16))  # warm-up
+            asyncio.run(plain_requests(server.base_url, 200, 16))  # warm-up
             if args.stream_tokens:
                 asyncio.run(_streamed(server.base_url, 100, 16, args.stream_tokens))
         for i in range(args.rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 server = gateways[name]
                 cpu0 = server.cpu_seconds()
-                asyncio.run(_plain(server.base_url, args.requests, 16))
+                asyncio.run(plain_requests(server.base_url, args.requests, 16))
                 plain = (server.cpu_seconds() - cpu0) / args.requests * 1e6
                 us[name].append(plain)
                 if args.stream_tokens:

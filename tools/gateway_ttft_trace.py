@@ -1,6 +1,6 @@
 """Where the gateway's added time to first token goes: timestamps on one clock, per request.
 
-    PYTHONPATH=src .venv/bin/python scripts/gateway_ttft_trace.py --model MODEL --pairs 200
+    PYTHONPATH=src .venv/bin/python tools/gateway_ttft_trace.py --model MODEL --pairs 200
 
 Starts the engine (``tokenpace serve --trusted-gateway``), a gateway whose process is
 instrumented (below) and the byte relay of ``bench gateway --control byte-proxy``, then
@@ -150,7 +150,7 @@ def _trace_gate(sink: Any) -> None:
 async def _one_stream(session: Any, url: str, path: str, prompt: str, tokens: int) -> dict:
     """One streamed completion of the bench's body: the gateway's request id, when it was
     sent and when its first token arrived."""
-    from tokenpace.bench._load import StreamRecord, record_chunk, sse_payloads
+    from tokenpace.bench import StreamRecord, record_chunk, sse_payloads
     from tokenpace.bench.gateway import body
 
     record = StreamRecord(user="", start=time.monotonic())
@@ -166,10 +166,10 @@ async def _burst_rounds(urls: dict[str, str], rounds: int, streams: int, tokens:
                         nonce: str) -> list[dict]:
     """``rounds`` pairs of bursts, direct and gateway, the order alternating (one warm-up
     pair first); a row per request."""
-    from tokenpace.bench.gateway import _session, prompt_for
+    from tokenpace.bench.gateway import client_session, prompt_for
 
     rows: list[dict] = []
-    async with _session(streams) as session:
+    async with client_session(streams) as session:
         def one(path: str, prompt: str) -> Awaitable[dict]:
             return _one_stream(session, urls[path], path, prompt, tokens)
 
@@ -221,11 +221,11 @@ def _burst_summary(rows: list[dict], stamps: dict[str, dict], gate: list[dict],
 
 
 async def _triples(urls: dict[str, str], pairs: int, tokens: int, nonce: str) -> list[dict]:
-    from tokenpace.bench._paired import pair_order
-    from tokenpace.bench.gateway import _session, prompt_for
+    from tokenpace.bench import pair_order
+    from tokenpace.bench.gateway import client_session, prompt_for
 
     rows: list[dict] = []
-    async with _session(4) as session:
+    async with client_session(4) as session:
         def one(path: str, prompt: str) -> Awaitable[dict]:
             return _one_stream(session, urls[path], path, prompt, tokens)
 
@@ -269,9 +269,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--streams", type=int, default=32, help="streams per burst")
     args = parser.parse_args(argv)
 
-    from tokenpace._process import Server, free_port, start_all, tokenpace_serve_argv
-    from tokenpace.bench import _control
-    from tokenpace.bench.gateway import _gateway_config
+    from tokenpace.bench import (
+        CONTROL_PATH,
+        Server,
+        byte_proxy_server,
+        free_port,
+        start_all,
+        tokenpace_serve_argv,
+    )
+    from tokenpace.bench.gateway import gateway_config
 
     home = Path(tempfile.mkdtemp(prefix="tokenpace-ttft-trace-"))
     engine_port, gateway_port = free_port(), free_port()
@@ -279,15 +285,15 @@ def main(argv: list[str]) -> int:
                                          "--allow-unauthenticated-trusted-gateway"),
                     engine_port, home / "engine.log")
     config = home / "gateway.yaml"
-    config.write_text(_gateway_config(engine.base_url, home / "gateway.db"))
+    config.write_text(gateway_config(engine.base_url, home / "gateway.db"))
     trace = home / "trace.jsonl"
     gateway = Server([sys.executable, __file__, "--child", str(config), str(gateway_port),
                       str(trace)], gateway_port, home / "gateway.log")
-    relay = _control.server(engine, home)
+    relay = byte_proxy_server(engine, home)
     servers = [engine, gateway, relay]
     start_all(servers)
     urls = {"direct": engine.base_url, "gateway": gateway.base_url,
-            _control.PATH: relay.base_url}
+            CONTROL_PATH: relay.base_url}
     procs = {"gateway": gateway.proc.pid, "byte_proxy": relay.proc.pid}
     try:
         before = {k: _schedstat(pid) for k, pid in procs.items()}
@@ -318,7 +324,7 @@ def main(argv: list[str]) -> int:
         "relay_to_client", "ttft_gateway", "ttft_direct", "ttft_byte_proxy", "added_gateway",
         "added_byte_proxy", "engine_from_gateway_minus_direct")}
     for triple in by_pair.values():
-        g, d, p = triple["gateway"], triple["direct"], triple[_control.PATH]
+        g, d, p = triple["gateway"], triple["direct"], triple[CONTROL_PATH]
         s = stamps.get(g["id"])
         if s is None or "read" not in s or "post" not in s:
             continue

@@ -1,7 +1,7 @@
 """CPU per request of a paced tenant's rate split while it runs on one engine, in process:
 ``RateSplitter.start`` before the request and ``end`` after it (no control call is made).
 
-    PYTHONPATH=src .venv/bin/python scripts/rate_split_cost.py
+    PYTHONPATH=src .venv/bin/python tools/rate_split_cost.py
 """
 
 from __future__ import annotations

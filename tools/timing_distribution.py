@@ -1,6 +1,6 @@
 """Run timing-derived end-to-end tests repeatedly under extra CPU load; summarise each value.
 
-    PYTHONPATH=src .venv/bin/python scripts/timing_distribution.py --repeat 10 --load 1 \\
+    PYTHONPATH=src .venv/bin/python tools/timing_distribution.py --repeat 10 --load 1 \\
         --out timing.jsonl -- tests/e2e/test_serve.py -k isolation
 
 Each selected test runs ``--repeat`` times in one pytest session (``-p tests._repeat``,

@@ -3,7 +3,7 @@
 Every timing assertion of the end-to-end tests goes through :func:`expect`: its failure
 message names the server log and the measured series, so a reader can tell a defect from
 noise, and with ``TOKENPACE_TIMING_LOG=PATH`` each value is appended to ``PATH`` as a JSON
-line (``scripts/timing_distribution.py`` runs the tests repeatedly and summarises them).
+line (``tools/timing_distribution.py`` runs the tests repeatedly and summarises them).
 """
 
 from __future__ import annotations
