@@ -1,8 +1,11 @@
-"""The three places where tokenpace wraps vLLM code outside the scheduler.
+"""Where tokenpace changes vLLM's classes outside the scheduler: five wrapped methods
+(1-5) and the engine core's utility methods (6).
 
-vLLM offers no supported seam for these, so each is a small wrapper around one method,
-installed once per process, that calls the original and then does one extra thing.
-Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
+vLLM offers no supported seam for these, so each of 1-5 is a small wrapper around one
+method, installed once per process by ``register`` (only for classes whose module that
+process imported), that calls the original and does one extra thing. Every wrapped name,
+and every vLLM method the wrappers call, is listed in ``_vllm.HOOKED_METHODS`` and checked
+by a test.
 
 1. ``EngineArgs.create_engine_config`` (API-server process): when the ``tokenpace``
    section enables pacing, refuse unsupported modes before any engine process starts,
@@ -33,9 +36,12 @@ Every wrapped name is listed in ``_vllm.HOOKED_METHODS`` and checked by a test.
 5. ``AsyncLLM.add_request`` (API-server process), with identity headers configured
    (``user_header``): writes the identity the request's headers gave into its sampling
    parameters, replacing what its body said (``_header_identity``).
-6. ``EngineCoreProc.tokenpace_set_rates`` (engine process) is not a wrapper but a method
-   added to the class: vLLM runs a utility call by name on the engine core, and this one
-   is the engine side of the rate-control route (``_control``).
+6. ``EngineCoreProc`` (engine process) gains four methods, not wrappers: vLLM runs a
+   utility call by name on the engine core, and each is the engine side of one route of
+   the API server: ``tokenpace_set_rates`` (``/tokenpace/v1/rates``, ``_control``),
+   ``tokenpace_aborted_outputs`` (``/tokenpace/v1/aborted``, ``_aborted``),
+   ``tokenpace_ended_requests`` (``/tokenpace/v1/ended``, ``_ended``) and
+   ``tokenpace_pacing_stats`` (the pacing series of ``/metrics``, ``_metrics``).
 """
 
 from __future__ import annotations
@@ -348,8 +354,8 @@ def limit_worker_spin(worker: Any, vllm_config: Any) -> None:
                 # The engine's wait ended (its deadline passed, or a request came): its
                 # step comes now. Spin for it as after a step; the growing naps below
                 # would count the whole wait as idle time and sleep up to 20 ms while
-                # the engine spins for this worker's answer (half the CPU of an engine
-                # that paces every step, issue 30).
+                # the engine spins for this worker's answer: CPU spent on every step of
+                # an engine that paces each one.
                 hinted = False
                 nap.restart(now)
                 spin_wait(timeout_ms)

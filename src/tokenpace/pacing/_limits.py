@@ -107,7 +107,8 @@ class UserRateLimits:
 
     @classmethod
     def from_json(cls, text: str, default: float | None = None) -> UserRateLimits:
-        """Parse the seed's override form, ``'{"user-a": 100, "user-b": 500}'``."""
+        """Limits from an inline JSON object of user id -> tokens per second,
+        ``'{"user-a": 100, "user-b": 500}'``; anything else is a ``LimitsError``."""
         return cls(default=default, overrides=parse_overrides_json(text))
 
     @classmethod

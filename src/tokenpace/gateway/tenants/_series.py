@@ -1,10 +1,10 @@
 """Which tenants have series on /metrics: those with traffic lately.
 
-A platform with ten thousand configured tenants has a few hundred active at a time. A
-series per configured tenant made every scrape carry all of them (6 MB and 1.6 s of the
-event loop at 10,000 tenants, issue 28); so a tenant's series appear with its first request
-and go once it has had nothing in flight and nothing queued for ``metrics_idle_after``
-(default 15 minutes). A counter that goes and comes back starts again from zero, which
+A platform with ten thousand configured tenants has a few hundred active at a time, and a
+scrape's size and render time grow with the series on it; so a tenant's series appear with
+its first request and go once it has had nothing in flight and nothing queued for
+``metrics_idle_after`` (default 15 minutes): a scrape costs O(active tenants), not
+O(configured tenants). A counter that goes and comes back starts again from zero, which
 Prometheus's ``rate`` and ``increase`` read as a counter reset: nothing is lost but the
 increments before the first scrape of the new series, as for any new series.
 """
