@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from tests.gateway._engine import EngineServer
-from tests.gateway.conftest import KEY_B, GatewayProcess, base_config
+from tests.gateway.conftest import KEY_A, KEY_B, GatewayProcess, base_config
 
 EMOJI = "\\ud83d\\ude00"  # an ordinary emoji sent escaped: the body is walked for surrogates
 MIB = 1024 * 1024
@@ -109,3 +109,32 @@ def test_a_batch_of_many_prompts_is_refused_before_any_is_counted(
     assert resp.status_code == 400, resp.text[:500]
     assert resp.json()["error"]["param"] == "prompt"
     assert [p for p, _ in engine.engine.other_calls[calls:] if p == "/tokenize"] == []
+
+
+def test_a_tenant_sending_bodies_faster_than_its_byte_rate_is_refused_before_reading(
+        engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
+    # team-b may send 1 KiB of request body a second: its first 16 KiB body starts (16 s
+    # owed), the next ones are refused until the debt is back within 2 s (14 s: far more
+    # than this test takes, whatever the machine's load). team-a (the default, 4 MiB/s)
+    # is not held up by team-b's debt.
+    config = base_config(engine.url, tmp_path / "usage.db")
+    config["tenants"][1]["max_body_bytes_per_second"] = 1024
+    gw = make_gateway(config)
+    body = ('{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], '
+            '"pad": "%s"}'
+            % ("x" * 16 * 1024)).encode()
+    first = _post(gw, "/v1/chat/completions", body)
+    assert first.status_code == 404, first.text[:300]
+    for _ in range(3):
+        refused = _post(gw, "/v1/chat/completions", body)
+        assert refused.status_code == 429, refused.text[:300]
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "max_body_bytes_per_second (1024 bytes a second)" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 10
+    other = httpx.post(f"{gw.url}/v1/chat/completions", content=body, timeout=60,
+                       headers={"authorization": f"Bearer {KEY_A}",
+                                "content-type": "application/json"})
+    assert other.status_code == 404, other.text[:300]
+    rows = gw.rows(5)
+    assert [r.finish_reason for r in rows[-5:]].count("rejected:body_rate") == 3

@@ -6,10 +6,19 @@ request limits and reserves the budgets (enforced, then observed). Each refusal 
 ``GatewayError`` made in ``_refusals``, with OpenAI's headers.
 """
 
-from ._admit import MAX_BYTES_PER_TOKEN, Admission, admit, count_request, prompt_bytes, read_body
+from ._admit import (
+    MAX_BYTES_PER_TOKEN,
+    Admission,
+    admit,
+    count_request,
+    prompt_bytes,
+    read_body,
+    read_paced_body,
+)
 from ._identity import authenticate, authorization_of, bearer_key, identify, route, tenant_models
 from ._parse import LARGE_BODY_BYTES, parse_body
 from ._refusals import (
+    body_rate_limited,
     budget_error,
     queue_full,
     request_limit_error,
@@ -24,6 +33,7 @@ __all__ = [
     "authenticate",
     "authorization_of",
     "bearer_key",
+    "body_rate_limited",
     "budget_error",
     "count_request",
     "identify",
@@ -32,6 +42,7 @@ __all__ = [
     "prompt_bytes",
     "queue_full",
     "read_body",
+    "read_paced_body",
     "request_limit_error",
     "retry_headers",
     "route",

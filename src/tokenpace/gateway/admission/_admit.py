@@ -13,6 +13,7 @@ reservation), so a refusal's ledger row shows it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -26,7 +27,13 @@ from ..state import Reservation, StateStore, StateUnavailable
 from ..tenants import ApplicationState, Hold, LimitState, TenantState
 from ..wire import GatewayError, ParsedRequest, count_calls, prompt_token_ids
 from . import _observe as observe
-from ._refusals import budget_error, queue_full, request_limit_error, state_unavailable
+from ._refusals import (
+    body_rate_limited,
+    budget_error,
+    queue_full,
+    request_limit_error,
+    state_unavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,27 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
             chunks.append(chunk)
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+async def read_paced_body(tenant: TenantState, receive: Receive, declared: str | None,
+                          limit: int, clock: Callable[[], float]) -> bytes:
+    """``read_body`` within the tenant's ``max_body_bytes_per_second``: a 429 before any
+    byte is read while the tenant owes too much (``tenants._body_rate``); a declared length
+    is charged before the body is read, an undeclared one once it is. Cost: a few float
+    operations per request."""
+    pace = tenant.body_rate
+    if pace is None:
+        return await read_body(receive, declared, limit)
+    now = clock()
+    wait = pace.wait_s(now)
+    if wait > 0:
+        raise body_rate_limited(tenant, wait)
+    if declared is not None and declared.isdigit() and int(declared) <= limit:
+        pace.charge(int(declared), now)
+        return await read_body(receive, declared, limit)
+    raw = await read_body(receive, declared, limit)
+    pace.charge(len(raw), clock())
+    return raw
 
 
 async def admit(rt: Runtime, ex: Exchange, req: ParsedRequest, client: httpx.AsyncClient,

@@ -27,6 +27,15 @@ def queue_full(tenant: TenantState, waiting: int | None = None) -> GatewayError:
         reason="queue_full", code="queue_full", headers=retry_headers(wait))
 
 
+def body_rate_limited(tenant: TenantState, wait_s: float) -> GatewayError:
+    """429 for a tenant over its ``max_body_bytes_per_second`` (``tenants._body_rate``)."""
+    return GatewayError(
+        429, f"tenant {tenant.id!r} sends request bodies faster than its "
+        f"max_body_bytes_per_second ({tenant.config.max_body_bytes_per_second} bytes a "
+        f"second); the next body may start in about {wait_s:.1f} s",
+        reason="body_rate", code="rate_limit_exceeded", headers=retry_headers(wait_s))
+
+
 def retry_headers(wait_s: float) -> dict[str, str]:
     return {"retry-after": str(max(1, math.ceil(wait_s))),
             "retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}

@@ -21,7 +21,13 @@ from ._fields import (
     _name_list,
     _number,
 )
-from ._values import ApplicationConfig, DEFAULT_MAX_QUEUED, LaneConfig, TenantConfig
+from ._values import (
+    DEFAULT_MAX_BODY_BYTES_PER_SECOND,
+    DEFAULT_MAX_QUEUED,
+    ApplicationConfig,
+    LaneConfig,
+    TenantConfig,
+)
 
 
 def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
@@ -31,7 +37,8 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
     _known(m, where, ("id", "api_keys", "lane", "weight", "output_tokens_per_second",
                       "end_user_output_tokens_per_second",
                       "max_concurrency", "max_queued", "max_input_tokens", "max_output_tokens",
-                      "queue_timeout", "budgets", "max_requests", "share_prefix_cache",
+                      "max_body_bytes_per_second", "queue_timeout", "budgets", "max_requests",
+                      "share_prefix_cache",
                       "models", "applications", "batch_cost"))
     tenant_id = m.get("id")
     try:
@@ -64,6 +71,8 @@ def _tenant(value: Any, where: str, lanes: tuple[LaneConfig, ...],
         applications=applications,
         batch_cost=_batch_cost(m, where),
         max_queued=_int(m, "max_queued", where, DEFAULT_MAX_QUEUED, minimum=0),
+        max_body_bytes_per_second=_int(m, "max_body_bytes_per_second", where,
+                                       DEFAULT_MAX_BODY_BYTES_PER_SECOND, minimum=1024),
         **_limits(m, where),
     )
 

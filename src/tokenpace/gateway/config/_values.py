@@ -112,6 +112,12 @@ each holds its parsed body (up to ``max_body_bytes``) while it waits, so the bou
 the tenant's queued memory; beyond it a request is refused at once (429 ``queue_full``)."""
 
 
+DEFAULT_MAX_BODY_BYTES_PER_SECOND = 4 * 1024 * 1024
+"""The request-body bytes per second a configuration file's tenant may send when its entry
+names no ``max_body_bytes_per_second`` (``tenants._body_rate``): what one tenant can make
+the gateway and the engines parse per second, whatever tokens it asks for."""
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     id: str
@@ -125,6 +131,9 @@ class TenantConfig:
     # A configuration file's tenant gets DEFAULT_MAX_QUEUED when it names none; None (a
     # value built in code): no bound.
     max_queued: int | None = None
+    # Request-body bytes per second; a configuration file's tenant gets
+    # DEFAULT_MAX_BODY_BYTES_PER_SECOND when it names none; None: no bound.
+    max_body_bytes_per_second: int | None = None
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     queue_timeout_s: float = 60.0

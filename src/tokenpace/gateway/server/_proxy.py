@@ -30,6 +30,7 @@ from ..admission import (
     parse_body,
     queue_full,
     read_body,
+    read_paced_body,
     retry_headers,
     route,
     state_unavailable,
@@ -97,8 +98,12 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
     watch: ClientWatch | None = None
     try:
         # A large body is parsed in a worker thread, one at a time per tenant.
+        # A batch line's body was read from its file: only a client's is paced.
+        raw = (await read_body(receive, declared, rt.config.max_body_bytes) if line is not None
+               else await read_paced_body(tenant, receive, declared,
+                                          rt.config.max_body_bytes, rt.clock))
         req = await parse_body(
-            tenant.id, kind, await read_body(receive, declared, rt.config.max_body_bytes),
+            tenant.id, kind, raw,
             max_model_chars=rt.config.max_model_name_chars,
             max_prompts=rt.config.max_prompts_per_request)
         ex.model = req.model

@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 from ...fairness import BudgetRefusal, TenantBudgets
 from ..config import ApplicationConfig, TenantConfig
+from ._body_rate import BodyRate
 
 TOKENIZE_SLOTS_PER_TENANT = 2
 
@@ -142,6 +143,8 @@ class TenantState(LimitState[TenantConfig]):
         # Prompt counts in flight at the engine's /tokenize: a tenant's huge prompts wait
         # for each other here instead of taking every tokenizer slot of the engine.
         self.tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS_PER_TENANT)
+        rate = config.max_body_bytes_per_second
+        self.body_rate: BodyRate | None = None if rate is None else BodyRate(rate)
         # An attribute, not a property of ``config``: read a dozen times per request, and a
         # reload pairs states by id, so it never changes.
         self.id = config.id
@@ -191,6 +194,13 @@ class TenantState(LimitState[TenantConfig]):
                 state.reconfigure(app, now)
             apps[app.id] = state
         self.applications = apps
+        rate = config.max_body_bytes_per_second
+        if rate is None:
+            self.body_rate = None
+        elif self.body_rate is None:
+            self.body_rate = BodyRate(rate)
+        else:
+            self.body_rate.rate = rate  # the debt owed so far stands
         super().reconfigure(config, now)
 
     def levels(self, now: float) -> Iterator[tuple[str, dict[str, float]]]:
