@@ -1,6 +1,6 @@
 """``pytest -p tests._repeat`` runs each selected test ``TOKENPACE_REPEAT`` times.
 
-For measuring the distribution of timing-derived values (issue 19): the repeats share the
+For measuring the distribution of timing-derived values: the repeats share the
 module's servers, as the tests of one CI run do. Not loaded by ``make test``.
 """
 

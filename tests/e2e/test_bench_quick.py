@@ -122,7 +122,7 @@ def test_bench_pacing_quick(benches: dict[str, object]) -> None:
 
 def test_bench_overhead_quick(benches: dict[str, object]) -> None:
     # --quick's workload (8 streams of 64 tokens: about 0.2 s a run), alternated 5 times:
-    # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in issue 19's
+    # one pair of 0.2 s runs gave 0.33 at a load average of 13 on 2 cores in earlier
     # runs; the median of 5 adjacent pairs does not hang on one moment of the machine.
     result, out = _bench(benches, "overhead")  # --streams 8 --tokens 64 --repeats 5
     stock, paced = result["stock_tokens_per_s"], result["paced_tokens_per_s"]

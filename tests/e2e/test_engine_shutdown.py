@@ -1,4 +1,4 @@
-"""A real engine shut down under load (issue 43): `tokenpace serve` with
+"""A real engine shut down under load: `tokenpace serve` with
 `--shutdown-timeout` gets SIGTERM (what a Kubernetes rollout or scale-down sends its
 container's first process) while a paced stream runs on it, in a pool beside another engine.
 

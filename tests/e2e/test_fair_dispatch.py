@@ -1,5 +1,5 @@
 """Fair dispatch end to end: a real gateway in front of two real ``tokenpace serve`` engines
-(and, last, a conversation's turns kept on the engine that caches it: issue 41).
+(and, last, a conversation's turns kept on the engine that caches it).
 
 One tenant floods its engine with long generations while another tenant, pinned to the
 same engine, sends short requests: none of them waits in the gateway for a slot (the
@@ -183,7 +183,7 @@ def test_short_tenant_keeps_its_ttft_next_to_a_flood_and_tenants_stay_pinned(set
 
 
 def test_a_conversations_turns_stay_on_the_engine_that_caches_it(setup: dict[str, Any]) -> None:
-    """Issue 41: an unpaced tenant's multi-turn conversations through the gateway (the
+    """An unpaced tenant's multi-turn conversations through the gateway (the
     whole conversation sent every turn, engines with room): every turn of a conversation
     lands on one engine (read from which engine's prefix-cache query counter moved), and
     from the second turn on that engine serves the earlier turns' prompt from its cache

@@ -486,7 +486,7 @@ def test_batched_completion_prompts_are_admitted_and_charged_whole(gateway: Gate
 
 def test_end_users_are_paced_in_the_engine_inside_their_tenant(gateway: GatewayProcess,
                                                                engine: Server) -> None:
-    """Issue 29, part 2: two end users of one tenant at 6 tok/s each (the tenant's
+    """Two end users of one tenant at 6 tok/s each (the tenant's
     end-user rate, inside its 20): alice with one stream of 30 tokens, bob with three of
     10 that share his quota. Measured at the engine (event log, net of the engine's
     absences as in the tenant-rate test above, same 10% margin). The engine's request ids
@@ -526,7 +526,7 @@ def test_end_users_are_paced_in_the_engine_inside_their_tenant(gateway: GatewayP
 
 def test_an_application_is_paced_in_the_engine_inside_its_tenant(gateway: GatewayProcess,
                                                                  engine: Server) -> None:
-    """Issue 29, part 1: application bot at 5 tok/s (its output_tokens_per_second) inside
+    """Application bot at 5 tok/s (its output_tokens_per_second) inside
     its tenant's 20, two streams of 15 tokens sharing it; its sibling chat, with no rate
     of its own, one stream of 40 beside them. Measured at the engine (event log, net of
     the engine's absences, 10% margin as above): bot at 5, the tenant as a whole never

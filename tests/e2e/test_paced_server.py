@@ -50,8 +50,8 @@ def test_each_user_at_its_rate_and_nothing_truncated(server: Server) -> None:
     """Every token delivered; each user's rate at the engine (event log).
 
     The rate is ``paced_rate``: net of GCRA's burst and of the time the engine was away
-    (see tests/e2e/_engine_log.py). Whole-request durations were the
-    measure before issue 19 and failed under load: a CPU-starved engine took 11 s for the
+    (see tests/e2e/_engine_log.py). Whole-request durations, tried
+    first, failed under load: a CPU-starved engine took 11 s for the
     slow user's 3 s. Bounds: GCRA makes the upper side exact (1% for rounding); 10% below
     is 0.29 s (slow, 60 tokens at 20 tok/s) or 0.14 s (fast, 150 at 100 tok/s) of lag that
     the limiter would have to cause while the engine runs. A limiter that did not pace

@@ -1,4 +1,4 @@
-"""Pacing behind the proxy users already run (issue 40): a real nginx maps API keys to
+"""Pacing behind the proxy users already run: a real nginx maps API keys to
 tenants and sets ``x-tenant-id``; behind it a real ``tokenpace serve --user-header
 x-tenant-id`` paces each tenant at its own rate, and a client that names another tenant
 in the header and in ``vllm_xargs`` is still paced as itself.

@@ -1,4 +1,4 @@
-"""One paced quota over two real engines (issue 26, part 3): the gateway splits a tenant's
+"""One paced quota over two real engines: the gateway splits a tenant's
 rate R over the engines its streams run on and moves the shares as streams start and end.
 
 Measured at the source, the two engines' event logs (``--output-rate-event-log``): the

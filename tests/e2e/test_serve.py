@@ -75,7 +75,7 @@ def test_each_server_runs_the_paced_scheduler_it_was_asked_for(paced: list[Paced
         log = p.server.log_path.read_text(errors="replace")
         expected = "PacedAsyncScheduler" if p.mode == "async" else "PacedScheduler,"
         assert f"tokenpace: pacing output tokens with {expected}" in log, p.mode
-        # tokenpace serve picks float32 for the tiny model (issue 25: bfloat16 picks the
+        # tokenpace serve picks float32 for the tiny model (bfloat16 picks the
         # AMX attention kernel on AMX hosts, where the fixture's first request kills it).
         assert served_dtype(p.server) == "float32", p.mode
 
@@ -88,7 +88,7 @@ def test_each_user_gets_its_rate_with_all_tokens(paced: list[Paced]) -> None:
     25 steps a second suffice. The rate is the limiter's (``paced_rate``): net of GCRA's
     burst, over the span less the time the engine was away (no dispatch for anyone while
     the user was allowed and fell behind its schedule). A loaded machine (load average 12
-    on 2 cores) starved the engine for 0.03-8 s at a time in issue 19's runs; whole-span
+    on 2 cores) starved the engine for 0.03-8 s at a time in earlier runs; whole-span
     rates fell to 68 tok/s (user-b) and 16 (user-a) while ``paced_rate`` stayed within
     1% of the limit (0.2% in the final 10 runs per mode). Bound: within 3%; GCRA makes the upper side exact; a limiter 5%
     slow fails the lower side (tests/unit/test_engine_log_rate.py).
@@ -228,7 +228,7 @@ def test_throttled_user_does_not_slow_another(paced: list[Paced]) -> None:
       next to the flood at most 1.8x alone (median over 5 rounds; why 1.8 at the assertion). Not the
       client's first-to-last interval (a client that reads buffered chunks in a burst made
       it a few ms), and not the whole request's duration: at a load average of 17 on 2
-      cores a CPU-starved engine stalled single requests 3.8x in issue 19's runs, and the
+      cores a CPU-starved engine stalled single requests 3.8x in earlier runs, and the
       median of 5 durations failed twice in 10; a median over 299 gaps ignores stalls
       (its median of 5 ratios stayed at or below 1.06 in 18 of 20 runs at load averages
       of 8-40; 1.24 and 1.38 once each; the 0.1 ms per throttled request and step that a
@@ -286,7 +286,7 @@ async def _paired_probe_ttfts(p: Paced, control: Paced) -> tuple[list[float], li
     Pairs cancel the machine's contention of the moment: at load averages of 20-40 on 2
     cores a probe took anywhere from 4 ms to 0.35 s (up to 20 s once), and the medians of
     5 or 7 probes before and during the throttled phase, taken seconds apart, crossed a
-    bound of 1.5x + 10 ms in a third of issue 19's runs.
+    bound of 1.5x + 10 ms in a third of earlier runs.
     """
     apis = client(p.server.base_url), client(control.server.base_url)
     sent = []
@@ -439,7 +439,7 @@ def _engine_series(server: Server, **headers: str) -> dict[tuple[str, str], floa
 
 
 def test_the_engines_metrics_show_what_pacing_did(paced: list[Paced]) -> None:
-    """Issue 30: per user on the engine's /metrics, read before and after a run: the output
+    """Per user on the engine's /metrics, read before and after a run: the output
     tokens equal what the clients received (plus at most one step past a stop per stream
     under async scheduling), a user held back at 20 tok/s shows throttled request-steps
     and seconds, an unthrottled one none, and each user's rate in force."""

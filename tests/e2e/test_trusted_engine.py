@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 
 ENGINE_KEY = "sk-engine-" + uuid.uuid4().hex
 KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "d": "sk-d", "e": "sk-e"}
-# Cached prompt tokens cost a tenth of a computed one (issue 41); team-e has a budget that
+# Cached prompt tokens cost a tenth of a computed one; team-e has a budget that
 # barely refills (100 000 a year: 0.003 per second) to read its charges from.
 COST = {"prompt": 1.0, "cached_prompt": 0.1, "completion": 1.0}
 BUDGET = {"tokens": 100_000, "per": "365d"}

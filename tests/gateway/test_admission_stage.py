@@ -1,4 +1,4 @@
-"""Admission as a stage, in process (issue 13): caps, budget refusals and their headers,
+"""Admission as a stage, in process: caps, budget refusals and their headers,
 and the refusals that need no prompt count. The HTTP behaviour is in test_admission_http.py;
 these call ``admit`` directly with a real Runtime (real ledger file, real dispatcher). The
 engine client points at a closed port: a refusal that asked it to count would be a 502."""

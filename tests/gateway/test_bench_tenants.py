@@ -1,5 +1,5 @@
 """`tokenpace bench tenants --quick` runs (gateways in front of the canned fast upstream,
-no engine) and reports what issue 28 asks for; its structural figures hold: the page of
+no engine) and reports its figures; the structural ones hold: the page of
 /metrics follows the active tenants, not the configured ones."""
 
 from __future__ import annotations

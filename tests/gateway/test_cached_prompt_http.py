@@ -1,4 +1,4 @@
-"""Cached prompt tokens over real HTTP (issue 41): a ``tokenpace gateway`` process in front
+"""Cached prompt tokens over real HTTP: a ``tokenpace gateway`` process in front
 of the fake engine reporting ``prompt_tokens_details.cached_tokens`` as vLLM does with
 ``--enable-prompt-tokens-details``; the tenant's budget, its ledger rows and the metrics are
 charged at ``cost.cached_prompt`` for the cached part, in full where the engine says

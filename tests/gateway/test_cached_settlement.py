@@ -1,4 +1,4 @@
-"""Cached prompt tokens settled at ``cost.cached_prompt`` (issue 41), in process on the real
+"""Cached prompt tokens settled at ``cost.cached_prompt``, in process on the real
 stages: admission reserves the whole prompt at ``cost.prompt`` (a cache hit is known only
 after the engine ran the prompt), the fair queue is charged so at dispatch or at the first
 usage, and the engine's final usage brings the cached count: the budget settles to the

@@ -1,4 +1,4 @@
-"""The dispatch lease (issue 13): a slot on an engine, given back however its holder ends
+"""The dispatch lease: a slot on an engine, given back however its holder ends
 (exception, cancellation while waiting or while holding, timeout); nothing leaks. In
 process, on the real Dispatcher and fair queue."""
 

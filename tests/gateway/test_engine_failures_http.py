@@ -1,4 +1,4 @@
-"""Engines that die and come back, over real HTTP (issue 43): a gateway process in front of
+"""Engines that die and come back, over real HTTP: a gateway process in front of
 two small engines, one of which is stopped (its port closed, as after a SIGKILL) and later
 started again on the same port.
 

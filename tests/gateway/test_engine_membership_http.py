@@ -1,4 +1,4 @@
-"""Engines that join and leave a running gateway, over real HTTP (issue 43): a reload that
+"""Engines that join and leave a running gateway, over real HTTP: a reload that
 adds and removes engines, and engines named by DNS (``engines[].discovery: dns``) whose
 addresses come and go.
 

@@ -41,7 +41,7 @@ def test_a_client_that_drops_while_sending_its_body_is_client_disconnected(gatew
 def test_a_refused_connect_to_the_only_engine_is_tried_twice_then_a_503(
         make_gateway: Any, tmp_path: Path) -> None:
     """With no engine listening the client gets a JSON 503 ``engine_unavailable`` with
-    ``retry-after`` (issue 43): the pool's last engine is tried twice (one refusal could be
+    ``retry-after``: the pool's last engine is tried twice (one refusal could be
     a blip), then taken out of dispatch (tests/gateway/test_engine_failures_http.py has a
     pool of two)."""
     port = free_port()

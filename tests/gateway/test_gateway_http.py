@@ -407,7 +407,7 @@ def test_budgets_survive_a_restart(engine: EngineServer, make_gateway: Any, tmp_
     assert before is not None and before == pytest.approx(1000 - 3 * 200, abs=1)
     gw.stop()
     gw.start()
-    # A tenant's series appear with its first request (issue 28): a call that spends nothing.
+    # A tenant's series appear with its first request: a call that spends nothing.
     assert httpx.get(gw.url + "/v1/models", headers={"authorization": f"Bearer {KEY_A}"},
                      timeout=30).status_code == 200
     after = gw.metric("tokenpace_gateway_budget_remaining_tokens", tenant="team-a")

@@ -1,4 +1,4 @@
-"""Issue 15 over real HTTP: the engine's API key on every call; per-tenant cache salts."""
+"""Over real HTTP: the engine's API key on every call; per-tenant cache salts."""
 
 from __future__ import annotations
 

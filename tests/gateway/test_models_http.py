@@ -1,4 +1,4 @@
-"""Several models behind one gateway (issue 26), over real HTTP: routing by model name,
+"""Several models behind one gateway, over real HTTP: routing by model name,
 404 ``model_not_found`` decided without an engine call, per-tenant ``/v1/models``, aliases
 rewritten to the served name, per-model cost in the ledger, one pool over two engines."""
 

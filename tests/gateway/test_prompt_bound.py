@@ -1,4 +1,4 @@
-"""The prompt's byte bound, in process (issue 13): what it claims, when it decides admission
+"""The prompt's byte bound, in process: what it claims, when it decides admission
 without a round trip, and how the exact count corrects the reservation later.
 
 Admission runs with a real Runtime (real ledger file, real dispatcher) whose engine client

@@ -1,4 +1,4 @@
-"""Prompt counting off the critical path, over real HTTP (issue 13): requests decided by the
+"""Prompt counting off the critical path, over real HTTP: requests decided by the
 prompt's byte bound make no /tokenize call, one that the bound cannot decide makes one,
 and budgets are exact after settlement (and corrected at a stream's first usage).
 

@@ -1,4 +1,4 @@
-"""A conversation's engine is the same at every gateway replica (issue 41, ``locality:
+"""A conversation's engine is the same at every gateway replica (``locality:
 conversation`` with ``state`` in Redis): real gateway processes, a real ``redis-server``,
 two fake engines. One replica moves a conversation (its engine is drained there: the drain
 is per replica), and the other replica, which never saw the move and still has both

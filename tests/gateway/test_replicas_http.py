@@ -211,7 +211,7 @@ def test_budget_gauge_shows_the_shared_level_on_every_replica(
     gws = replicas(engine, tmp_path, redis_server.url, 2)
     try:
         assert post(gws[0]).status_code == 200
-        # A replica shows the tenants active on it (issue 28): team-a calls the other one
+        # A replica shows the tenants active on it: team-a calls the other one
         # too, with a request that spends nothing.
         assert httpx.get(gws[1].url + "/v1/models", timeout=30,
                          headers={"authorization": f"Bearer {KEY_A}"}).status_code == 200

@@ -1,4 +1,4 @@
-"""How much work one request costs the gateway, counted, not timed (issue 42).
+"""How much work one request costs the gateway, counted, not timed.
 
 Timings move 2-3x between days on a shared VM, so a feature that doubled the gateway's CPU
 per request would pass any timed check; a count of the Python function calls one request

@@ -28,7 +28,7 @@ def test_configured_rate_follows_reloads() -> None:
     fast = {"id": "mon-fast", "api_keys": ["sk-1"], "output_tokens_per_second": 250}
     slow = {"id": "mon-slow", "api_keys": ["sk-2"], "output_tokens_per_second": 0.5}
     tenants = Tenants(config(fast, slow), clock=lambda: 0.0)
-    assert value(RATE, tenant="mon-fast") is None  # no traffic yet: no series (issue 28)
+    assert value(RATE, tenant="mon-fast") is None  # no traffic yet: no series
     for tenant_id in ("mon-fast", "mon-slow"):
         state = tenants.get(tenant_id)
         assert state is not None

@@ -1,4 +1,4 @@
-"""Applications paced inside their user (issue 29, part 1), on vLLM's real scheduler.
+"""Applications paced inside their user, on vLLM's real scheduler.
 
 A trusted gateway names a request's application in ``vllm_xargs.output_rate_application``
 and sends its rate in ``output_rate_application_tokens_per_second``; a token is dispatched

@@ -1,4 +1,4 @@
-"""End users paced inside their user (issue 29, part 2), on vLLM's real scheduler.
+"""End users paced inside their user, on vLLM's real scheduler.
 
 A request names its end user in ``vllm_xargs.output_rate_end_user``; with an end-user rate
 r each end user gets at most r while its user (a gateway's tenant) stays within its own

@@ -1,4 +1,4 @@
-"""Identity from a trusted proxy's header, paced by vLLM's real scheduler (issue 40).
+"""Identity from a trusted proxy's header, paced by vLLM's real scheduler.
 
 A request's sampling parameters go through the API server's ``AsyncLLM.add_request``
 wrapper (``_header_identity``) as vLLM's endpoints send them, with the header identity the

@@ -401,7 +401,7 @@ def test_limits_file_edit_applies_between_steps(tiny_model, is_async, tmp_path):
 
 
 def test_pacing_counters_match_what_was_dispatched(tiny_model, is_async):
-    """The engine's /metrics counters (issue 30), read through the utility call: per user,
+    """The engine's /metrics counters, read through the utility call: per user,
     tokens = the sampling steps dispatched (charges minus refunds), throttled request-steps
     and seconds only for the user held back, the rate in force."""
     from tokenpace.engine._metrics import tokenpace_pacing_stats

@@ -1,4 +1,4 @@
-"""Cached prompt tokens with ``state`` in Redis (issue 41), against a real ``redis-server``:
+"""Cached prompt tokens with ``state`` in Redis, against a real ``redis-server``:
 the shared budget reserves the whole prompt at ``cost.prompt`` and settles to the cost with
 the cached part at ``cost.cached_prompt`` (in the same store call as the slot's release),
 and the shared fair-queue counter, which every replica orders by, gets the discount back.

@@ -1,4 +1,4 @@
-"""Conversation homes shared by replicas (issue 41, ``locality: conversation`` with
+"""Conversation homes shared by replicas (``locality: conversation`` with
 ``state`` in Redis), against a real ``redis-server``: the engine one replica placed or moved
 a conversation to is where every replica sends its next turns; a store that does not
 answer costs the choice nothing but the other replicas' moves."""

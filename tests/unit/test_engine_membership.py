@@ -1,4 +1,4 @@
-"""Engines that join and leave a running gateway (issue 43): a reload's engine list, and
+"""Engines that join and leave a running gateway: a reload's engine list, and
 engines named by DNS (``engines[].discovery: dns``), one per address, re-resolved. The real
 Dispatcher, a fake clock, and an injected resolver in place of DNS."""
 

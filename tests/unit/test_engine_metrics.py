@@ -1,4 +1,4 @@
-"""The engine's pacing series on its /metrics (issue 30), in process: the middleware's page
+"""The engine's pacing series on its /metrics, in process: the middleware's page
 (vLLM's, then ours), the merge over data-parallel ranks, the ``name[]`` filter and the
 one-second reading shared by every scrape. The real engine is in tests/e2e/test_serve.py."""
 

@@ -1,4 +1,4 @@
-"""Identity from a trusted proxy's headers (issue 40): the configuration, the guard's
+"""Identity from a trusted proxy's headers: the configuration, the guard's
 reading of the headers, and how they replace what a body's ``vllm_xargs`` said.
 
 The scheduler's side (a real vLLM scheduler pacing the header's user) is in

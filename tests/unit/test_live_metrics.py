@@ -1,5 +1,5 @@
 """Gauges read at scrape time: a budget's level is the bucket's level now, and a tenant a
-reload removed has no series (issue 15.6); only active tenants have series (issue 28)."""
+reload removed has no series; only active tenants have series."""
 
 from __future__ import annotations
 

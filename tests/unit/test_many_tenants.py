@@ -1,4 +1,4 @@
-"""Thousands of configured tenants (issue 28): what must not land on the event loop, and
+"""Thousands of configured tenants: what must not land on the event loop, and
 what must not grow with the configuration. Properties, not timings:
 
 - a reload reads and checks the file in a worker thread: the loop serves meanwhile (the

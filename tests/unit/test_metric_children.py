@@ -1,4 +1,4 @@
-"""Per-tenant caches on the request path (issue 13): bound Prometheus children and the
+"""Per-tenant caches on the request path: bound Prometheus children and the
 rendezvous ranking. Each must give what the uncached call gave, and forget a tenant that a
 reload removed. Routing itself is checked by what rendezvous hashing promises, through
 ``Dispatcher.engine_for``, not by recomputing the gateway's hash."""

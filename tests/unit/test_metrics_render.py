@@ -1,4 +1,4 @@
-"""A scrape's page is built on the event loop in slices (issue 42): the same page as one
+"""A scrape's page is built on the event loop in slices: the same page as one
 ``generate_latest`` of everything, every family once and in one piece, and the loop gets a
 turn between two slices, so requests in flight wait one slice, not the page. Counts of
 turns and samples, not times."""

@@ -1,4 +1,4 @@
-"""Model pools on the real in-process Dispatcher (issue 26): one fair queue per model over
+"""Model pools on the real in-process Dispatcher: one fair queue per model over
 its engines, the engine chosen at dispatch by load with the tenant's rendezvous engine as a
 soft preference, paced tenants and ``routing: pinned`` on one engine, pools learned."""
 

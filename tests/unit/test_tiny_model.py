@@ -68,7 +68,7 @@ def test_refuses_a_file(tmp_path: Path, capsys) -> None:
 def test_an_older_format_is_rewritten(tmp_path: Path) -> None:
     target = tmp_path / "old"
     target.mkdir()
-    (target / MARKER_FILE).write_text('{"format": 1}')  # format 1 was bfloat16 (issue 25)
+    (target / MARKER_FILE).write_text('{"format": 1}')  # format 1 was bfloat16
     assert write_tiny_model(target)
     assert json.loads((target / MARKER_FILE).read_text())["format"] == FORMAT_VERSION
     assert json.loads((target / "config.json").read_text())["dtype"] == "float32"

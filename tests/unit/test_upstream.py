@@ -272,8 +272,8 @@ def test_requests_beyond_max_connections_wait_for_a_free_one() -> None:
 
 
 def test_a_failed_connect_raises_at_once_and_sends_nothing() -> None:
-    """Nothing was sent: the gateway sends the request to another engine of its pool
-    (issue 43), not to this one again; the next call connects anew."""
+    """Nothing was sent: the gateway sends the request to another engine of its pool, not
+    to this one again; the next call connects anew."""
     class FirstConnectRefused(Upstream):
         """The first connect goes to a port nothing listens on: a real refusal."""
 

@@ -1,5 +1,5 @@
-"""Seed 002's checklist: after a reload that changes weights, shares converge to the new
-weights without a burst to one tenant (issue 29, part 5).
+"""After a reload that changes weights, shares converge to the new
+weights without a burst to one tenant.
 
 Two tenants keep a backlog of equal requests in one lane; each dispatch charges its prompt
 cost and, as it streams, its output cost. After a weight change the tenants' counters are
