@@ -56,7 +56,10 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                      "max_engine_waiting": 4}],
         "ledger": f"sqlite:///{home / 'usage.db'}",
         "tenants": [{"id": "relay", "api_keys": [KEY]},
-                    {"id": "huge", "api_keys": [KEY_HUGE], "max_input_tokens": 2048}],
+                    # Its bodies paced only far above what the test sends (it is about
+                    # the size refusal, not max_body_bytes_per_second).
+                    {"id": "huge", "api_keys": [KEY_HUGE], "max_input_tokens": 2048,
+                     "max_body_bytes_per_second": 1 << 30}],
     }
     gw = GatewayProcess(home, config).start()
     try:

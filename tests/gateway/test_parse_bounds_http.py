@@ -37,7 +37,9 @@ def _post(gw: GatewayProcess, path: str, content: bytes) -> httpx.Response:
 
 def test_a_parse_bomb_costs_about_its_parsed_body(engine: EngineServer, make_gateway: Any,
                                                   tmp_path: Path) -> None:
-    gw = make_gateway(base_config(engine.url, tmp_path / "usage.db"))
+    config = base_config(engine.url, tmp_path / "usage.db")
+    config["tenants"][1]["max_body_bytes_per_second"] = 64 * MIB  # memory, not the rate
+    gw = make_gateway(config)
     # 4 MiB: an escaped emoji, then 1.4 million items of a mixed list (walked item by
     # item). The request names no served model, so it ends at the 404 after parsing.
     head = '{"model": "no-such-model", "messages": [{"role": "user", "content": "%s"}], ' \
@@ -115,7 +117,7 @@ def test_a_tenant_sending_bodies_faster_than_its_byte_rate_is_refused_before_rea
         engine: EngineServer, make_gateway: Any, tmp_path: Path) -> None:
     # team-b may send 1 KiB of request body a second: its first 16 KiB body starts (16 s
     # owed), the next ones are refused until the debt is back within 2 s (14 s: far more
-    # than this test takes, whatever the machine's load). team-a (the default, 4 MiB/s)
+    # than this test takes, whatever the machine's load). team-a (the default, 1 MiB/s)
     # is not held up by team-b's debt.
     config = base_config(engine.url, tmp_path / "usage.db")
     config["tenants"][1]["max_body_bytes_per_second"] = 1024

@@ -27,7 +27,7 @@ def _tenant(**extra: object) -> dict[str, object]:
 
 
 def test_a_file_tenant_gets_the_default_rate_and_may_name_its_own() -> None:
-    assert parse_config(_tenant()).tenant("t").max_body_bytes_per_second == 4 * 1024 * 1024
+    assert parse_config(_tenant()).tenant("t").max_body_bytes_per_second == 1024 * 1024
     assert parse_config(_tenant(max_body_bytes_per_second=65536)
                         ).tenant("t").max_body_bytes_per_second == 65536
     with pytest.raises(ConfigError, match=r"tenants\[0\]\.max_body_bytes_per_second"):

@@ -112,7 +112,7 @@ each holds its parsed body (up to ``max_body_bytes``) while it waits, so the bou
 the tenant's queued memory; beyond it a request is refused at once (429 ``queue_full``)."""
 
 
-DEFAULT_MAX_BODY_BYTES_PER_SECOND = 4 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES_PER_SECOND = 1024 * 1024
 """The request-body bytes per second a configuration file's tenant may send when its entry
 names no ``max_body_bytes_per_second`` (``tenants._body_rate``): what one tenant can make
 the gateway and the engines parse per second, whatever tokens it asks for."""
