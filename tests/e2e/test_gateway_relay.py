@@ -267,3 +267,21 @@ def test_huge_prompts_a_tenant_may_not_send_do_not_stall_others(engine: Server, 
     # Margin: reading and parsing a 4 MB body takes the gateway's event loop tens of ms
     # per big request; a stall behind the engine's tokenizer took seconds.
     assert during <= 3 * alone + 0.25
+
+
+def test_the_engines_openapi_document_names_its_request_fields(engine: Server) -> None:
+    """What the gateway reads from a real vLLM to trim a large body's ignored fields: the
+    chat and completion routes resolve to their request models' fields, with what every
+    client sends among them (a field missing here would be dropped from large bodies)."""
+    from tokenpace.gateway.fleet import request_fields
+
+    # The gateway asks with the engine's key (engines[].api_key), as here.
+    resp = httpx.get(f"{engine.base_url}/openapi.json", timeout=60,
+                     headers={"authorization": f"Bearer {KEY}"})
+    assert resp.status_code == 200
+    fields = request_fields(resp.json())
+    written = {"model", "max_tokens", "vllm_xargs", "priority", "stream", "stream_options",
+               "cache_salt"}
+    assert written | {"messages"} <= fields["/v1/chat/completions"]
+    assert written | {"prompt"} <= fields["/v1/completions"]
+    assert "pad" not in fields["/v1/chat/completions"]

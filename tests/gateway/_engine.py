@@ -92,6 +92,9 @@ class FakeEngine:
     # first saw it ended, with the time then; engine ids as in ``_book``.
     ended: list[tuple[Seen, float]] = field(default_factory=list)
     ended_calls: int = 0
+    # Served at /openapi.json when set (vLLM's API server publishes its request models
+    # there); None: 404, as vLLM with --disable-fastapi-docs.
+    openapi: dict[str, Any] | None = None
 
     def usage_details(self, prompt_tokens: int) -> dict[str, Any]:
         """The ``prompt_tokens_details`` part of a final usage, as vLLM 0.32 writes it."""
@@ -138,12 +141,19 @@ class FakeEngine:
             Route("/health", self._health),
             Route("/metrics", self._metrics),
             Route("/v1/models", self._models),
+            Route("/openapi.json", self._openapi),
             Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
             Route("/v1/completions", _validated(self._complete), methods=["POST"]),
             Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
             Route("/tokenpace/v1/aborted", self._book, methods=["POST"]),
             Route("/tokenpace/v1/ended", self._ended, methods=["GET"]),
         ])
+
+    async def _openapi(self, request: Request) -> Response:
+        self.other_calls.append((request.url.path, dict(request.headers)))
+        if self.openapi is None:
+            return Response(status_code=404)
+        return JSONResponse(self.openapi)
 
     async def _book(self, request: Request) -> Response:
         """The ended requests' counts by the ids vLLM's API server gives them

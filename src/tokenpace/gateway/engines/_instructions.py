@@ -110,8 +110,11 @@ def for_request(tenant: TenantConfig, application: ApplicationConfig | None, *, 
                                    else application.end_user_output_tokens_per_second))
 
 
-def engine_body(req: ParsedRequest, instructions: EngineInstructions) -> bytes:
+def engine_body(req: ParsedRequest, instructions: EngineInstructions,
+                keep: frozenset[str] | None = None) -> bytes:
     """The body sent upstream: the client's, with ``instructions`` written over it.
+    ``keep``: the client's top-level fields the engine reads (``fleet``'s request fields);
+    the others are not sent (None: all are).
 
     Whatever a client put in ``vllm_xargs``' pacing fields, ``priority`` or the output
     limit is replaced, so no client can borrow another tenant's quota or lane; a client's
@@ -119,7 +122,7 @@ def engine_body(req: ParsedRequest, instructions: EngineInstructions) -> bytes:
     prompt's cached blocks are the tenant's alone: a client's own salt (a string) is mixed
     into it, so it can split its tenant's cache further but never reach another tenant's.
     """
-    body = dict(req.body)
+    body = dict(req.body) if keep is None else {k: v for k, v in req.body.items() if k in keep}
     if instructions.model is not None:
         body["model"] = instructions.model
     cache_salt = instructions.cache_salt

@@ -19,6 +19,7 @@ request that saw the engine refuse or shut down) and ``EngineSlots.connect_ok``.
 
 from ._connections import ENGINE_KEEPALIVE_S, Connections
 from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
+from ._fields import learn_request_fields, request_fields
 from ._fleet import EJECT_LAST_AFTER, Dispatch, Fleet
 from ._health import (
     DOWN_AFTER_FAILURES,
@@ -48,6 +49,7 @@ __all__ = [
     "Fleet",
     "HEALTH_INTERVAL_S",
     "HEALTH_TIMEOUT_S",
+    "learn_request_fields",
     "LOAD_INTERVAL_S",
     "LOAD_SOON_S",
     "Monitor",
@@ -56,6 +58,7 @@ __all__ = [
     "ProbeSchedule",
     "read_load",
     "reported_policy",
+    "request_fields",
     "reread_delay",
     "Resolve",
     "resolve_addresses",

@@ -19,6 +19,7 @@ from ..config import EngineConfig, GatewayConfig
 from ..engines import UpstreamError
 from ._connections import Connections
 from ._discovery import Discovery
+from ._fields import learn_request_fields
 from ._fleet import Fleet
 from ._health import DOWN_AFTER_FAILURES, HEALTH_TIMEOUT_S, ProbeSchedule
 from ._load import read_load
@@ -176,12 +177,16 @@ class Monitor:
                     self._note_policy(engine.config, reported_policy(headers))
                     if engine.config.models is None:
                         await self._learn_models(engine, HEALTH_TIMEOUT_S)
+                    if not engine.fields_learned:
+                        engine.fields_learned = True
+                        self._spawn(self._learn_fields(engine))
                 failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1
                 # One slow answer from a busy engine is not an outage.
                 healthy = ok or (engine.healthy and not stopping
                                  and failures[engine.url] < DOWN_AFTER_FAILURES)
                 if healthy != engine.healthy:
                     logger.warning("engine %s is %s", engine.url, "healthy" if healthy else "DOWN")
+                    engine.fields_learned = healthy and engine.fields_learned
                     # Back up, it may serve another model or chat template: learn again.
                     self._engine_changed(engine.url)
                 fleet.set_health(engine, healthy)
@@ -206,6 +211,12 @@ class Monitor:
 
     async def _read_load(self, engine: EngineSlots) -> None:
         await read_load(self._fleet, engine, self._connections.upstreams[engine.url])
+
+    async def _learn_fields(self, engine: EngineSlots) -> None:
+        """The request fields the engine reads (``_fields``), off the health loop."""
+        upstream = self._connections.upstreams.get(engine.url)
+        if upstream is not None:
+            engine.request_fields = await learn_request_fields(engine.url, upstream)
 
     async def _learn_models(self, engine: EngineSlots, timeout_s: float) -> None:
         """The model names an engine without ``models`` in the configuration serves, from

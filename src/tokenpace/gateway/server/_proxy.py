@@ -54,6 +54,11 @@ from ..wire import (
 
 logger = logging.getLogger("tokenpace.gateway")
 
+TRIM_BODY_BYTES = 64 * 1024
+"""A body larger than this goes to the engine without the top-level fields the engine does
+not read (``fleet``'s request fields): it would parse them and drop them. Smaller bodies go
+whole (the trim would cost more than it saves)."""
+
 MAX_DISPATCHES = 3
 """How many engines a request is sent to at most when engines refuse its connection (the
 first and two more), all within its ``request_timeout``, each wait for a slot within its
@@ -143,7 +148,9 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
                 tenant.config, app, model=model, request_id=request_id,
                 max_tokens=admission.max_tokens, rate=rate, rate_version=version,
                 priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
-                end_user=end_user))
+                end_user=end_user),
+                keep=engine.request_fields.get(ROUTES[kind]) if len(raw) > TRIM_BODY_BYTES
+                else None)
             upstream = rt.upstreams.get(engine.url)
             _journal_open(ex, engine.url, admitted)
             try:
