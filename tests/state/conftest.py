@@ -47,3 +47,11 @@ def pg_url(postgres_server: str) -> Iterator[str]:
     yield postgres_server.rsplit("/", 1)[0] + f"/{name}"
     with psycopg.connect(postgres_server, autocommit=True) as admin:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty batch store database of each kind (Postgres: ``pg_url``)."""
+    if request.param == "sqlite":
+        return "sqlite:///" + str(tmp_path / "usage.batches.db")
+    return str(request.getfixturevalue("pg_url"))

@@ -30,14 +30,6 @@ from tokenpace.gateway.batch import (
 NOW = 1_795_000_000
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty batch store database of each kind (Postgres: conftest's ``pg_url``)."""
-    if request.param == "sqlite":
-        return "sqlite:///" + str(tmp_path / "usage.batches.db")
-    return str(request.getfixturevalue("pg_url"))
-
-
 @pytest.fixture
 def store(store_url: str) -> Iterator[BatchStore]:
     opened = BatchStore(store_url)

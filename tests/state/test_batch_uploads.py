@@ -82,13 +82,6 @@ def test_the_gate_bounds_uploads_per_tenant_in_all_and_in_memory() -> None:
         again.take(100)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return "sqlite:///" + str(tmp_path / "usage.batches.db")
-    return str(request.getfixturevalue("pg_url"))
-
-
 @pytest.fixture
 def stores(store_url: str) -> Iterator[list[BatchStore]]:
     """Four stores on one database: four gateway replicas."""
