@@ -10,7 +10,6 @@ import random
 import threading
 import tracemalloc
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
