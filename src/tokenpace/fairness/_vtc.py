@@ -1,6 +1,6 @@
 """Who is dispatched next: priority lanes, then the weighted Virtual Token Counter.
 
-Three ideas stay separate (seed 002): quota is admission's business (budgets), priority
+Three ideas stay separate: quota is admission's business (budgets), priority
 picks the lane, fairness shares a lane between tenants.
 
 Lanes are served in strict priority order (lower value first), except that a backlogged
