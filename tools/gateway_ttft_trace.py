@@ -126,9 +126,10 @@ def _gateway_child(argv: list[str]) -> int:
 def _trace_gate(sink: Any) -> None:
     """Rows ``{"gate": "reading" | "held", ...}``: each reading of the engine's gauges and
     each time the saturation gate starts holding requests."""
-    from tokenpace.gateway.dispatch import _dispatcher as _dispatch
+    from tokenpace.gateway.dispatch import Dispatcher
+    from tokenpace.gateway.fleet import EngineSlots
 
-    record_reading, pump = _dispatch.EngineSlots.record_reading, _dispatch.Dispatcher._pump
+    record_reading, pump = EngineSlots.record_reading, Dispatcher._pump
 
     def traced_reading(self, running, waiting, kv_usage):  # type: ignore[no-untyped-def]
         sink.write(json.dumps({"gate": "reading", "t": time.monotonic(), "running": running,
@@ -143,8 +144,8 @@ def _trace_gate(sink: Any) -> None:
                                    "inflight": engine.inflight,
                                    "engine_waiting": engine.engine_waiting}) + "\n")
 
-    _dispatch.EngineSlots.record_reading = traced_reading
-    _dispatch.Dispatcher._pump = traced_pump
+    EngineSlots.record_reading = traced_reading  # type: ignore[method-assign]
+    Dispatcher._pump = traced_pump  # type: ignore[method-assign]
 
 
 async def _one_stream(session: Any, url: str, path: str, prompt: str, tokens: int) -> dict:

@@ -60,7 +60,7 @@ ENGINE_KEY = "sk-bench-failover-engine"
 TENANT_KEY = "sk-bench-failover"
 ADMIN_KEY = "sk-bench-admin"  # /health's engine view needs an admin or metrics key
 POLL_S = 0.02
-HEALTH_INTERVAL_S = 2.0  # the gateway's (tokenpace.gateway.dispatch.HEALTH_INTERVAL_S)
+HEALTH_INTERVAL_S = 2.0  # the gateway's (tokenpace.gateway.fleet.HEALTH_INTERVAL_S)
 PROMPT = "Tell me about the sea"
 
 
