@@ -95,7 +95,9 @@ def test_an_engine_given_sigterm_drains_and_no_request_fails(
         stream = threading.Thread(target=paced_stream)
         stream.start()
         deadline = time.monotonic() + 30
-        while health(gw)[real.base_url]["inflight"] != 1:
+        # Running on the real engine: its slot there, and its first event arrived (the
+        # slot alone is taken before the request reaches the engine).
+        while health(gw)[real.base_url]["inflight"] != 1 or not events:
             assert time.monotonic() < deadline, health(gw)
             time.sleep(0.05)
         admin(gw, fake.url, False)

@@ -4,10 +4,12 @@ vLLM ignores a request's top-level fields that its request models do not declare
 its API server has parsed them: a client can make every engine behind the gateway parse
 megabytes it then drops. vLLM's API server (FastAPI) publishes those models at
 ``/openapi.json``; the fields each ``POST`` route's request model declares are read from
-there once per engine (when it first answers its health check, and again when it comes
-back), and a large body's fields outside them are not forwarded (``server``'s proxy). An
-engine that publishes no document (``--disable-fastapi-docs``), or a route whose model
-cannot be read from it, gets every field, as before.
+there once per engine, at its first good health check after a large body was sent to it
+(building the document costs vLLM's API server a moment, so an engine that never gets
+one is never asked) and again when it comes back; a large body's fields outside them are
+not forwarded (``server``'s proxy). Until they are known, for an engine that publishes no
+document (``--disable-fastapi-docs``), and for a route whose model cannot be read from it,
+every field is forwarded.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class Monitor:
                     self._note_policy(engine.config, reported_policy(headers))
                     if engine.config.models is None:
                         await self._learn_models(engine, HEALTH_TIMEOUT_S)
-                    if not engine.fields_learned:
+                    if engine.fields_wanted and not engine.fields_learned:
                         engine.fields_learned = True
                         self._spawn(self._learn_fields(engine))
                 failures[engine.url] = 0 if ok else failures.get(engine.url, 0) + 1

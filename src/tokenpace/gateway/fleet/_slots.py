@@ -76,8 +76,10 @@ class EngineSlots:
         self.kv_cache_usage: float | None = None
         self.learned_capacity: int | None = None
         # Route -> the top-level request fields the engine reads (``_fields``); empty: not
-        # known (every field is forwarded). Learned again when it comes back.
+        # known (every field is forwarded). Read once a large body asked for them
+        # (``fields_wanted``), at the next good health check; again when it comes back.
         self.request_fields: dict[str, frozenset[str]] = {}
+        self.fields_wanted = False
         self.fields_learned = False
         self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
         self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once

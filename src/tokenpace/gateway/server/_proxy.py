@@ -149,8 +149,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
                 max_tokens=admission.max_tokens, rate=rate, rate_version=version,
                 priority=lane.priority if engine.config.scheduling_policy == "priority" else 0,
                 end_user=end_user),
-                keep=engine.request_fields.get(ROUTES[kind]) if len(raw) > TRIM_BODY_BYTES
-                else None)
+                keep=_fields_read(engine, kind) if len(raw) > TRIM_BODY_BYTES else None)
             upstream = rt.upstreams.get(engine.url)
             _journal_open(ex, engine.url, admitted)
             try:
@@ -203,6 +202,13 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
         if watch is not None:
             watch.stop()
         raise
+
+
+def _fields_read(engine: EngineSlots, kind: Kind) -> frozenset[str] | None:
+    """The top-level fields ``engine`` reads on ``kind``'s route, for a large body; None
+    while they are not known (asked for: the fleet's monitor reads them)."""
+    engine.fields_wanted = True
+    return engine.request_fields.get(ROUTES[kind])
 
 
 def _journal_open(ex: Exchange, engine: str, admitted: float) -> None:
