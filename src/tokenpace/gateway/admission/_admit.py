@@ -84,11 +84,12 @@ async def read_paced_body(tenant: TenantState, receive: Receive, declared: str |
     wait = pace.wait_s(now)
     if wait > 0:
         raise body_rate_limited(tenant, wait)
-    if declared is not None and declared.isdigit() and int(declared) <= limit:
-        pace.charge(int(declared), now)
-        return await read_body(receive, declared, limit)
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size <= limit:  # over the limit: read_body's 413, no charge
+        pace.charge(size, now)
     raw = await read_body(receive, declared, limit)
-    pace.charge(len(raw), clock())
+    if size is None:
+        pace.charge(len(raw), clock())
     return raw
 
 
