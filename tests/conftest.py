@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests._engine_pool import EnginePool, ModuleEngines
 
 # A test that uses one of these fixtures (directly or through another fixture) starts that
 # server, and gets its marker here; a test that starts one itself carries the marker in its
@@ -35,3 +38,43 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
     write_tiny_model(path)
     return path
+
+
+_POOL = pytest.StashKey[EnginePool]()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request: pytest.FixtureRequest, tiny_model: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
+    """The session's engine pool (``tests/_engine_pool.py``); modules use ``module_engines``."""
+    modules = dict.fromkeys(item.module for item in request.session.items
+                            if getattr(item, "module", None) is not None)
+    pool = EnginePool(tiny_model, tmp_path_factory.mktemp, list(modules))
+    request.session.stash[_POOL] = pool
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def module_engines(engine_pool: EnginePool, request: pytest.FixtureRequest) -> Iterator[ModuleEngines]:
+    """The engines the module's ``ENGINES`` function launches, ready; stopped at its end.
+    Started together with the next such module's (``tests/_engine_pool.py``)."""
+    beside = request.node.get_closest_marker("no_timing") is not None
+    try:
+        yield engine_pool.take(request.module, beside_tests=beside)
+    finally:
+        engine_pool.release(request.module)
+
+
+@pytest.fixture(autouse=True)
+def _engine_starts_beside_untimed_tests_only(request: pytest.FixtureRequest) -> None:
+    """A test marked ``no_timing`` lets the next module's engines start beside it; before
+    any other test, wait for engines still starting (``tests/_engine_pool.py``)."""
+    if request.node.get_closest_marker("no_timing") is not None:
+        request.getfixturevalue("engine_pool").launch_following(request.module)
+        return
+    pool = request.session.stash.get(_POOL, None)
+    if pool is not None:
+        pool.settle()

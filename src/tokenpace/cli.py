@@ -1,10 +1,11 @@
 """The ``tokenpace`` command line: a table of commands, each owned by one module.
 
-``serve``, ``gateway``, ``up`` and ``usage`` parse their own arguments: the function named in
-``PASS_THROUGH`` gets every argument after the command, untouched (``serve`` hands vllm's
-flags on as given). ``tiny-model`` and each ``bench NAME`` are argparse subcommands: their
-module declares its flags in ``add_cli_args(parser)`` and runs in ``main(args)``, which
-returns the exit status. A module is imported only when its command runs or prints its help.
+``serve``, ``gateway``, ``up``, ``usage`` and ``admin`` parse their own arguments: the
+function named in ``PASS_THROUGH`` gets every argument after the command, untouched
+(``serve`` hands vllm's flags on as given). ``tiny-model`` and each ``bench NAME`` are
+argparse subcommands: their module declares its flags in ``add_cli_args(parser)`` and runs
+in ``main(args)``, which returns the exit status. A module is imported only when its
+command runs or prints its help.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ PASS_THROUGH: tuple[tuple[tuple[str, ...], str], ...] = (
     (("up",), "tokenpace.up:main"),
     (("usage", "reconcile"), "tokenpace.gateway.reconcile:reconcile_main"),
     (("usage",), "tokenpace.gateway.ledger:usage_main"),
+    (("admin",), "tokenpace.admin_cli:main"),
 )
 """Leading arguments -> ``module:function`` called with the arguments after them; the first
 match wins."""
@@ -32,6 +34,8 @@ COMMANDS: tuple[tuple[str, str | None, str], ...] = (
     ("up", None, "paced engines and the gateway together (tokenpace up --help)"),
     ("usage", None, "usage totals from the gateway's ledger (tokenpace usage --help); usage "
      "reconcile: the ledger against the engines"),
+    ("admin", None, "tenants, keys and the audit of a running gateway, through its admin "
+     "API (tokenpace admin --help)"),
     ("tiny-model", "tokenpace.tiny_model",
      "write a deterministic tiny Llama model that vLLM loads on the CPU"),
 )
@@ -51,6 +55,8 @@ BENCHES: tuple[tuple[str, str], ...] = (
     ("batch", "a large batch (/v1/batches) beside live requests on the same engine: live "
      "TTFT and req/s with and without it, the batch's throughput against the engine alone, "
      "two tenants' batches by weight"),
+    ("lanes", "better-priority requests straight at a full engine: tokenpace's lanes "
+     "against vLLM's own priority scheduling"),
     ("failover", "an engine of a 2-engine pool killed under load and started again"),
     ("metering", "the usage ledger against the engines' own counts, through gateway "
      "SIGKILLs and a Postgres outage"),

@@ -36,14 +36,19 @@ FLAG_USER_HEADER = "--user-header"
 FLAG_APPLICATION_HEADER = "--application-header"
 FLAG_END_USER_HEADER = "--end-user-header"
 FLAG_REQUIRE_USER_HEADER = "--require-user-header"
+FLAG_LANE_MIN_SHARE = "--lane-min-share"
+FLAG_NO_LANES = "--no-lanes"
 HEADER_FLAGS = {FLAG_USER_HEADER: "user_header", FLAG_APPLICATION_HEADER: "application_header",
                 FLAG_END_USER_HEADER: "end_user_header"}
 """Each identity-header flag and its key in the ``tokenpace`` section."""
-OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG, FLAG_END_USER, *HEADER_FLAGS)
+OUR_FLAGS = (FLAG_DEFAULT, FLAG_OVERRIDES, FLAG_EVENT_LOG, FLAG_END_USER, *HEADER_FLAGS,
+             FLAG_LANE_MIN_SHARE)
 """Our flags that take a value."""
-OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED, FLAG_REQUIRE_USER_HEADER)
+OUR_SWITCHES = (FLAG_TRUSTED_GATEWAY, FLAG_ALLOW_UNAUTHENTICATED, FLAG_REQUIRE_USER_HEADER,
+                FLAG_NO_LANES)
 """Our flags that take no value."""
 GUARD_MIDDLEWARE = "tokenpace.engine.RequestGuard"
+HEALTH_MIDDLEWARE = "tokenpace.engine.EngineHeaders"
 AUTH_MIDDLEWARE = "tokenpace.engine.EngineAuth"
 API_KEY_ENV = "VLLM_API_KEY"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -55,6 +60,7 @@ usage: tokenpace serve MODEL [{FLAG_DEFAULT} N]
                        [{FLAG_ALLOW_UNAUTHENTICATED}]
                        [{FLAG_USER_HEADER} NAME [{FLAG_REQUIRE_USER_HEADER}]]
                        [{FLAG_APPLICATION_HEADER} NAME] [{FLAG_END_USER_HEADER} NAME]
+                       [{FLAG_LANE_MIN_SHARE} X | {FLAG_NO_LANES}]
                        [any vllm serve flag ...]
 
 Start vLLM's OpenAI-compatible server with per-user output-token pacing.
@@ -96,6 +102,19 @@ pacing flags:
   {FLAG_APPLICATION_HEADER} NAME, {FLAG_END_USER_HEADER} NAME
         the same for the application and end-user levels
         (vllm_xargs.output_rate_application, output_rate_end_user).
+
+lanes (with --scheduling-policy priority):
+  A request of a better priority (lower value) that arrives while the engine is full runs
+  at once: lower-priority running requests are held (KV kept, no recompute) in the room
+  --max-num-seqs leaves beyond --max-num-active-seqs. Given --max-num-seqs N and no
+  --max-num-active-seqs, N requests still run per step and N more slots hold requests
+  (--max-num-seqs 2N --max-num-active-seqs N are passed to vLLM).
+  {FLAG_LANE_MIN_SHARE} X
+        while slots are short each lower priority level keeps ceil(X x slots) of them, and
+        its prompt chunks sit out a better prefill at most ceil(1/X) - 1 steps in a row
+        (default 0.1; 0: strict priority, a lower level can starve; at most 0.5).
+  {FLAG_NO_LANES}
+        vLLM's own priority scheduling (a better arrival waits for a running request to end).
 
 Every other flag goes to vLLM unchanged (--max-num-seqs, --max-num-active-seqs,
 --async-scheduling, --port, --api-key, ...): see `python -m {VLLM_SERVER_MODULE} --help`.
@@ -248,7 +267,10 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
                 f"that risk, add {FLAG_ALLOW_UNAUTHENTICATED}"
             )
 
+    lanes_note = _lanes(section, ours, switches, rest)
     rest, additional = _pop_additional_config(rest)
+    if section.get("lanes") == {} and len(section) == 1 and "tokenpace" in additional:
+        del section["lanes"]  # the operator's own section decides (lanes are on by default)
     if section:
         if "tokenpace" in additional:
             raise ServeUsageError(
@@ -256,25 +278,81 @@ def build_command(args: Sequence[str], cwd: Path | None = None,
                 "were given too; use one or the other"
             )
         additional["tokenpace"] = section
-    pacing = False
+    pacing = ours_runs = False
     if "tokenpace" in additional:
         try:
-            pacing = PacingConfig.from_section(additional["tokenpace"]).enabled
+            parsed = PacingConfig.from_section(additional["tokenpace"])
         except PacingConfigError as exc:
             raise ServeUsageError(f"argument --additional-config: {exc}") from None
+        pacing, ours_runs = parsed.enabled, parsed.runs_scheduler
     if additional:
         rest += ["--additional-config", json.dumps(additional)]
-    if pacing:
+    if ours_runs:  # pacing, or lanes alone: tokenpace's scheduler and its /metrics series
         _refuse_foreign_scheduler(rest)
         rest += ["--middleware", GUARD_MIDDLEWARE]
+    else:  # vLLM's scheduler: only the policy and capacity on /health, for a gateway
+        rest += ["--middleware", HEALTH_MIDDLEWARE]
     if authenticated:
         rest += ["--middleware", AUTH_MIDDLEWARE]
     _tiny_model_dtype(rest, base)
     finding = _amx.check(rest, host or _amx.Host.detect(), base)
     if finding is not None and finding.fatal:
         raise ServeUsageError(finding.message)
-    return ServeCommand(vllm_args=rest, pacing=pacing,
-                        warnings=(finding.message,) if finding is not None else ())
+    warnings = tuple(w for w in (lanes_note, finding.message if finding else None) if w)
+    return ServeCommand(vllm_args=rest, pacing=pacing, warnings=warnings)
+
+
+def _lanes(section: dict[str, object], ours: Mapping[str, str], switches: set[str],
+           rest: list[str]) -> str | None:
+    """Lanes' flags into ``section`` and the hold room into ``rest`` (see USAGE); returns a
+    one-line note for the operator, if any."""
+    priority = _amx.flag_value(rest, "--scheduling-policy") == "priority"
+    if FLAG_NO_LANES in switches:
+        if FLAG_LANE_MIN_SHARE in ours:
+            raise ServeUsageError(f"argument {FLAG_LANE_MIN_SHARE}: not with {FLAG_NO_LANES}")
+        section["lanes"] = False
+        return None
+    if FLAG_LANE_MIN_SHARE in ours:
+        if not priority:
+            raise ServeUsageError(f"argument {FLAG_LANE_MIN_SHARE}: only with "
+                                  "--scheduling-policy priority (lanes order priorities)")
+        raw = ours[FLAG_LANE_MIN_SHARE]
+        try:
+            share = float(raw)
+        except ValueError:
+            share = -1.0
+        if not 0 <= share <= 0.5:
+            raise ServeUsageError(f"argument {FLAG_LANE_MIN_SHARE}: must be a number from 0 "
+                                  f"to 0.5, got {raw!r}")
+        section["lanes"] = {"min_share": share}
+    elif priority:
+        section["lanes"] = {}
+    else:
+        return None
+    if _amx.flag_value(rest, "--max-num-active-seqs") is not None:
+        return None
+    seqs = _amx.flag_value(rest, "--max-num-seqs")
+    if seqs is None or not seqs.isdigit() or int(seqs) < 1:
+        return ("warning: lanes hold lower-priority requests only in the room --max-num-seqs leaves "
+                "beyond --max-num-active-seqs: give --max-num-seqs N and tokenpace serve "
+                "makes that room (else a better-priority arrival waits for a slot)")
+    n = int(seqs)
+    _drop_flag(rest, "--max-num-seqs")
+    rest += ["--max-num-seqs", str(2 * n), "--max-num-active-seqs", str(n)]
+    return None
+
+
+def _drop_flag(rest: list[str], flag: str) -> None:
+    """Remove every ``flag V`` / ``flag=V`` from vLLM arguments."""
+    i = 0
+    while i < len(rest):
+        name, inline = _split_flag(rest[i])
+        if name != flag:
+            i += 1
+        elif inline is not None:
+            del rest[i]
+        else:
+            del rest[i:i + 2]
 
 
 def _tiny_model_dtype(rest: list[str], base: Path) -> None:

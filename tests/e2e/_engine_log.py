@@ -52,16 +52,21 @@ def engine_requests(event_log: Path, users: Collection[str] | None,
 
 
 def wait_for_engine_requests(event_log: Path, users: Collection[str], since: float,
-                             tokens: int, timeout_s: float = 10.0) -> list[EngineRequest]:
-    """:func:`engine_requests` once the log holds ``tokens`` tokens since ``since``.
+                             tokens: int, timeout_s: float = 10.0,
+                             exact: bool = False) -> list[EngineRequest]:
+    """:func:`engine_requests` once the log holds ``tokens`` tokens since ``since``
+    (``exact``: exactly that many, for speculative decoding, where a step's rejected
+    drafts are logged after its charges and net them out a moment later).
 
     The engine writes the log from a background thread every 200 ms; a log that falls
-    short after ``timeout_s`` is returned as it is, for the caller's assertion to show.
+    short (or, ``exact``, does not settle) after ``timeout_s`` is returned as it is, for
+    the caller's assertion to show.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         found = engine_requests(event_log, users, since)
-        if sum(len(r.times) for r in found) >= tokens or time.monotonic() > deadline:
+        count = sum(len(r.times) for r in found)
+        if (count == tokens if exact else count >= tokens) or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
 

@@ -138,15 +138,6 @@ def test_bench_overhead_quick(benches: dict[str, object]) -> None:
            logs=[out / "overhead.json"], stock=stock, paced=paced)
 
 
-def test_bench_idle_quick(benches: dict[str, object]) -> None:
-    result, out = _bench(benches, "idle")
-    cases = result["cases"]
-    # CPU of the server's process tree (at the source): the busy loop takes about a core.
-    expect("bench_quick", "idle cores with idle wait / busy loop",
-           cases["idle_wait"]["throttled_cores"] / cases["busy_loop"]["throttled_cores"], 1.0,
-           logs=[out / "idle.json"], cases=cases)
-
-
 def _redis_for_bench() -> bool:
     """Whether the gateway bench also runs its Redis path: always in CI (a missing
     redis-server fails there, tests/_redis.py); elsewhere when redis-server is installed."""
@@ -300,10 +291,15 @@ def test_bench_fleet_quick(benches: dict[str, object]) -> None:
         for r in paced[name]["rounds"]:
             assert len(r["placement"]) == 2 and all(r["placement"]), r
             assert r["rate_over_r"] > 0
-    assert [len(p) for p in paced["uneven"]["rounds"][0]["placement"]] in ([8, 4], [4, 8])
+    # Twelve streams, the first engine filled (8 on it) before any spilled. Not exactly
+    # [8, 4]: on a loaded host a long stream's request can reach the gateway after a short
+    # one has ended on the first engine, and then takes its place there ([9, 3] in CI).
+    counts = [len(p) for p in paced["uneven"]["rounds"][0]["placement"]]
+    assert sum(counts) == 12 and max(counts) >= 8, paced["uneven"]["rounds"][0]
 
 
 @pytest.mark.postgres
+@pytest.mark.no_timing  # the last bench, alone by then: the next module's engines start beside it
 def test_bench_metering_quick(benches: dict[str, object]) -> None:
     """Through a gateway SIGKILL, a Postgres outage, clients leaving mid-stream and two
     bad model names, the ledger holds exactly what the engines counted (their books of

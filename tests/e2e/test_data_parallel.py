@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,8 @@ import pytest
 
 from tokenpace.bench._load import StreamRecord, stream_completion
 from tokenpace.pacing import user_rank
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.e2e._streams import user_rate
 
 pytestmark = pytest.mark.vllm
@@ -32,23 +32,21 @@ USERS = next((a, b) for a in ("dp-a", "dp-b", "dp-c") for b in ("dp-d", "dp-e", 
              if user_rank(a, 2) != user_rank(b, 2))
 
 
-@pytest.fixture(scope="module")
-def dp_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
-    home = tmp_path_factory.mktemp("serve-dp")
-    events = home / "events.jsonl"
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
     argv = tokenpace_serve_argv(
         tiny_model, port,
         "--default-user-output-tokens-per-second", str(RATE),
-        "--output-rate-event-log", str(events),
+        "--output-rate-event-log", str(home / "events.jsonl"),
         "--data-parallel-size", "2", "--max-num-seqs", "16",
     )
-    server = Server(argv, port, home / "vllm.log")
-    start_all([server])
-    try:
-        yield server, events
-    finally:
-        server.stop()
+    return [Server(argv, port, home / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def dp_server(module_engines: ModuleEngines) -> tuple[Server, Path]:
+    [server] = module_engines.servers
+    return server, module_engines.home / "events.jsonl"
 
 
 async def _run(base_url: str) -> list[StreamRecord]:

@@ -21,14 +21,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.gateway._engine import EngineServer, FakeEngine
 from tests.gateway.conftest import GatewayProcess
 
@@ -38,19 +38,18 @@ KEY_PACED, KEY_BURST, ADMIN = "sk-paced", "sk-burst", "sk-admin"
 PACED_TOKENS = 60  # at 20 tok/s: about 3 s on the engine
 
 
-@pytest.fixture(scope="module")
-def real(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    home = tmp_path_factory.mktemp("engine")
-    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                      "--allow-unauthenticated-trusted-gateway",
-                                      "--shutdown-timeout", "30"),
-                 port, home / "vllm.log")
-    start_all([srv])
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                        "--allow-unauthenticated-trusted-gateway",
+                                        "--shutdown-timeout", "30"),
+                   port, home / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def real(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 def health(gw: GatewayProcess) -> dict[str, dict[str, Any]]:

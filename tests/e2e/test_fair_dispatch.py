@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv, vllm_counter
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv, vllm_counter
 from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess, pinned_engine
 from tokenpace.bench._load import percentile, stream_completion
@@ -40,9 +41,7 @@ def pinned(tenant: str, urls: list[str]) -> str:
     return urls[pinned_engine(urls, tenant)]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    home = tmp_path_factory.mktemp("fair")
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     engines = []
     for i in range(2):
         port = free_port()
@@ -51,7 +50,12 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                                     "--output-rate-event-log", str(home / f"events-{i}.jsonl"),
                                     "--max-num-seqs", "16", "--enable-prompt-tokens-details")
         engines.append(Server(argv, port, home / f"vllm-{i}.log"))
-    start_all(engines)
+    return engines
+
+
+@pytest.fixture(scope="module")
+def setup(module_engines: ModuleEngines) -> Iterator[dict[str, Any]]:
+    engines, home = module_engines.servers, module_engines.home
     urls = [e.base_url for e in engines]
     flood_engine = pinned("flood", urls)
     short = next(f"short-{i}" for i in range(100) if pinned(f"short-{i}", urls) == flood_engine)
@@ -74,8 +78,6 @@ def setup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                "other": other, "urls": urls, "flood_engine": flood_engine}
     finally:
         gateway.stop()
-        for e in engines:
-            e.stop()
 
 
 async def ttfts(url: str, key: str, count: int) -> list[float]:

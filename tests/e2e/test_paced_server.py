@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests._engine_pool import ModuleEngines
 from tests._servers import Server, free_port, paced_vllm_server_argv
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
@@ -17,21 +17,20 @@ from tests.e2e._timing import expect
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, logs: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    logs = tmp_path_factory.mktemp("paced")
     pacing = {
         "default_user_output_tokens_per_second": 20,
         "user_output_tokens_per_second": {"fast": 100},
         "event_log": str(logs / "events.jsonl"),
     }
-    srv = Server(paced_vllm_server_argv(tiny_model, port, pacing), port, logs / "vllm.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(paced_vllm_server_argv(tiny_model, port, pacing), port, logs / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def server(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 def _complete(server: Server, user: str, max_tokens: int) -> tuple[float, int]:

@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._nginx import DEPLOY_NGINX, Nginx
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._nginx import DEPLOY_NGINX, Nginx, nginx_binary
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.e2e._engine_log import all_dispatches, engine_requests, paced_rate, \
     wait_for_engine_requests
 from tests.e2e._timing import expect
@@ -32,28 +33,30 @@ KEYS = {"team-a": "sk-team-a-key", "team-b": "sk-team-b-key"}  # as in the shipp
 RATES = {"team-a": 20, "team-b": 40}
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Nginx]]:
-    home = tmp_path_factory.mktemp("proxy-identity")
-    engine_port, proxy_port = free_port(), free_port()
-    shipped = (DEPLOY_NGINX / "tokenpace-engine.conf").read_text()
-    assert "127.0.0.1:8001;" in shipped and "listen 127.0.0.1:8080;" in shipped
-    block = shipped.replace("127.0.0.1:8001;", f"127.0.0.1:{engine_port};").replace(
-        "listen 127.0.0.1:8080;", f"listen 127.0.0.1:{proxy_port};")
-    proxy = Nginx(home / "nginx", block, proxy_port)
-    engine = Server(tokenpace_serve_argv(
-        tiny_model, engine_port, "--default-user-output-tokens-per-second", "20",
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
+    nginx_binary()  # without nginx: the module's skip (or CI failure) before the engine starts
+    port = free_port()
+    return [Server(tokenpace_serve_argv(
+        tiny_model, port, "--default-user-output-tokens-per-second", "20",
         "--user-output-tokens-per-second", json.dumps({"team-b": RATES["team-b"]}),
         "--user-header", "x-tenant-id", "--output-rate-event-log", str(home / "events.jsonl")),
-        engine_port, home / "vllm.log")
+        port, home / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def deployment(module_engines: ModuleEngines) -> Iterator[tuple[Server, Nginx]]:
+    [engine], home = module_engines.servers, module_engines.home
+    proxy_port = free_port()
+    shipped = (DEPLOY_NGINX / "tokenpace-engine.conf").read_text()
+    assert "127.0.0.1:8001;" in shipped and "listen 127.0.0.1:8080;" in shipped
+    block = shipped.replace("127.0.0.1:8001;", f"127.0.0.1:{engine.port};").replace(
+        "listen 127.0.0.1:8080;", f"listen 127.0.0.1:{proxy_port};")
+    proxy = Nginx(home / "nginx", block, proxy_port)
     try:
         proxy.start()
-        start_all([engine])
         yield engine, proxy
     finally:
         proxy.stop()
-        engine.stop()
 
 
 def _events(engine: Server) -> Path:

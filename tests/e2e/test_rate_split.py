@@ -34,7 +34,8 @@ import httpx
 import pytest
 
 from tests._redis import RedisServer
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.e2e._engine_log import engine_requests
 from tests.e2e._timing import expect
 from tests.gateway.conftest import GatewayProcess
@@ -50,21 +51,22 @@ MIN_SHARE_OF_R = 0.8
 WINDOWS_S = (0.5, 1.0, 2.0, 4.0)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[Server, Path]]]:
-    home = tmp_path_factory.mktemp("rate-split")
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     out = []
     for i in range(2):
-        port, log = free_port(), home / f"events-{i}.jsonl"
-        out.append((Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                                "--output-rate-event-log", str(log)),
-                           port, home / f"vllm-{i}.log", env={"VLLM_API_KEY": ENGINE_KEY}), log))
-    start_all([server for server, _ in out])
-    try:
-        yield out
-    finally:
-        for server, _ in out:
-            server.stop()
+        port = free_port()
+        out.append(Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                               "--output-rate-event-log",
+                                               str(home / f"events-{i}.jsonl")),
+                          port, home / f"vllm-{i}.log", env={"VLLM_API_KEY": ENGINE_KEY}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(module_engines: ModuleEngines) -> list[tuple[Server, Path]]:
+    """Each engine with its event log."""
+    return [(server, module_engines.home / f"events-{i}.jsonl")
+            for i, server in enumerate(module_engines.servers)]
 
 
 def _config(engines: list[tuple[Server, Path]], home: Path) -> dict[str, Any]:

@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests._engine_pool import ModuleEngines
 from tests._servers import (Server, first_request_short_prompt, free_port, served_dtype,
                             vllm_server_argv)
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    srv = Server(vllm_server_argv(tiny_model, port), port, log)
-    try:
-        srv.wait_ready()
-        first_request_short_prompt(srv)
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(vllm_server_argv(tiny_model, port), port, home / "vllm.log")]
+
+
+@pytest.fixture(scope="module")
+def server(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    first_request_short_prompt(srv)
+    return srv
 
 
 def test_the_tiny_model_runs_in_float32_whatever_the_host_cpu(server: Server) -> None:

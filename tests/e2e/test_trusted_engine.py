@@ -21,10 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.gateway.conftest import GatewayProcess
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.no_timing]
 
 ENGINE_KEY = "sk-engine-" + uuid.uuid4().hex
 KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "d": "sk-d", "e": "sk-e"}
@@ -61,18 +62,17 @@ ROUTES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
     port = free_port()
-    home = tmp_path_factory.mktemp("trusted")
-    srv = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                      "--enable-prompt-tokens-details"),
-                 port, home / "vllm.log", env={"VLLM_API_KEY": ENGINE_KEY})
-    start_all([srv])
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return [Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                        "--enable-prompt-tokens-details"),
+                   port, home / "vllm.log", env={"VLLM_API_KEY": ENGINE_KEY})]
+
+
+@pytest.fixture(scope="module")
+def engine(module_engines: ModuleEngines) -> Server:
+    [srv] = module_engines.servers
+    return srv
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])

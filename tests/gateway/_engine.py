@@ -1,7 +1,8 @@
 """A small OpenAI-style engine served over real HTTP, for gateway edge cases.
 
 It speaks the parts of vLLM's API the gateway uses (``/tokenize``, ``/v1/completions``,
-``/v1/chat/completions`` streaming and not, ``stream_options`` usage, ``/health``,
+``/v1/chat/completions`` streaming and not, ``stream_options`` usage, the pooling routes
+(``/v1/embeddings``, rerank, score, ``/pooling``, ``/classify``), ``/health``,
 ``/v1/models``; with ``book_extra`` set, tokenpace's book of ended requests) and records
 what it received, how many tokens each request streamed and whether the request was
 aborted, so tests can check the gateway's book-keeping against the engine's. Its "tokenizer" counts bytes; prompts steer it:
@@ -60,6 +61,7 @@ class FakeEngine:
     healthy: bool = True
     metrics_text: str | None = None  # served at /metrics when set (vLLM's gauges)
     scheduling_policy: str | None = None  # reported on /health as tokenpace serve does
+    max_num_seqs: int | None = None  # ... and this as its --max-num-seqs
     # (path, headers) of every call other than a completion: health, metrics, tokenize, models.
     other_calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     tokenized: int = 0  # /tokenize calls received
@@ -92,6 +94,9 @@ class FakeEngine:
     # first saw it ended, with the time then; engine ids as in ``_book``.
     ended: list[tuple[Seen, float]] = field(default_factory=list)
     ended_calls: int = 0
+    # The pooling routes (``POOLING_PATHS``) it answers; the others get FastAPI's plain
+    # 404, as vLLM's API server answers a route its model's task does not serve.
+    pooling_paths: tuple[str, ...] | None = None  # None: all
     # Served at /openapi.json when set (vLLM's API server publishes its request models
     # there); None: 404, as vLLM with --disable-fastapi-docs.
     openapi: dict[str, Any] | None = None
@@ -145,6 +150,7 @@ class FakeEngine:
             Route("/tokenize", _validated(self._tokenize), methods=["POST"]),
             Route("/v1/completions", _validated(self._complete), methods=["POST"]),
             Route("/v1/chat/completions", _validated(self._complete), methods=["POST"]),
+            *(Route(path, _validated(self._complete), methods=["POST"]) for path in POOLING_PATHS),
             Route("/tokenpace/v1/aborted", self._book, methods=["POST"]),
             Route("/tokenpace/v1/ended", self._ended, methods=["GET"]),
         ])
@@ -212,6 +218,8 @@ class FakeEngine:
         self._note(request)
         headers = ({"x-tokenpace-scheduling-policy": self.scheduling_policy}
                    if self.scheduling_policy else {})
+        if self.max_num_seqs is not None:
+            headers["x-tokenpace-max-num-seqs"] = str(self.max_num_seqs)
         return Response(status_code=200 if self.healthy else 503, headers=headers)
 
     async def _metrics(self, request: Request) -> Response:
@@ -264,6 +272,8 @@ class FakeEngine:
         if body.get("fake_error"):
             return JSONResponse({"error": {"message": "the fake engine refuses", "type": "BadRequestError",
                                            "code": body["fake_error"]}}, status_code=body["fake_error"])
+        if request.url.path in POOLING_PATHS:
+            return await self._pool(request.url.path, body, seen)
         chat = request.url.path.endswith("chat/completions")
         prompt_tokens = self.prompt_tokens(body)
         max_tokens = (body.get("max_completion_tokens") if chat else None) \
@@ -351,6 +361,84 @@ class FakeEngine:
                     seen.aborted = True
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+    # -- the pooling routes, answered in vLLM 0.32's formats -----------------------------
+
+    def pooled_tokens(self, path: str, body: dict[str, Any]) -> list[int]:
+        """Each input's prompt tokens as this engine counts them: a string as ``/tokenize``
+        counts it, token ids their number, chat messages as a chat prompt, a (query,
+        document) pair as the two texts joined by a line break."""
+        if path.endswith("rerank") or path.endswith("score"):
+            return [self.count(self._text(q)) + self.count(self._text(d)) + 2
+                    for q, d in _pairs(path, body)]
+        value = body.get("input")
+        if value is None:
+            return [self.chat_prompt_tokens(body)]
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            value = [value]
+        return [len(v) if isinstance(v, list) else self.count(v) + 1 for v in value]
+
+    @staticmethod
+    def _text(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+    async def _pool(self, path: str, body: dict[str, Any], seen: Seen) -> Response:
+        """vLLM's answer on ``path``: one result per input (an 8-float vector, a score),
+        ``usage`` with the prompt tokens (``dimensions`` sets the vectors' size)."""
+        if self.pooling_paths is not None and path not in self.pooling_paths:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        counts = self.pooled_tokens(path, body)
+        if "SLOW" in json.dumps(body):
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(self.token_delay_s)
+        seen.finished = True
+        total = sum(counts)
+        usage = {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0,
+                 "prompt_tokens_details": None}
+        size = body.get("dimensions") or 8
+        if path.endswith("rerank"):
+            docs = body["documents"] if isinstance(body["documents"], list) else [body["documents"]]
+            return JSONResponse({"id": "rerank-fake", "model": body["model"],
+                                 "usage": {"prompt_tokens": total, "total_tokens": total},
+                                 "results": [{"index": i, "document": {"text": self._text(d)},
+                                              "relevance_score": 1.0 / (i + 1)}
+                                             for i, d in enumerate(docs)]})
+        if path.endswith("score"):
+            data = [{"index": i, "object": "score", "score": 0.5} for i in range(len(counts))]
+        elif path.endswith("classify"):
+            data = [{"index": i, "label": "a", "probs": [1.0, 0.0], "num_classes": 2}
+                    for i in range(len(counts))]
+        else:
+            data = [{"index": i, "object": "embedding" if path.endswith("embeddings") else "pooling",
+                     ("embedding" if path.endswith("embeddings") else "data"):
+                         [0.125 * (i + 1)] * size}
+                    for i in range(len(counts))]
+        return JSONResponse({"id": "embd-fake", "object": "list", "created": 0,
+                             "model": body["model"], "data": data, "usage": usage})
+
+
+POOLING_PATHS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+                 "/pooling", "/classify")
+"""The pooling routes a vLLM 0.32 API server serves (this engine serves all, for any model)."""
+
+
+def _pairs(path: str, body: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """The (query, document) pairs of a rerank or score body, as vLLM pairs them."""
+    if path.endswith("rerank"):
+        docs = body["documents"]
+        return [(body["query"], d) for d in (docs if isinstance(docs, list) else [docs])]
+    for a, b in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+                 ("text_1", "text_2")):
+        if a in body and b in body:
+            left = body[a] if isinstance(body[a], list) else [body[a]]
+            right = body[b] if isinstance(body[b], list) else [body[b]]
+            if len(left) == 1:
+                return [(left[0], d) for d in right]
+            if len(right) == 1:
+                return [(q, right[0]) for q in left]
+            return list(zip(left, right))
+    raise ValueError("no pair of fields to score")
 
 
 def _validated(handler: Any) -> Any:

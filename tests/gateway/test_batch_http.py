@@ -196,7 +196,7 @@ def test_bad_input_is_refused_with_openai_errors(engine: EngineServer, tmp_path:
         assert no_file.status_code == 400
         assert no_file.json()["error"]["param"] == "file"
         upload = api.files.create(file=("ok.jsonl", jsonl(2)), purpose="batch")
-        for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"),
+        for kwargs, param in (({"endpoint": "/v1/moderations"}, "endpoint"),
                               ({"completion_window": "1h"}, "completion_window"),
                               ({"metadata": {"k": "v" * 600}}, "metadata")):
             args = {"input_file_id": upload.id, "endpoint": "/v1/chat/completions",

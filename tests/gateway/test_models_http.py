@@ -169,11 +169,11 @@ def test_tokenize_reaches_the_models_pool_and_is_never_charged(fleet: Any) -> No
 
 def test_a_route_the_gateway_does_not_serve_names_those_it_does(fleet: Any) -> None:
     gw, _ = fleet
-    resp = httpx.post(f"{gw.url}/v1/embeddings", headers={"authorization": f"Bearer {KEY_ALL}"},
+    resp = httpx.post(f"{gw.url}/v1/moderations", headers={"authorization": f"Bearer {KEY_ALL}"},
                       json={"model": "chat", "input": "hi"}, timeout=30)
     assert resp.status_code == 404
     error = resp.json()["error"]
     assert error["code"] == "not_found"
     for route in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
-                  "POST /tokenize", "POST /detokenize"):
+                  "POST /v1/embeddings", "POST /v1/rerank", "POST /tokenize", "POST /detokenize"):
         assert route in error["message"], error["message"]

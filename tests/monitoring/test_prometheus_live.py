@@ -24,7 +24,8 @@ import openai
 import pytest
 import yaml
 
-from tests._servers import Server, free_port, start_all, tokenpace_serve_argv
+from tests._engine_pool import ModuleEngines
+from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.gateway.conftest import GatewayProcess
 from tests.monitoring._deploy import (
     PROMETHEUS_CONFIG,
@@ -41,6 +42,7 @@ from tests.monitoring._deploy import (
 pytestmark = [pytest.mark.vllm, pytest.mark.prometheus]
 
 KEY_A, KEY_B = "sk-mon-a", "sk-mon-b"
+KEY_A_APP = "sk-mon-a-app"  # an application of a's, with a budget of its own
 EXPECTED_EMPTY: dict[str, str] = {}
 # What the load ends with, so the test knows when Prometheus has scraped all of it: requests of
 # known tenants (6 streams, 1 refused), refusals (one of them without a valid key), and
@@ -109,7 +111,7 @@ def run_load(gw: GatewayProcess) -> None:
 
     # b's concurrency limit of 1 makes two of its three streams wait in the gateway queue.
     with ThreadPoolExecutor(6) as pool:
-        list(pool.map(stream, [KEY_A] * 3 + [KEY_B] * 3))
+        list(pool.map(stream, [KEY_A, KEY_A, KEY_A_APP] + [KEY_B] * 3))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
     assert httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30,
                       headers={"authorization": "Bearer sk-nobody"}).status_code == 401
@@ -117,18 +119,21 @@ def run_load(gw: GatewayProcess) -> None:
                       headers={"authorization": f"Bearer {KEY_A}"}).status_code == 400
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    binary = prometheus_binary("prometheus")  # before the slow engine start
-    home = tmp_path_factory.mktemp("monitoring")
+def ENGINES(tiny_model: Path, home: Path) -> list[Server]:  # noqa: N802 (tests/_engine_pool.py)
+    prometheus_binary("prometheus")  # its skip (or CI failure) before the slow engine start
     port = free_port()
     # The engine requires the key that the shipped prometheus.yml scrapes it with (that of
     # examples/gateway.yaml), so this also proves the shipped scrape config authenticates.
-    engine_key = engine_scrape_key()
-    engine = Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
-                                         "--scheduling-policy", "priority"), port, home / "vllm.log",
-                    env={"VLLM_API_KEY": engine_key})
-    start_all([engine])
+    return [Server(tokenpace_serve_argv(tiny_model, port, "--trusted-gateway",
+                                        "--scheduling-policy", "priority"), port, home / "vllm.log",
+                   env={"VLLM_API_KEY": engine_scrape_key()})]
+
+
+@pytest.fixture(scope="module")
+def stack(module_engines: ModuleEngines) -> Iterator[Stack]:
+    binary = prometheus_binary("prometheus")
+    [engine], home = module_engines.servers, module_engines.home
+    port, engine_key = engine.port, engine_scrape_key()
     gw = prom = None
     try:
         gw = GatewayProcess(home, {
@@ -139,6 +144,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "tenants": [
                 {"id": "a", "api_keys": [KEY_A], "lane": "interactive", "output_tokens_per_second": 100,
                  "max_output_tokens": 64, "budgets": [{"tokens": 1000000, "per": "1d"}],
+                 "applications": [{"id": "app", "api_keys": [KEY_A_APP],
+                                   "budgets": [{"tokens": 500000, "per": "month"}]}],
                  # observe mode: a's 2nd to 4th requests would be refused, none is
                  "max_requests": [{"requests": 1, "per": "1h", "mode": "observe"}]},
                 {"id": "b", "api_keys": [KEY_B], "lane": "batch", "output_tokens_per_second": 50,
@@ -164,7 +171,6 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             prom.wait(timeout=30)
         if gw is not None:
             gw.stop()
-        engine.stop()
 
 
 def test_every_dashboard_query_is_valid_and_returns_series(stack: Stack) -> None:

@@ -224,14 +224,25 @@ def test_a_file_of_bad_lines_is_not_reported_as_empty() -> None:
 
 
 def test_unknown_endpoint() -> None:
-    """Only the endpoints of ENDPOINTS may run as a batch (no embeddings here): the
+    """Only the endpoints of ENDPOINTS may run as a batch (no moderations here): the
     problem is about the batch's ``endpoint`` and no line is read."""
-    lines, problems = parse_lines(jsonl(request("a", url="/v1/embeddings")),
-                                  "/v1/embeddings", 10)
+    lines, problems = parse_lines(jsonl(request("a", url="/v1/moderations")),
+                                  "/v1/moderations", 10)
     assert lines == []
     [problem] = problems
     assert (problem.code, problem.param, problem.line) == ("invalid_value", "endpoint", None)
-    assert "/v1/embeddings" in problem.message
+    assert "/v1/moderations" in problem.message
+
+
+def test_embedding_lines_are_read_as_openai_writes_them() -> None:
+    """``/v1/embeddings`` is a batch endpoint, as in OpenAI's Batch API: its lines are
+    read and run as embeddings requests."""
+    assert ENDPOINTS["/v1/embeddings"] == "embeddings"
+    body = {"model": "m", "input": ["a", "b"]}
+    lines, problems = parse_lines(jsonl(request("e", url="/v1/embeddings", body=body)),
+                                  "/v1/embeddings", 10)
+    assert problems == [] and [x.custom_id for x in lines] == ["e"]
+    assert json.loads(lines[0].body) == body
 
 
 def test_problems_are_capped_in_line_order() -> None:

@@ -232,14 +232,15 @@ def test_tenant_locality_is_the_previous_choice() -> None:
 
 def test_a_paced_tenant_keeps_its_engine_order() -> None:
     """A paced tenant fills its first engine whatever its conversations: all its
-    conversations stay on one engine until it is full (its rate split moves no share)."""
+    conversations stay on one engine until it is full (its rate split moves no share), that
+    is, up to the slots it keeps for other tenants (``reserved_slots``, 1 of 8 here)."""
     async def main() -> None:
         dispatcher, tenants = setup([{"id": "a", "api_keys": ["ka"],
                                       "output_tokens_per_second": 50}], max_inflight=8)
         first = dispatcher.engine_for("a", dispatcher.pools["chat"])
-        tasks = [acquire(dispatcher, tenants, "a", key(i)) for i in range(8)]
+        tasks = [acquire(dispatcher, tenants, "a", key(i)) for i in range(7)]
         await asyncio.sleep(0)
-        assert first.inflight == 8
+        assert first.reserve == 1 and first.inflight == 7
         for task in tasks:
             task.cancel()
     asyncio.run(main())

@@ -12,8 +12,11 @@ from tokenpace.gateway.tenants import Tenants
 
 
 def setup(**engine: Any) -> tuple[Dispatcher, Any]:
+    """One engine and one tenant, with no slots reserved for other tenants (the gate alone:
+    tests/unit/test_reserved_slots.py has the reserve)."""
     config = parse_config({
-        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 64, "models": ["m"], **engine}],
+        "engines": [{"url": "http://127.0.0.1:1", "max_inflight": 64, "models": ["m"],
+                     "reserved_slots": 0, **engine}],
         "tenants": [{"id": "t", "api_keys": ["k"]}],
         "ledger": "sqlite:///unused.db",
     })
@@ -147,3 +150,23 @@ def test_a_gate_closed_on_an_old_reading_reads_again_at_once() -> None:
     assert abs(reread_delay(10.0, 10.005) - (LOAD_SOON_S - 0.005)) < 1e-12
     # no reading yet
     assert reread_delay(float("-inf"), 3.0) == 0.0
+
+
+def test_batch_lines_count_on_the_engines_capacity_not_its_max_inflight() -> None:
+    """An engine whose lanes hold batch lines for live requests: max_inflight 32 above its
+    capacity of 16. Batch lines take at most 16 - keep; live requests may go past them."""
+    async def main() -> None:
+        dispatcher, tenant = setup(max_inflight=32, max_num_seqs=16, max_engine_waiting=8)
+        pool = dispatcher.pools["m"]
+        engine = dispatcher.engines[0]
+        dispatcher.fleet.set_load(engine, 0.0, 0.0, running=0.0)
+        assert dispatcher.spare(pool, 1) == 15
+        tasks = await burst(dispatcher, tenant, 15)  # the batch lines
+        assert dispatcher.spare(pool, 1) == 0
+        live = await burst(dispatcher, tenant, 4)
+        assert granted(live) == 4  # past the batch: capacity + max_engine_waiting allows it
+        for t in tasks + live:
+            t.cancel()
+        plain, _ = setup(max_inflight=32)  # capacity unknown: max_inflight counts
+        assert plain.spare(plain.pools["m"], 1) == 31
+    asyncio.run(main())

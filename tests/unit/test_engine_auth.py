@@ -74,3 +74,38 @@ def test_the_guard_reports_the_running_engines_scheduling_policy(policy: str) ->
     assert SCHEDULING_POLICY_HEADER not in client.get("/metrics").headers
     app.state.vllm_config = None  # a server without vLLM's state: no header, no error
     assert SCHEDULING_POLICY_HEADER not in TestClient(app).get("/health").headers
+
+
+def test_the_guard_reports_the_running_engines_max_num_seqs() -> None:
+    """``--max-num-seqs`` on ``/health``: the gateway's capacity (and reserved slots) for
+    this engine before it is ever full; read back as the gateway reads it."""
+    from tokenpace.engine import MAX_NUM_SEQS_HEADER, RequestGuard
+    from tokenpace.gateway.fleet import reported_capacity
+
+    app = Starlette(routes=[Route("/health", _ok), Route("/metrics", _ok)])
+    app.add_middleware(RequestGuard)
+    app.state.vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(policy="fcfs", max_num_seqs=48))
+    client = TestClient(app)
+    headers = client.get("/health").headers
+    assert headers[MAX_NUM_SEQS_HEADER] == "48" and reported_capacity(headers) == 48
+    assert MAX_NUM_SEQS_HEADER not in client.get("/metrics").headers
+    for bad in ("0", "-3", "abc", "\u0661\u0662", "1e3", "99999999999", ""):
+        assert reported_capacity({MAX_NUM_SEQS_HEADER: bad}) is None, bad
+    assert reported_capacity({}) is None
+
+
+def test_engine_headers_alone_add_the_same_headers_and_touch_nothing_else() -> None:
+    """``tokenpace serve`` without pacing or lanes (vLLM's scheduler) still reports them."""
+    from tokenpace.engine import MAX_NUM_SEQS_HEADER, SCHEDULING_POLICY_HEADER, EngineHeaders
+
+    app = Starlette(routes=[Route("/health", _ok), Route("/metrics", _ok)])
+    app.add_middleware(EngineHeaders)
+    app.state.vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(policy="priority", max_num_seqs=16))
+    client = TestClient(app)
+    health = client.get("/health")
+    assert health.status_code == 200
+    assert (health.headers[SCHEDULING_POLICY_HEADER], health.headers[MAX_NUM_SEQS_HEADER]) == (
+        "priority", "16")
+    assert MAX_NUM_SEQS_HEADER not in client.get("/metrics").headers

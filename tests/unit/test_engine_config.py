@@ -106,3 +106,30 @@ def test_an_end_user_rate_paces_end_users_inside_their_users():
                                      "end_user_output_tokens_per_second": 5})
     assert cfg.end_user_rate == 5.0
     assert PacingConfig.from_section({"trusted_gateway": True}).end_user_rate is None
+
+
+def test_lanes_key() -> None:
+    from tokenpace.engine import PacingConfig as Config
+    from tokenpace.pacing import LanePolicy
+
+    default = Config.from_section({"default_user_output_tokens_per_second": 5})
+    assert default.lanes == LanePolicy() and not default.lanes_requested
+    off = Config.from_section({"default_user_output_tokens_per_second": 5, "lanes": False})
+    assert off.lanes is None
+    alone = Config.from_section({"lanes": {"min_share": 0.2}})
+    assert not alone.enabled and alone.runs_scheduler and alone.lanes == LanePolicy(0.2)
+    assert not Config.from_section({"lanes": True}).runs_scheduler
+
+
+@pytest.mark.parametrize("value,message", [
+    ("yes", "must be true, false or an object"),
+    ({"min_share": 0.7}, "from 0 to 0.5"),
+    ({"min_share": True}, "from 0 to 0.5"),
+    ({"share": 0.1}, "unknown key(s) 'share'"),
+])
+def test_bad_lanes_are_refused_by_key(value: object, message: str) -> None:
+    from tokenpace.engine import PacingConfig as Config, PacingConfigError
+
+    with pytest.raises(PacingConfigError, match="lanes") as info:
+        Config.from_section({"lanes": value})
+    assert message in str(info.value)

@@ -41,6 +41,22 @@ def test_ranks_are_summed_per_user_and_the_page_parses() -> None:
     assert merge([{"pacing": None}]) is None  # pacing off: no series at all
 
 
+def test_lane_series_are_summed_per_priority() -> None:
+    rank0 = {"pacing": {**RANK0["pacing"], "lanes": {"10": [5, 2, 0, 1], "0": [0, 0, 3, 0]}}}
+    rank1 = {"pacing": {**RANK1["pacing"], "lanes": {"10": [1, 0, 0, 2]}}}
+    merged = merge([rank0, rank1])
+    assert merged is not None
+    page = exposition(merged).decode()
+    got = {(s.name, s.labels.get("priority", "")): s.value
+           for f in text_string_to_metric_families(page) for s in f.samples}
+    assert got[("tokenpace_engine_lane_held_request_steps_total", "10")] == 6
+    assert got[("tokenpace_engine_lane_yielded_prompt_steps_total", "10")] == 2
+    assert got[("tokenpace_engine_lane_admitted_total", "0")] == 3
+    assert got[("tokenpace_engine_lane_held_requests", "10")] == 3
+    # A rank without lanes (an older answer) adds nothing.
+    assert merge([RANK0])["lanes"] == {}  # type: ignore[index]
+
+
 def test_the_name_filter_keeps_only_the_families_it_names() -> None:
     merged = merge([RANK1])
     assert merged is not None

@@ -21,7 +21,7 @@ GATEWAY_LAYERS: tuple[tuple[str, ...], ...] = (
     ("metrics", "wire", "state"),
     ("ledger",),
     ("config",),
-    ("tenants", "engines"),
+    ("tenants", "engines", "registry"),
     ("fleet",),
     ("dispatch",),
     ("exchange",),

@@ -379,3 +379,14 @@ def test_owed_tokens_push_the_user_past_its_burst_and_come_back_exactly() -> Non
     unpaced = planner.open_stream("r1", "free")
     assert book.owe(unpaced, 3) is False and book.granted == 0
     assert unpaced.stats.tokens == 0
+
+
+def test_has_quota_says_what_try_take_would_do() -> None:
+    clock = [10**12]
+    limiter = OutputRateLimiter(UserRateLimits(None, {"u": 10.0}), clock_ns=lambda: clock[0])
+    assert limiter.has_quota("u") and limiter.has_quota("unpaced")
+    while limiter.has_quota("u"):
+        assert limiter.try_take("u")
+    assert not limiter.try_take("u")
+    clock[0] = limiter.ready_at_ns("u")
+    assert limiter.has_quota("u") and limiter.try_take("u")

@@ -90,3 +90,24 @@ def test_an_undispatched_charge_is_refunded_once() -> None:
     planner.settle(set(), lambda key: False)  # not scheduled after all: refunded
     assert planner.limiter.try_take("u")  # the token is there again
     assert not planner.limiter.try_take("u")
+
+
+class TickingClock(Clock):
+    """A real clock's one property that matters here: every reading is later than the last."""
+
+    def __call__(self) -> int:
+        self.ns += 1
+        return self.ns
+
+
+def test_a_stream_left_out_for_lack_of_a_slot_is_deferred_not_throttled_on_a_moving_clock() -> None:
+    clock = TickingClock()
+    planner = StepPlanner(OutputRateLimiter(UserRateLimits(100_000.0, {}), clock_ns=clock))
+    streams = [planner.open_stream(f"r{i}", "u") for i in range(5)]
+    planner.begin_step()
+    for s in streams:
+        s.samples = SAMPLES
+    plan = planner.plan_running(streams, 4)
+    # The user has quota (100,000 tokens per second, four taken): the fifth stream sat out
+    # for the slot, not for the quota; a throttled one would give its slot away.
+    assert plan.throttled == [] and len(plan.deferred) == 1

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenpace.serve import AUTH_MIDDLEWARE, GUARD_MIDDLEWARE, ServeUsageError, build_command
+from tokenpace.serve import (AUTH_MIDDLEWARE, GUARD_MIDDLEWARE, HEALTH_MIDDLEWARE, ServeUsageError,
+                             build_command)
 
 RATE = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
@@ -46,9 +47,12 @@ def test_seed_flags_become_the_tokenpace_section(tmp_path: Path) -> None:
 
 
 def test_without_a_default_rate_it_is_plain_vllm() -> None:
+    """vLLM's own scheduler and routes; only its policy and capacity on ``/health`` (for a
+    gateway's reserved slots)."""
     cmd = build_command(["m", "--port", "9000", "--async-scheduling"])
     assert not cmd.pacing
-    assert cmd.vllm_args == ["--model", "m", "--port", "9000", "--async-scheduling"]
+    assert cmd.vllm_args == ["--model", "m", "--port", "9000", "--async-scheduling",
+                             "--middleware", HEALTH_MIDDLEWARE]
 
 
 def test_equals_form_underscores_and_fractional_rates(tmp_path: Path) -> None:
@@ -255,3 +259,49 @@ def test_cli_help_lists_the_identity_header_flags() -> None:
     for flag in ("--user-header", "--require-user-header", "--application-header",
                  "--end-user-header"):
         assert flag in proc.stdout
+
+
+def test_priority_scheduling_turns_lanes_on_and_makes_hold_room(tmp_path: Path) -> None:
+    cmd = build_command(["m", "--scheduling-policy", "priority", "--max-num-seqs", "16"],
+                        cwd=tmp_path)
+    assert not cmd.pacing  # lanes alone: nobody is paced
+    assert GUARD_MIDDLEWARE in cmd.vllm_args  # tokenpace's scheduler runs: its /metrics series
+    assert _additional(cmd.vllm_args) == {"tokenpace": {"lanes": {}}}
+    args = cmd.vllm_args
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert args[args.index("--max-num-active-seqs") + 1] == "16"
+    assert args.count("--max-num-seqs") == 1
+    # An operator's own split is kept as given.
+    cmd = build_command(["m", "--scheduling-policy=priority", "--max-num-seqs=24",
+                         "--max-num-active-seqs=16"], cwd=tmp_path)
+    assert "--max-num-seqs=24" in cmd.vllm_args and "--max-num-active-seqs=16" in cmd.vllm_args
+    # Without --max-num-seqs there is no room to make: one line says so.
+    cmd = build_command(["m", "--scheduling-policy", "priority"], cwd=tmp_path)
+    assert any("--max-num-active-seqs" in w for w in cmd.warnings)
+
+
+def test_lane_flags_go_into_the_section(tmp_path: Path) -> None:
+    cmd = build_command(["m", "--scheduling-policy", "priority", "--max-num-seqs", "8",
+                         RATE, "5", "--lane-min-share", "0.25"], cwd=tmp_path)
+    assert cmd.pacing
+    assert _additional(cmd.vllm_args)["tokenpace"]["lanes"] == {"min_share": 0.25}
+    cmd = build_command(["m", "--scheduling-policy", "priority", "--max-num-seqs", "8",
+                         "--no-lanes"], cwd=tmp_path)
+    assert _additional(cmd.vllm_args) == {"tokenpace": {"lanes": False}}
+    assert "--max-num-active-seqs" not in cmd.vllm_args
+    # FCFS: nothing about lanes is added.
+    cmd = build_command(["m", "--max-num-seqs", "8"], cwd=tmp_path)
+    assert "--additional-config" not in cmd.vllm_args
+
+
+@pytest.mark.parametrize("args,message", [
+    (["m", "--lane-min-share", "0.2"], "only with --scheduling-policy priority"),
+    (["m", "--scheduling-policy", "priority", "--lane-min-share", "0.9"], "from 0 to 0.5"),
+    (["m", "--scheduling-policy", "priority", "--lane-min-share", "x"], "from 0 to 0.5"),
+    (["m", "--scheduling-policy", "priority", "--lane-min-share", "0.2", "--no-lanes"],
+     "not with --no-lanes"),
+])
+def test_bad_lane_flags_are_refused_by_name(args: list[str], message: str) -> None:
+    with pytest.raises(ServeUsageError, match="--lane-min-share") as info:
+        build_command(args)
+    assert message in str(info.value)

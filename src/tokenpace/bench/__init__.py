@@ -7,7 +7,7 @@ their own process groups, the canned fast upstream and the byte relay, the SSE r
 the pair order of the paired measurements.
 """
 
-from .._process import Server, free_port, start_all, tokenpace_serve_argv
+from .._process import Server, free_port, start_all, tokenpace_serve_argv, vllm_server_argv
 from ._control import PATH as CONTROL_PATH
 from ._control import server as byte_proxy_server
 from ._environment import write_json
@@ -30,5 +30,6 @@ __all__ = [
     "sse_payloads",
     "start_all",
     "tokenpace_serve_argv",
+    "vllm_server_argv",
     "write_json",
 ]

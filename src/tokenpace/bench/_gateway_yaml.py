@@ -13,8 +13,13 @@ from typing import Any
 
 
 def engine_entry(url: str, max_inflight: int, **fields: Any) -> dict[str, Any]:
-    """One ``engines`` entry: ``url`` with at most ``max_inflight`` requests on it."""
-    return {"url": url, "max_inflight": max_inflight, **fields}
+    """One ``engines`` entry: ``url`` with at most ``max_inflight`` requests on it, and no
+    slots reserved for light tenants unless ``fields`` says otherwise: each bench that uses
+    it measures one mechanism (the fair queue, a rate split, batch headroom, locality,
+    the relay's cost) with every slot usable; ``bench hostile`` runs the defaults. A field
+    given as None is left out (the gateway's default; a config older trees accept)."""
+    entry = {"url": url, "max_inflight": max_inflight, "reserved_slots": 0, **fields}
+    return {k: v for k, v in entry.items() if v is not None}
 
 
 def tenant_entry(tenant_id: str, *api_keys: str, **fields: Any) -> dict[str, Any]:

@@ -90,10 +90,14 @@ GOALS = {"ttft_p50_ratio_max": 1.2, "req_per_s_ratio_min": 0.95,
 WAIT_S = 180.0  # at most this long for a batch to start running, or to end cancelled
 
 
-def _gateway_config(engine_url: str, slots: int, headroom: int, ledger: Path) -> str:
+def _gateway_config(engine_url: str, slots: int, headroom: int, ledger: Path,
+                    lanes: bool = True) -> str:
+    """With the engine's lanes, ``max_inflight`` is twice ``slots`` (the places the engine
+    holds batch lines in): live requests go past the batch lines, which still take at most
+    ``slots - headroom`` (``max_num_seqs``: ``Dispatcher.spare``)."""
     return gateway_yaml(
-        [engine_entry(engine_url, slots, models=["tiny"], max_num_seqs=slots,
-                scheduling_policy="priority")],
+        [engine_entry(engine_url, 2 * slots if lanes else slots, models=["tiny"],
+                      max_num_seqs=slots, scheduling_policy="priority")],
         [tenant_entry(LIVE, KEYS[LIVE], lane="interactive", queue_timeout="10m")]
         + [tenant_entry(t, KEYS[t], lane="batch", weight=w, queue_timeout="10m")
            for t, w in WEIGHTS.items()],
@@ -431,11 +435,13 @@ def split_cpus(cpus: list[int]) -> tuple[list[int], list[int]]:
 def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 3,
         rate: float = 4.0, max_tokens: int = 32, slots: int = 16, headroom: int = 1,
         batch_lines: int = 4000, layout: str = "split",
-        workdir: Path | None = None) -> dict[str, Any]:
+        workdir: Path | None = None, lanes: bool = True) -> dict[str, Any]:
     """``layout``: ``split`` runs the engine (all its processes) on half of the cores and
     the gateway and the load on the other half, as separate machines would; ``shared``
     leaves the engine vLLM's own binding (its model on one core, its other processes
-    beside the gateway and the load on the rest)."""
+    beside the gateway and the load on the rest). ``lanes``: the engine holds batch lines
+    for live requests (tokenpace's lanes, ``slots`` more places to hold them in); False:
+    vLLM's own priority scheduling (``--no-lanes``)."""
     if not 0 < warmup < duration:
         raise ValueError("warmup must be above 0 and below duration")
     if layout not in LAYOUTS:
@@ -453,14 +459,16 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
     os.sched_setaffinity(0, engine_cpus)
     try:
         engine = Server(tokenpace_serve_argv(model, engine_port, "--max-num-seqs", str(slots),
-                                             "--scheduling-policy", "priority"),
+                                             "--scheduling-policy", "priority",
+                                             *(() if lanes else ("--no-lanes",))),
                         engine_port, home / "engine.log",
                         env={CPU_BIND_ENV: ",".join(map(str, engine_cpus))}
                         if layout == "split" else None)
         servers.append(engine)
         os.sched_setaffinity(0, rest_cpus)
         config = home / "gateway.yaml"
-        config.write_text(_gateway_config(engine.base_url, slots, headroom, home / "usage.db"))
+        config.write_text(_gateway_config(engine.base_url, slots, headroom, home / "usage.db",
+                                          lanes))
         gateway = Server([sys.executable, "-m", "tokenpace.cli", "gateway", "--config",
                           str(config), "--port", str(gateway_port), "--log-level", "warning"],
                          gateway_port, home / "gateway.log")
@@ -474,7 +482,9 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         "duration_s": duration, "warmup_s": warmup, "rounds": rounds, "rate": rate,
         "max_tokens": max_tokens, "prompt_tokens": len(PROMPT), "slots": slots,
         "headroom": headroom, "batch_lines": batch_lines, "weights": WEIGHTS,
-        "engines": "1 x tiny (--scheduling-policy priority)",
+        "engines": "1 x tiny (--scheduling-policy priority"
+                   + (", lanes: 2 x slots held)" if lanes else ", --no-lanes)"),
+        "engine_lanes": lanes,
         "lanes": {"interactive": 0, "batch": 10}, "layout": layout,
         "engine_cpus": engine_cpus, "gateway_and_load_cpus": rest_cpus}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
@@ -657,16 +667,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "on the others, as on separate machines (default); shared: vLLM's own "
                         "binding, its processes beside the gateway's on the same cores (on 2 "
                         "cores the busy engine then keeps the gateway waiting for a core)")
+    parser.add_argument("--lanes", choices=("on", "off"), default="on",
+                        help="on: the engine holds batch lines for live requests (tokenpace's "
+                        "lanes, default); off: vLLM's own priority scheduling (--no-lanes)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.quick:
         result = run(bench_model(args), duration=8.0, warmup=2.0, rounds=1, rate=args.rate,
                      max_tokens=args.tokens, batch_lines=1500, headroom=args.headroom,
-                     layout=args.layout)
+                     layout=args.layout, lanes=args.lanes == "on")
     else:
         if args.warmup >= args.duration:
             raise SystemExit("tokenpace bench batch: error: --warmup must be below --duration")
         result = run(bench_model(args), args.duration, args.warmup, args.rounds, args.rate,
-                     args.tokens, headroom=args.headroom, layout=args.layout)
+                     args.tokens, headroom=args.headroom, layout=args.layout,
+                     lanes=args.lanes == "on")
     return write_outputs(args, result, plot)

@@ -118,8 +118,8 @@ def gateway_config(engine_url: str, ledger: Path, state_url: str | None = None) 
     """
     keys = (KEY, SALT_KEY) if state_url else (KEY,)
     state = {"state": {"url": state_url, "timeout": STATE_TIMEOUT}} if state_url else {}
-    return gateway_yaml([engine_entry(engine_url, 256)], [tenant_entry(TENANT, *keys)], ledger,
-                        **state)
+    return gateway_yaml([engine_entry(engine_url, 256, reserved_slots=None)],
+                        [tenant_entry(TENANT, *keys)], ledger, **state)
 
 
 def prompt_for(nonce: str, index: int, words: int = 24) -> str:

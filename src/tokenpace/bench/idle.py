@@ -45,7 +45,10 @@ async def _fresh_ttft_ms(base_url: str, tag: str) -> float:
     return statistics.median(ttfts)
 
 
-async def _measure(server: Server, window_s: float) -> dict[str, float]:
+async def measure(server: Server, window_s: float) -> dict[str, float]:
+    """One server's case: its process tree's CPU (cores) over ``window_s`` with no requests
+    and with ``STREAMS`` streams of one user throttled, and a fresh user's median time to
+    first token before and during that load. About 2 x ``window_s`` + 5 s, plus the probes."""
     await asyncio.sleep(2.0)  # vLLM's worker spins for a second after the warm-up request
     idle0, t0 = server.cpu_seconds(), time.monotonic()
     await asyncio.sleep(window_s)
@@ -92,7 +95,7 @@ def run(model: Path, window_s: float, workdir: Path | None = None,
     try:
         for name, server in servers.items():  # one at a time
             asyncio.run(run_streams(server.base_url, [("warm-up", 1, warmup_tokens)]))
-            cases[name] = asyncio.run(_measure(server, window_s))
+            cases[name] = asyncio.run(measure(server, window_s))
             c = cases[name]
             print(f"{name:15s}: {c['throttled_cores']:.3f} cores while throttled, "
                   f"{c['no_requests_cores']:.3f} with no requests; fresh user's first token "

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from ._auth import EngineAuth
     from ._config import PacingConfig, PacingConfigError, validate_header_name
     from ._events import read_charges
-    from ._guard import SCHEDULING_POLICY_HEADER, RequestGuard, RequestRefused, check_request_body
+    from ._guard import RequestGuard, RequestRefused, check_request_body
+    from ._health_headers import MAX_NUM_SEQS_HEADER, SCHEDULING_POLICY_HEADER, EngineHeaders
     from ._hooks import configure_pacing, register
     from ._identity import ANONYMOUS_USER, request_user
     from ._scheduler import PacedAsyncScheduler, PacedScheduler
@@ -44,9 +45,11 @@ _WHERE = {
     "PacingConfig": "_config",
     "PacingConfigError": "_config",
     "validate_header_name": "_config",
+    "EngineHeaders": "_health_headers",
+    "MAX_NUM_SEQS_HEADER": "_health_headers",
     "RequestGuard": "_guard",
     "RequestRefused": "_guard",
-    "SCHEDULING_POLICY_HEADER": "_guard",
+    "SCHEDULING_POLICY_HEADER": "_health_headers",
     "check_request_body": "_guard",
     "configure_pacing": "_hooks",
     "register": "_hooks",

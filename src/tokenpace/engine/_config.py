@@ -14,6 +14,7 @@ from typing import Any
 
 from ..pacing import (
     DEFAULT_MAX_USERS,
+    LanePolicy,
     LimitsError,
     UserRateLimits,
     limits_file_of,
@@ -35,9 +36,11 @@ KEY_USER_HEADER = "user_header"
 KEY_APPLICATION_HEADER = "application_header"
 KEY_END_USER_HEADER = "end_user_header"
 KEY_REQUIRE_USER_HEADER = "require_user_header"
+KEY_LANES = "lanes"
 HEADER_KEYS = (KEY_USER_HEADER, KEY_APPLICATION_HEADER, KEY_END_USER_HEADER)
 KNOWN_KEYS = (KEY_DEFAULT, KEY_OVERRIDES, KEY_EVENT_LOG, KEY_IDLE_WAIT, KEY_TRUSTED_GATEWAY,
-              KEY_METRICS_USERS, KEY_END_USER, *HEADER_KEYS, KEY_REQUIRE_USER_HEADER)
+              KEY_METRICS_USERS, KEY_END_USER, *HEADER_KEYS, KEY_REQUIRE_USER_HEADER,
+              KEY_LANES)
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 RESERVED_HEADERS = frozenset({
@@ -81,6 +84,12 @@ class PacingConfig:
     end_user_header: str | None = None
     # A request without ``user_header`` is refused (HTTP 400) instead of paced as anonymous.
     require_user_header: bool = False
+    # Lanes (``pacing._lanes``): in force under --scheduling-policy priority when running
+    # has room beyond the active limit; None: off (``lanes: false``).
+    lanes: LanePolicy | None = LanePolicy()
+    # ``lanes`` was given as an object: the paced scheduler runs for lanes even with pacing
+    # off (nobody is paced then).
+    lanes_requested: bool = False
 
     @property
     def identity_headers(self) -> bool:
@@ -91,6 +100,11 @@ class PacingConfig:
     @property
     def enabled(self) -> bool:
         return self.limits is not None
+
+    @property
+    def runs_scheduler(self) -> bool:
+        """Whether tokenpace's scheduler runs: pacing is on, or lanes were asked for."""
+        return self.enabled or self.lanes_requested
 
     @classmethod
     def of_started(cls, vllm_config: Any) -> PacingConfig | None:
@@ -151,6 +165,7 @@ class PacingConfig:
         if require and headers[KEY_USER_HEADER] is None:
             raise PacingConfigError(f"{where}[{KEY_REQUIRE_USER_HEADER!r}] needs "
                                     f"{KEY_USER_HEADER!r} (the header that is required)")
+        lanes, lanes_requested = _lanes(section.get(KEY_LANES, True), f"{where}[{KEY_LANES!r}]")
         default = section.get(KEY_DEFAULT)
         overrides_value = section.get(KEY_OVERRIDES)
         if default is None and not trusted:
@@ -160,7 +175,9 @@ class PacingConfig:
                         f"{where}[{key!r}] needs {KEY_DEFAULT!r} (or "
                         f"{KEY_TRUSTED_GATEWAY!r}): without a default rate pacing is off"
                     )
-            return cls(limits=None, event_log=Path(event_log) if event_log else None)
+            return cls(limits=None, event_log=Path(event_log) if event_log else None,
+                       idle_wait=idle_wait, metrics_users=metrics_users, lanes=lanes,
+                       lanes_requested=lanes_requested)
         try:
             # A trusted gateway sends each user's rate, so a default is optional there:
             # None leaves users the gateway has not given a rate unpaced.
@@ -183,7 +200,29 @@ class PacingConfig:
             application_header=headers[KEY_APPLICATION_HEADER],
             end_user_header=headers[KEY_END_USER_HEADER],
             require_user_header=require,
+            lanes=lanes,
+            lanes_requested=lanes_requested,
         )
+
+
+def _lanes(value: Any, where: str) -> tuple[LanePolicy | None, bool]:
+    """``lanes``: true (the default: on where the scheduling allows it), false (off), or
+    an object ``{"min_share": X}`` (on, and the scheduler runs even with pacing off)."""
+    if isinstance(value, bool):
+        return (LanePolicy() if value else None), False
+    if not isinstance(value, Mapping):
+        raise PacingConfigError(f"{where} must be true, false or an object like "
+                                f'{{"min_share": 0.1}}, got {type(value).__name__}')
+    unknown = sorted(set(value) - {"min_share"})
+    if unknown:
+        raise PacingConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                "the known key is 'min_share'")
+    share = value.get("min_share", LanePolicy().min_share)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) \
+            or not 0 <= share <= 0.5:
+        raise PacingConfigError(f"{where}['min_share'] must be a number from 0 to 0.5, "
+                                f"got {share!r}")
+    return LanePolicy(float(share)), True
 
 
 def validate_header_name(value: Any, where: str) -> str:

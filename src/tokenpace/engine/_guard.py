@@ -17,10 +17,8 @@ An ASGI middleware for vLLM's API server (``--middleware tokenpace.engine.Reques
 It also serves ``POST /tokenpace/v1/rates``, the rate control of a trusted gateway
 (``_control``: authenticated with the engine key by itself), the book of ended requests
 (``POST /tokenpace/v1/aborted``, ``_aborted``; ``GET /tokenpace/v1/ended``, ``_ended``),
-and tells a gateway the engine's scheduling policy: ``/health`` answers carry
-``x-tokenpace-scheduling-policy`` (``fcfs`` or ``priority``, read from the running
-server's own configuration), because vLLM 0.32 silently ignores a request's ``priority``
-under ``fcfs`` and a gateway whose lanes rely on it would otherwise never know.
+and puts the engine's scheduling policy and capacity on its ``/health`` answers
+(``_health_headers``).
 
 With identity headers configured (``user_header``: a trusted proxy in front names each
 request's user), it reads them from every request, refuses a repeated, malformed or
@@ -47,6 +45,7 @@ from ._ended import ENDED_PATH, handle_ended
 from ._config import PacingConfig
 from ._control import RATES_PATH, handle_rates
 from ._header_identity import HeaderIdentity, HeaderRefused, enter, leave, read_identity
+from ._health_headers import with_engine_headers
 from ._metrics import METRICS_PATHS, handle_metrics
 from ._xargs import (
     APPLICATION_END_USER_RATE_EXTRA_ARG,
@@ -60,7 +59,6 @@ from ._xargs import (
 )
 
 
-SCHEDULING_POLICY_HEADER = "x-tokenpace-scheduling-policy"
 
 
 # The pacing fields of ``vllm_xargs`` and how each is checked (its param is its path).
@@ -164,7 +162,7 @@ class RequestGuard:
 
     async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == "/health":
-            await self.app(scope, receive, _with_policy_header(scope, send))
+            await self.app(scope, receive, with_engine_headers(scope, send))
             return
         if scope["type"] == "http" and scope.get("path") == RATES_PATH:
             await handle_rates(scope, receive, send)  # checks the engine key itself
@@ -209,29 +207,6 @@ class RequestGuard:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-def scheduling_policy(scope: Scope) -> str | None:
-    """The running vLLM server's ``--scheduling-policy`` (its app state), if it has one."""
-    state = getattr(scope.get("app"), "state", None)
-    config = getattr(getattr(state, "vllm_config", None), "scheduler_config", None)
-    policy = getattr(config, "policy", None)
-    return None if policy is None else str(getattr(policy, "value", policy))
-
-
-def _with_policy_header(scope: Scope, send: Send) -> Send:
-    policy = scheduling_policy(scope)
-    if policy is None:
-        return send
-
-    async def sending(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = dict(message)
-            message["headers"] = [*message.get("headers", ()),
-                                  (SCHEDULING_POLICY_HEADER.encode(), policy.encode("latin-1"))]
-        await send(message)
-
-    return sending
 
 
 async def _send_error(send: Send, message: str, param: str | None) -> None:

@@ -145,7 +145,7 @@ def configure_pacing(vllm_config: Any, async_requested: bool | None = None) -> P
     from ._vllm import internals_problems
 
     pacing = PacingConfig.from_additional_config(vllm_config.additional_config)
-    if not pacing.enabled:
+    if not pacing.runs_scheduler:
         return pacing
     problems = internals_problems()
     if problems:

@@ -25,6 +25,16 @@ The series (``user`` labels bounded by ``metrics_users``, the rest under ``__oth
   engine loop's waits for quota instead of steps;
 - ``tokenpace_engine_folded_users``: distinct users counted under ``__other__``.
 
+Lanes (``priority`` labels: the first 32 priority levels seen, the rest under ``other``):
+
+- ``tokenpace_engine_lane_held_request_steps_total{priority}``: running request-steps held
+  for a better-priority request (KV kept; not throttled);
+- ``tokenpace_engine_lane_yielded_prompt_steps_total{priority}``: prompt chunks that sat
+  out a better lane's prefill;
+- ``tokenpace_engine_lane_admitted_total{priority}``: requests admitted past the active
+  limit by holding lower-priority ones;
+- ``tokenpace_engine_lane_held_requests{priority}``: requests held in the last step.
+
 With data parallelism each user is paced on one rank; the figures are summed over the
 ranks (a user's are its rank's), and the idle waits are every rank's together.
 
@@ -65,6 +75,15 @@ _COUNTERS = (
     ("throttled_request_steps", "Request-steps skipped because the user had no quota.", 2),
     ("throttled_seconds", "Seconds during which the user had work waiting for quota.", 3),
 )
+_LANE_SERIES = (
+    ("lane_held_request_steps_total", "counter",
+     "Running request-steps held for a better-priority request (KV kept).", 0),
+    ("lane_yielded_prompt_steps_total", "counter",
+     "Prompt chunks that sat out a better-priority prefill.", 1),
+    ("lane_admitted_total", "counter",
+     "Requests admitted past the active limit by holding lower-priority ones.", 2),
+    ("lane_held_requests", "gauge", "Requests held for a better priority in the last step.", 3),
+)
 
 
 # -- the engine process -------------------------------------------------------------------
@@ -94,7 +113,11 @@ def merge(answers: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             continue
         if merged is None:
             merged = {"users": {}, "idle_waits": 0, "idle_wait_seconds": 0.0,
-                      "folded_users": 0}
+                      "folded_users": 0, "lanes": {}}
+        for priority, values in pacing.get("lanes", {}).items():
+            have = merged["lanes"].setdefault(priority, [0, 0, 0, 0])
+            for i, v in enumerate(values):
+                have[i] += v
         for user, (tokens, refunds, steps, seconds, rate) in pacing["users"].items():
             have = merged["users"].get(user)
             if have is None:
@@ -138,6 +161,12 @@ def exposition(stats: dict[str, Any], names: set[str] | None = None) -> bytes:
     families.append((PREFIX + "folded_users", "Distinct users counted under the \"__other__\" "
                      "label (past metrics_users).", "gauge",
                      [f"{PREFIX}folded_users {float(stats['folded_users'])!r}"]))
+    lanes = sorted(stats.get("lanes", {}).items())
+    for name, kind, help_text, index in _LANE_SERIES:
+        full = PREFIX + name
+        families.append((full, help_text, kind,
+                         [f'{full}{{priority="{_label(p)}"}} {float(v[index])!r}'
+                          for p, v in lanes]))
     lines: list[str] = []
     for full, help_text, kind, samples in families:
         if names is None or full in names or full.removesuffix("_total") in names:

@@ -50,6 +50,7 @@ from typing import Any
 from ..pacing import (
     DraftBook,
     InnerRates,
+    LanePolicy,
     MAY_SAMPLE,
     NO_SAMPLE,
     SAMPLES,
@@ -58,6 +59,7 @@ from ..pacing import (
     OTHER_USER,
     OutputRateLimiter,
     PacingStats,
+    RunningPlan,
     StepPlanner,
     Stream,
     UserRateLimits,
@@ -132,6 +134,12 @@ class _PacingMixin:
         MappingProxyType({}))  # type: ignore[assignment]
     # Likewise for the book of ended requests: None without __init__ (nothing is kept).
     ended_requests: EndedRequests | None = None
+    _lanes: LanePolicy | None = None
+    # Lanes, within one schedule() call: the active limit past which only a request of a
+    # better priority than ``_lane_worst`` (the worst running) is admitted (None: no gate).
+    _lane_gate: int | None = None
+    _lane_worst = 0
+    _held_last_step = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -162,21 +170,23 @@ class _PacingMixin:
             install_aborted_outputs(engine_core.EngineCoreProc)
             install_ended_requests(engine_core.EngineCoreProc)
             install_pacing_stats(engine_core.EngineCoreProc)
-        if not config.enabled:
+        if not config.runs_scheduler:
             return
         refused = unsupported_modes(self.vllm_config, self)
         if refused:
             raise ValueError(
                 "tokenpace output pacing does not support " + "; ".join(refused)
             )
-        assert config.limits is not None
+        # Lanes alone (pacing off): the planner runs with nobody paced.
+        limits = config.limits if config.limits is not None else UserRateLimits(None, {})
         if engine_core is not None:  # also when the plugin entry point is not loaded
             install_idle_wait(engine_core.EngineCoreProc)
             install_rate_control(engine_core.EngineCoreProc)
         self._planner = StepPlanner(
-            OutputRateLimiter(config.limits),
-            PacingStats(config.metrics_users, first=config.limits.overrides),
+            OutputRateLimiter(limits),
+            PacingStats(config.metrics_users, first=limits.overrides),
             InnerRates(config.end_user_rate))
+        self._lanes = self._planner.lanes = self._lanes_in_force(config)
         if self.vllm_config.speculative_config is not None:
             self._drafts = DraftBook(self._planner.limiter, self._planner.inner)
         if config.limits_file is not None:
@@ -194,11 +204,28 @@ class _PacingMixin:
             "%d user override(s)%s%s",
             type(self).__name__,
             "async" if self.vllm_config.scheduler_config.async_scheduling else "sync",
-            _default_text(config.limits.default), len(config.limits.overrides),
+            _default_text(limits.default), len(limits.overrides),
             f" from {config.limits_file} (reloaded on change)" if config.limits_file else "",
             f"; rates sent in vllm_xargs.{RATE_EXTRA_ARG} are trusted"
             if config.trusted_gateway else "",
         )
+
+    def _lanes_in_force(self, config: PacingConfig) -> LanePolicy | None:
+        """The lane policy when lanes apply: the priority policy, ``lanes`` not false, and
+        room in ``running`` beyond the active limit to hold requests in."""
+        if config.lanes is None or self.policy != SchedulingPolicy.PRIORITY:  # type: ignore[attr-defined]
+            return None
+        room = self.max_num_running_reqs - self.max_num_active_reqs
+        if room <= 0:
+            logger.warning(
+                "tokenpace: lanes are off: they hold lower-priority requests in the room "
+                "--max-num-seqs (%d) leaves beyond --max-num-active-seqs (%d); set "
+                "--max-num-active-seqs below --max-num-seqs (tokenpace serve does when "
+                "--max-num-seqs is given)", self.max_num_running_reqs, self.max_num_active_reqs)
+            return None
+        logger.info("tokenpace: lanes on: up to %d lower-priority requests held for better "
+                    "ones, min_share %g", room, config.lanes.min_share)
+        return config.lanes
 
     # -- public surface used by the engine loop and by tests ------------------------
 
@@ -226,7 +253,9 @@ class _PacingMixin:
     def pacing_stats(self) -> dict[str, Any] | None:
         """What pacing did so far, for the engine's /metrics (``_metrics``): per user
         ``[tokens, refunds, throttled request-steps, throttled seconds, rate or None]``,
-        the idle waits, and how many users share the ``__other__`` label. None when
+        the idle waits, how many users share the ``__other__`` label, and per priority
+        level (lanes) ``[held request-steps, yielded prompt chunks, admitted past the
+        active limit, held now]``. None when
         pacing is off. Runs between two steps (a utility call): O(users with a label)."""
         planner = self._planner
         if planner is None:
@@ -237,7 +266,8 @@ class _PacingMixin:
                               None if u == OTHER_USER else limits.rate(u)]
                           for u, (tokens, refunds, steps, ns) in snap.users.items()},
                 "idle_waits": snap.idle_waits, "idle_wait_seconds": snap.idle_wait_ns / 1e9,
-                "folded_users": snap.folded}
+                "folded_users": snap.folded,
+                "lanes": {p: list(v) for p, v in snap.lanes.items()}}
 
     def _quota_needs(self) -> Iterator[Stream | None]:
         """For each request that could be scheduled: its stream (the user, and end user if
@@ -468,6 +498,7 @@ class _PacingMixin:
         append = streams.append
         samples = SAMPLES  # local: faster
         may_end_prompt = False
+        prompts: list[Stream] = []  # running a prompt chunk (for lanes; rare: no cost per decode)
         for req in self.running:
             try:
                 s = req.tokenpace_stream  # = STREAM_ATTRIBUTE, set by add_request
@@ -479,8 +510,11 @@ class _PacingMixin:
             elif 0 < remaining <= cap:
                 s.samples = MAY_SAMPLE
                 may_end_prompt = True
+                prompts.append(s)
             else:
                 s.samples = NO_SAMPLE
+                if remaining > 0:
+                    prompts.append(s)
             append(s)
         active_slots = self.max_num_active_reqs
         requests = self.requests
@@ -490,6 +524,9 @@ class _PacingMixin:
             waiting=lambda key: (r := requests.get(key)) is not None and r.status in _WAITING,
             can_admit=len(self.running) < self.max_num_running_reqs,
         )
+        past_limit = 0
+        if self._lanes is not None:
+            past_limit = self._plan_lanes(self._lanes, streams, prompts, plan, active_slots)
 
         # Per skipped request: a dict lookup, two attribute reads and two writes, and the
         # move to the tail (a set insert and test); no object of its own (see the module
@@ -508,6 +545,10 @@ class _PacingMixin:
                     r.arrival_time += _PRIORITY_DEFER_S
                 bumped = throttled
         self.max_num_active_reqs = min(active_slots + len(throttled), self.max_num_running_reqs)
+        if past_limit:
+            self._lane_gate = self.max_num_active_reqs
+            self.max_num_active_reqs = min(self.max_num_active_reqs + past_limit,
+                                           self.max_num_running_reqs)
         admits = bool(self.waiting) or bool(self.kv_holding_waiting)  # type: ignore[attr-defined]
         grants = self._grant_drafts() if self._drafts is not None else None
         if admits:
@@ -517,6 +558,8 @@ class _PacingMixin:
         finally:
             if admits:
                 del self.__dict__["_reserve_prefill_lookahead"]
+            if past_limit:
+                self._lane_gate = None
             self.max_num_active_reqs = active_slots
             for r, eligible in zip(skipped, saved_eligible):
                 r.next_decode_eligible_step = eligible
@@ -527,6 +570,45 @@ class _PacingMixin:
         if grants is not None:
             self._settle_drafts(output, grants, admits, logged_at)
         return output
+
+    def _plan_lanes(self, lanes: LanePolicy, streams: list[Stream], prompts: list[Stream],
+                    plan: RunningPlan, active_slots: int) -> int:
+        """Lanes' part of the plan (``pacing._lanes``): counts the held requests, adds the
+        prompt chunks that sit out for a better lane to ``plan.deferred``, and returns how
+        many waiting requests may be admitted past the active limit (0: none).
+
+        Cost, lanes on only: a peek at the waiting queue; while the active limit binds and
+        a better-priority request waits, one pass over the running streams; with prompt
+        chunks running, a set of the skipped keys; per held request a counter increment."""
+        planner = self._planner
+        assert planner is not None
+        stats = planner.stats
+        requests = self.requests
+        if plan.deferred or self._held_last_step:
+            stats.note_held(requests[k].priority for k in plan.deferred)
+            self._held_last_step = bool(plan.deferred)
+        waiting = self.waiting  # type: ignore[attr-defined]
+        best = waiting.peek_request().priority if waiting else None
+        past_limit = 0
+        skipped: set[Any] | None = None
+        if best is not None:
+            running = len(self.running)
+            if running - len(plan.throttled) >= active_slots:
+                skipped = {*plan.throttled, *plan.deferred}
+                placed = [s.priority for s in streams if s.key not in skipped]
+                past_limit = lanes.admit_past_limit(
+                    best, placed, active_slots, self.max_num_running_reqs - running)
+                if past_limit:
+                    self._lane_worst = max(placed)
+                else:
+                    best = None  # it cannot be admitted this step: nothing to yield to
+        if prompts:
+            if skipped is None:
+                skipped = {*plan.throttled, *plan.deferred}
+            for s in lanes.yields([s for s in prompts if s.key not in skipped], best):
+                plan.deferred.append(s.key)
+                stats.lane(s.priority).yielded_steps += 1
+        return past_limit
 
     def _grant_drafts(self) -> list[tuple[Request, Stream, int]]:
         """Cut the drafts of every charged stream to what its quota allows now.
@@ -612,14 +694,16 @@ class _PacingMixin:
         model rejected, and accepted ones that vLLM dropped (past a stop token or
         ``max_tokens``, or the step's output was stale after a preemption). The sure
         token stays charged, as any dispatched step's."""
-        assert self._drafts is not None
+        assert self._drafts is not None and self._planner is not None
         sure = self.num_sampled_tokens_per_step  # type: ignore[attr-defined]
         log = self._event_log
+        give_back = self._drafts.give_back
+        now = self._planner.limiter.now_ns()  # one clock read for the step's returns
         for (req, s, n, t_ns), count in zip(scheduled, counts):
             delivered = req.num_output_tokens - count
             undelivered = n - min(max(delivered - sure, 0), n)
             if undelivered:
-                self._drafts.give_back(s, undelivered)
+                give_back(s, undelivered, now)
                 if log is not None:
                     for _ in range(undelivered):
                         log.record(t_ns, s.user, req.request_id, "reject")
@@ -657,10 +741,19 @@ class _PacingMixin:
                 waiting.add_request(r)
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        past = self._lane_gate is not None and len(self.running) >= self._lane_gate
+        if past and request.priority >= self._lane_worst:
+            # Past the active limit (lanes): only a request that outranks a running one
+            # comes in; the first that does not ends admission for this step.
+            self.max_num_active_reqs = len(self.running)
+            return False
         ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
         if not ready or self._planner is None:
             return ready
-        return self._planner.may_admit(request.request_id, self._user_of(request))
+        ready = self._planner.may_admit(request.request_id, self._user_of(request))
+        if ready and past:
+            self._planner.stats.lane(request.priority).admitted += 1
+        return ready
 
     def _charge_admission_chunk(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int

@@ -13,14 +13,21 @@ bucket when the real usage is known. A request that used more than it reserved (
 with an enforced ``max_tokens``, but costs may be re-priced by a reload) drives the level
 below zero: the debt delays the next admission instead of being forgiven.
 
+A calendar budget (``2000000 per month``, ``per week``) is whole at the start of each
+period (UTC, ``_calendar``) and does not refill in between: its bucket
+(``CalendarBucket``) reads the period from an injected wall clock, since a month starts at
+a date, not at a moment of the process's monotonic clock.
+
 Times are plain seconds from an injected clock; nothing here reads the time itself.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from ._calendar import PERIODS, iso, period_end, period_start
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,14 @@ class BudgetSpec:
     observe: bool = False
     """``mode: observe``: the limit refuses nothing; the gateway counts what it would have
     refused. Its bucket is kept apart from an enforced one of the same figures (``key``)."""
+    calendar: str | None = None
+    """``month`` or ``week``: whole at each period's start (UTC), no refill in between;
+    ``period_s`` is then the period's longest length. None: a sliding bucket."""
 
     def __post_init__(self) -> None:
+        if self.calendar is not None and self.calendar not in PERIODS:
+            raise ValueError(f"unknown calendar period {self.calendar!r}; expected one of "
+                             f"{', '.join(PERIODS)}")
         if not (math.isfinite(self.tokens) and self.tokens > 0):
             raise ValueError(f"budget tokens must be a positive number, got {self.tokens!r}")
         if not (math.isfinite(self.period_s) and self.period_s > 0):
@@ -43,17 +56,17 @@ class BudgetSpec:
     def key(self) -> str:
         """A stable name, e.g. ``20000/10s`` (``observe:20000/10s`` in observe mode):
         labels metrics and keys persisted and shared state."""
-        name = f"{_number(self.tokens)}/{_duration(self.period_s)}"
-        return "observe:" + name if self.observe else name
+        return "observe:" + self.figures if self.observe else self.figures
 
     @property
     def figures(self) -> str:
-        """``20000/10s``, whatever the mode (for messages)."""
-        return f"{_number(self.tokens)}/{_duration(self.period_s)}"
+        """``20000/10s`` or ``2000000/month``, whatever the mode (for messages)."""
+        return f"{_number(self.tokens)}/{self.calendar or _duration(self.period_s)}"
 
     @property
     def refill_per_s(self) -> float:
-        return self.tokens / self.period_s
+        """Continuous refill; 0 for a calendar budget (whole again at its period's start)."""
+        return 0.0 if self.calendar is not None else self.tokens / self.period_s
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,81 @@ class TokenBucket:
         self._level = min(self.spec.tokens, self.level(now) + delta)
 
 
+class CalendarBucket:
+    """A calendar budget's bucket: ``tokens`` for the period, whole again when the next
+    period starts (a debt is not carried into it). The same methods as ``TokenBucket``;
+    ``now`` is ignored, the period is read from ``wall`` (unix seconds). The period only
+    moves forward: a wall clock set back does not give a period's budget twice.
+
+    A request reserved just before a period's end and settled after it settles against
+    the new period: at most one request's cost lands in the other period."""
+
+    __slots__ = ("spec", "_wall", "_level", "_start", "_end")
+
+    def __init__(self, spec: BudgetSpec, wall: Callable[[], float],
+                 level: float | None = None) -> None:
+        assert spec.calendar is not None
+        self.spec = spec
+        self._wall = wall
+        t = wall()
+        self._start = period_start(spec.calendar, t)
+        self._end = period_end(spec.calendar, t)
+        self._level = spec.tokens if level is None else min(level, spec.tokens)
+
+    def _now(self) -> float:
+        """The wall time, with the period rolled forward to it."""
+        t = self._wall()
+        if t >= self._end:
+            assert self.spec.calendar is not None
+            self._start = period_start(self.spec.calendar, t)
+            self._end = period_end(self.spec.calendar, t)
+            self._level = self.spec.tokens
+        return t
+
+    def level(self, now: float) -> float:
+        self._now()
+        return self._level
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """0 if ``cost`` fits, else the seconds until the period ends; ``inf`` if never."""
+        if cost > self.spec.tokens:
+            return math.inf
+        t = self._now()
+        return 0.0 if cost <= self._level else self._end - t
+
+    def until_full(self, now: float) -> float:
+        t = self._now()
+        return 0.0 if self._level >= self.spec.tokens else self._end - t
+
+    def adjust(self, delta: float, now: float) -> None:
+        self._now()
+        self._level = min(self.spec.tokens, self._level + delta)
+
+    def period(self) -> tuple[float, float]:
+        """The current period's (start, end) in unix seconds."""
+        self._now()
+        return self._start, self._end
+
+
+Bucket = TokenBucket | CalendarBucket
+
+
+def make_bucket(spec: BudgetSpec, now: float, level: float | None = None,
+                wall: Callable[[], float] | None = None) -> Bucket:
+    """A sliding ``TokenBucket``, or a ``CalendarBucket`` for a calendar budget (which
+    needs ``wall``: unix seconds)."""
+    if spec.calendar is None:
+        return TokenBucket(spec, now, level)
+    if wall is None:
+        raise ValueError(f"budget {spec.key} is a calendar budget: it needs a wall clock")
+    return CalendarBucket(spec, wall, level)
+
+
+def resets_at(bucket: Bucket, now: float) -> str | None:
+    """A calendar bucket's next reset (``2027-01-01T00:00:00Z``); None for a sliding one."""
+    return iso(bucket.period()[1]) if isinstance(bucket, CalendarBucket) else None
+
+
 @dataclass(frozen=True)
 class BudgetRefusal:
     """Why a reservation did not fit, in the terms of OpenAI's rate-limit headers."""
@@ -129,7 +217,10 @@ class Headroom:
     reset_s: float  # until the bucket is full again
 
     @classmethod
-    def of(cls, budget: BudgetSpec, level: float) -> Headroom:
+    def of(cls, budget: BudgetSpec, level: float, ends_in: float | None = None) -> Headroom:
+        """``ends_in``: for a calendar budget, the seconds until its period ends."""
+        if budget.calendar is not None:
+            return cls(budget, level, 0.0 if level >= budget.tokens else max(0.0, ends_in or 0.0))
         return cls(budget, level, max(0.0, budget.tokens - level) / budget.refill_per_s)
 
 
@@ -148,9 +239,11 @@ class TenantBudgets:
     """All budgets of one tenant, reserved and settled together."""
 
     def __init__(self, specs: list[BudgetSpec], now: float,
-                 levels: dict[str, float] | None = None) -> None:
+                 levels: dict[str, float] | None = None,
+                 wall: Callable[[], float] | None = None) -> None:
+        """``wall``: unix seconds, needed by calendar budgets only."""
         levels = levels or {}
-        self.buckets = [TokenBucket(s, now, levels.get(s.key)) for s in specs]
+        self.buckets: list[Bucket] = [make_bucket(s, now, levels.get(s.key), wall) for s in specs]
 
     def try_reserve(self, cost: float, now: float) -> BudgetRefusal | None:
         """Take ``cost`` from every bucket, or nothing and say which budget refused.
@@ -168,7 +261,7 @@ class TenantBudgets:
     def would_refuse(self, cost: float, now: float) -> BudgetRefusal | None:
         """The refusal ``try_reserve(cost)`` would give now, taking nothing (a check that
         costs nothing before an expensive step)."""
-        worst: TokenBucket | None = None
+        worst: Bucket | None = None
         worst_wait = 0.0
         for bucket in self.buckets:
             wait = bucket.wait_for(cost, now)
@@ -192,7 +285,7 @@ class TenantBudgets:
     def headroom(self, now: float) -> Headroom | None:
         """The budget with the least left now (None without budgets): after a
         reservation, what a successful response reports."""
-        return tightest(Headroom.of(b.spec, b.level(now)) for b in self.buckets)
+        return tightest(Headroom(b.spec, b.level(now), b.until_full(now)) for b in self.buckets)
 
     def levels(self, now: float) -> dict[str, float]:
         """Budget key -> level, for metrics and for persisting across restarts."""

@@ -6,6 +6,7 @@ simulations can drive time exactly.
 
 from ._drafts import DraftBook
 from ._inner import InnerRates, inner_levels
+from ._lanes import DEFAULT_MIN_SHARE, LanePolicy
 from ._limiter import BURST_NS, OutputRateLimiter
 from ._planner import (
     MAY_SAMPLE,
@@ -18,7 +19,16 @@ from ._planner import (
     Stream,
 )
 from ._ranks import user_rank
-from ._stats import DEFAULT_MAX_USERS, OTHER_USER, PacingStats, StatsSnapshot, UserStats
+from ._stats import (
+    DEFAULT_MAX_USERS,
+    MAX_LANES,
+    OTHER_LANE,
+    OTHER_USER,
+    LaneStats,
+    PacingStats,
+    StatsSnapshot,
+    UserStats,
+)
 from ._reload import RELOAD_CHECK_NS, LimitsFileWatcher, ReloadResult
 from ._limits import (
     MAX_USER_ID_LENGTH,
@@ -37,6 +47,11 @@ from ._limits import (
 __all__ = [
     "BURST_NS",
     "DEFAULT_MAX_USERS",
+    "DEFAULT_MIN_SHARE",
+    "LanePolicy",
+    "LaneStats",
+    "MAX_LANES",
+    "OTHER_LANE",
     "DraftBook",
     "InnerRates",
     "inner_levels",

@@ -33,7 +33,7 @@ speculative decoding is off. Nothing here knows vLLM.
 
 from __future__ import annotations
 
-from ._limiter import OutputRateLimiter
+from ._limiter import OutputRateLimiter, _grant
 from ._planner import Stream
 
 
@@ -58,7 +58,10 @@ class DraftBook:
         Cost: one GCRA update for a stream of its user alone (the usual case).
         """
         if not stream.levels:
-            got = self.limiter.take(stream.user, want, now)
+            # The user's state straight from the limiter (``take`` without its two calls).
+            bucket = self.limiter._buckets.get(stream.user) if want > 0 else None
+            got = (self.limiter.take(stream.user, want, now) if bucket is None
+                   else _grant(bucket, want, now))
             if got:
                 self.granted += got
                 stream.stats.tokens += got
@@ -97,17 +100,18 @@ class DraftBook:
             stream.stats.tokens += n
         return counted
 
-    def give_back(self, stream: Stream, n: int) -> None:
-        """Return ``n`` drafts of ``stream`` at every level (not dispatched, or rejected).
+    def give_back(self, stream: Stream, n: int, now: int | None = None) -> None:
+        """Return ``n`` drafts of ``stream`` at every level (not dispatched, or rejected);
+        ``now``: the limiter's clock read by the caller (None: read here).
 
         A level's refund is ignored past what it granted since its TAT last restarted
         (``OutputRateLimiter.refund``), so a late return can never create quota.
         """
         if n <= 0:
             return
-        self.limiter.refund(stream.user, n)
+        self.limiter.refund_at(stream.user, n, now)
         for level in stream.levels:
-            self.inner.refund(level, n)  # type: ignore[arg-type]
+            self.inner.refund_at(level, n, now)  # type: ignore[arg-type]
         self.returned += n
         stream.stats.tokens -= n
         stream.stats.refunds += n

@@ -266,15 +266,30 @@ class OutputRateLimiter:
         past and a TAT equal to now grant the same, so the refund is exact either way (and
         equal to ``n`` refunds of one).
         """
+        self.refund_at(user, n, None)
+
+    def refund_at(self, user: str, n: int, now_ns: int | None) -> None:
+        """``refund`` with the clock read by the caller (None: read it here), for callers
+        that return many users' tokens at one instant. ``now_ns`` must be a reading of this
+        limiter's clock that is not in the future."""
         bucket = self._buckets.get(user)
         if bucket is None or bucket.refundable == 0:
             return
         if n > bucket.refundable:
             n = bucket.refundable
         bucket.refundable -= n
-        now_scaled = self.clock_ns() * bucket.scale
+        now_scaled = (self.clock_ns() if now_ns is None else now_ns) * bucket.scale
         tat = bucket.tat - n * bucket.interval
         bucket.tat = tat if tat > now_scaled else now_scaled
+
+    def has_quota(self, user: str) -> bool:
+        """Whether ``try_take`` would succeed now (one reading of the clock; nothing taken).
+        Compare ``ready_at_ns`` only with a reading taken after it: it is never before its
+        own."""
+        bucket = self._buckets.get(user)
+        if bucket is None:
+            return True
+        return bucket.tat - self.clock_ns() * bucket.scale <= bucket.burst  # as try_take
 
     def ready_at_ns(self, user: str) -> int:
         """The first instant (clock ns, not before now) at which ``try_take`` succeeds."""

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._inner import InnerKey, InnerRates, inner_levels, inner_limiter
+from ._lanes import LanePolicy
 from ._limiter import OutputRateLimiter, _Bucket
 from ._stats import PacingStats, UserStats
 
@@ -86,7 +87,7 @@ class Stream:
     """A request as the planner sees it; opened once, reused every step (no allocation)."""
 
     __slots__ = ("key", "user", "account", "stats", "priority", "samples", "last_served",
-                 "levels")
+                 "levels", "yielded")
 
     def __init__(self, key: Hashable, account: _Account, priority: int,
                  levels: tuple[InnerKey, ...] = ()) -> None:
@@ -103,6 +104,8 @@ class Stream:
         self.samples = NO_SAMPLE
         """Set by the adapter before each step: NO_SAMPLE, SAMPLES or MAY_SAMPLE."""
         self.last_served = -1
+        self.yielded = 0
+        """Steps in a row this request's prompt chunk sat out for a better lane (``_lanes``)."""
 
 
 @dataclass(slots=True)
@@ -150,6 +153,9 @@ class StepPlanner:
         # next token before the user's running streams, or those would take every token
         # and the waiting request would never start.
         self._starved: dict[str, Hashable] = {}
+        self.lanes: LanePolicy | None = None
+        """Set under vLLM's priority policy with room to hold requests: slot contention then
+        keeps a reserve for each lower priority level (``_lanes``)."""
 
     # -- streams --------------------------------------------------------------------
 
@@ -589,6 +595,8 @@ class StepPlanner:
             if len(mine) > 1:
                 mine.sort(key=_turn)
         plan = RunningPlan()
+        if self.lanes is not None:
+            slots -= self._place_reserves(by_user, slots, plan)
         heap = [
             (mine[0].priority, mine[0].account.service, order, user, 0)
             for order, (user, mine) in enumerate(by_user.items())
@@ -602,10 +610,10 @@ class StepPlanner:
             if pos + 1 < len(mine):
                 nxt = mine[pos + 1]
                 heapq.heappush(heap, (nxt.priority, nxt.account.service, order, user, pos + 1))
-        now = self.limiter.now_ns()
+        limiter = self.limiter
         for _, _, _, user, pos in heap:
             out_of_quota = self.is_paced(user) and (
-                user in self._refused or self.limiter.ready_at_ns(user) > now
+                user in self._refused or not limiter.has_quota(user)
             )
             for s in by_user[user][pos:]:
                 if s.samples and out_of_quota:
@@ -613,6 +621,45 @@ class StepPlanner:
                 else:
                     plan.deferred.append(s.key)
         return plan
+
+    def _place_reserves(self, by_user: dict[str, list[Stream]], slots: int,
+                        plan: RunningPlan) -> int:
+        """Place each lower priority level's reserve first (``LanePolicy.reserve``), taking
+        the placed streams out of ``by_user``; returns the slots they took. Within a level
+        the least served user goes first, then its least recently served stream. Cost:
+        nothing unless more than one priority level is present; then a sort of the lower
+        levels' streams."""
+        assert self.lanes is not None
+        reserve, cap = self.lanes.reserve(slots), self.lanes.reserves(slots)
+        if not reserve:
+            return 0
+        best = min(mine[0].priority for mine in by_user.values())
+        lower = [s for mine in by_user.values() for s in mine if s.priority > best]
+        if not lower:
+            return 0
+        lower.sort(key=lambda s: (s.priority, s.account.service, s.last_served))
+        taken: set[Hashable] = set()
+        used = 0
+        level, in_level = None, 0
+        for s in lower:
+            if used >= cap:
+                break
+            if s.priority != level:
+                level, in_level = s.priority, 0
+            if in_level >= reserve:
+                continue
+            taken.add(s.key)
+            if self._place(s, plan):  # a throttled one is not placed: the next one goes
+                in_level += 1
+                used += 1
+        if taken:
+            for user, mine in list(by_user.items()):
+                rest = [s for s in mine if s.key not in taken]
+                if rest:
+                    by_user[user] = rest
+                else:
+                    del by_user[user]
+        return used
 
     def _place(self, s: Stream, plan: RunningPlan) -> bool:
         """Run ``s`` if its user has quota for it (or it does not sample)."""

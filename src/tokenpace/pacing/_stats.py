@@ -15,7 +15,7 @@ token is one attribute increment; throttling and refunds, off the common path, o
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OTHER_USER = "__other__"
 """The label of every user past ``max_users`` (a user with this very id counts there too,
@@ -35,6 +35,23 @@ class UserStats:
         self.throttled_ns = 0  # time during which the user had work waiting for quota
 
 
+class LaneStats:
+    """One priority level's counters (``_lanes``); ``held`` is the last step's count."""
+
+    __slots__ = ("held_steps", "yielded_steps", "admitted", "held")
+
+    def __init__(self) -> None:
+        self.held_steps = 0  # running request-steps held for a better priority
+        self.yielded_steps = 0  # prompt chunks that sat out for a better priority's prefill
+        self.admitted = 0  # requests admitted past the active limit by holding others
+        self.held = 0  # requests held in the last step
+
+
+MAX_LANES = 32
+"""Priority levels with their own lane counters; the rest share ``OTHER_LANE``."""
+OTHER_LANE = "other"
+
+
 @dataclass(frozen=True)
 class StatsSnapshot:
     """The counters at one instant (what a scrape reads)."""
@@ -43,6 +60,8 @@ class StatsSnapshot:
     idle_waits: int
     idle_wait_ns: int
     folded: int  # distinct users counted under OTHER_USER
+    # priority (or OTHER_LANE) -> (held request-steps, yielded chunks, admitted, held now)
+    lanes: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 class PacingStats:
@@ -58,6 +77,7 @@ class PacingStats:
         self._folded: set[str] = set()
         self.idle_waits = 0
         self.idle_wait_ns = 0
+        self._lanes: dict[str, LaneStats] = {}
         for user in first:
             self.of(user)
 
@@ -73,6 +93,29 @@ class PacingStats:
             self._folded.add(user)
         return self._other
 
+    def lane(self, priority: int) -> LaneStats:
+        """The counters of a priority level (the first ``MAX_LANES`` levels seen have
+        their own; later ones share ``OTHER_LANE``). Cost: a dict lookup."""
+        key = str(priority)
+        entry = self._lanes.get(key)
+        if entry is None:
+            if len(self._lanes) >= MAX_LANES:
+                key = OTHER_LANE
+                entry = self._lanes.get(key)
+            if entry is None:
+                entry = self._lanes[key] = LaneStats()
+        return entry
+
+    def note_held(self, priorities: Iterable[int]) -> None:
+        """The priorities of the requests held in this step (their gauges are set, the
+        other levels' go to 0). Cost: a dict lookup per held request, one store per level."""
+        for entry in self._lanes.values():
+            entry.held = 0
+        for p in priorities:
+            entry = self.lane(p)
+            entry.held += 1
+            entry.held_steps += 1
+
     def note_idle_wait(self, waited_ns: int) -> None:
         """The engine loop waited ``waited_ns`` for quota instead of stepping."""
         self.idle_waits += 1
@@ -85,4 +128,6 @@ class PacingStats:
         if self._folded:
             users[OTHER_USER] = (other.tokens, other.refunds, other.throttled_steps,
                                  other.throttled_ns)
-        return StatsSnapshot(users, self.idle_waits, self.idle_wait_ns, len(self._folded))
+        lanes = {p: (e.held_steps, e.yielded_steps, e.admitted, e.held)
+                 for p, e in self._lanes.items()}
+        return StatsSnapshot(users, self.idle_waits, self.idle_wait_ns, len(self._folded), lanes)

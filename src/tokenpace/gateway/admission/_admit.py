@@ -25,7 +25,14 @@ from ..engines import prompt_bound
 from ..exchange import Exchange, Runtime, settle_in_store
 from ..state import Reservation, StateStore, StateUnavailable
 from ..tenants import ApplicationState, Hold, LimitState, TenantState
-from ..wire import GatewayError, ParsedRequest, count_calls, prompt_token_ids
+from ..wire import (
+    POOLING_KINDS,
+    GatewayError,
+    ParsedRequest,
+    count_calls,
+    pooling_prompt_bytes,
+    prompt_token_ids,
+)
 from . import _observe as observe
 from ._refusals import (
     body_rate_limited,
@@ -177,11 +184,14 @@ async def _admit_on_bound(rt: Runtime, ex: Exchange, req: ParsedRequest,
     one pass over the prompt's strings (O(1) each when ASCII); no round trip.
     """
     tenant, cfg = ex.tenant, ex.tenant.config
-    if req.kind not in ("chat", "completion") or req.prompts > 1:
-        return None  # the probes learn chat templates and plain prompts only
+    # The probes learn chat templates and plain prompts only; a pooling request's inputs
+    # are plain prompts (``engines.prompt_bound`` says which it claims).
+    probed = "completion" if req.kind in POOLING_KINDS else req.kind
+    if probed not in ("chat", "completion") or (req.prompts > 1 and probed == req.kind):
+        return None
     if req.max_tokens is None and cfg.max_output_tokens is None:
         return None  # the room left beside the prompt, sent as max_tokens, needs its size
-    learned = await rt.prompt_bounds.learned(client, engine, req.model, req.kind,
+    learned = await rt.prompt_bounds.learned(client, engine, req.model, probed,
                                              tenant.tokenize_slots)
     if learned is None or learned.overhead is None or not learned.trusted:
         return None
@@ -366,8 +376,11 @@ def prompt_bytes(req: ParsedRequest) -> int:
     """A lower bound of the prompt text's UTF-8 size: the characters of the completion
     prompts, of the messages' text content (and a Messages ``system``), of a Responses
     ``instructions`` and its input's text (images and other parts are not text and are
-    left out). One pass over the messages, nothing encoded."""
+    left out), of a pooling request's inputs (``wire.pooling_prompt_bytes``). One pass
+    over the messages, nothing encoded."""
     body = req.body
+    if req.kind in POOLING_KINDS:
+        return pooling_prompt_bytes(req.kind, body)
     if req.kind == "completion":
         prompt = body.get("prompt")
         if isinstance(prompt, str):

@@ -1,14 +1,16 @@
 """Who is asking, and for what: the API key's tenant (and application), and the model's pool.
 
-Decided from the configuration in memory, without an engine call: a SHA-256 of the key and
-a few dict lookups per request.
+Decided from the configuration in memory (and the admin API's keys, also in memory), without
+an engine or database call: a SHA-256 of the key and a few dict lookups per request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from .. import metrics
+from ..config import hash_key
 from ..dispatch import Pool
 from ..exchange import Runtime
 from ..fleet import EngineSlots, engine_retry_headers
@@ -40,9 +42,15 @@ def identify(rt: Runtime, authorization: str | None,
              ) -> tuple[TenantState, ApplicationState | None]:
     """The tenant, and the application when the key is an application's, of the
     request's ``Authorization`` header value, or a 401. Per request: a SHA-256 of the key
-    and two or three dict lookups."""
+    and two or three dict lookups; a key not in the file (one made through the admin API)
+    adds a clock read and ``registry.KeyTable.identity``'s few lookups."""
     key = bearer_key(authorization)
-    identity = rt.config.identity_for_key(key) if key else None
+    identity = None
+    if key:
+        digest = hash_key(key)
+        identity = rt.config.identity_for_digest(digest)
+        if identity is None and rt.keys is not None:
+            identity = rt.keys.identity(digest, rt.config, time.time())
     state = rt.tenants.get(identity[0].id) if identity else None
     application = None
     if state is not None and identity is not None and identity[1] is not None:

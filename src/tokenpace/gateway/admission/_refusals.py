@@ -7,8 +7,9 @@ each refusal, so the HTTP stages and the dispatcher refuse alike.
 from __future__ import annotations
 
 import math
+import time
 
-from ...fairness import BudgetRefusal, RequestLimit
+from ...fairness import BudgetRefusal, RequestLimit, iso
 from ..tenants import ApplicationState, LimitState, TenantState
 from ..wire import GatewayError, refusal_headers
 
@@ -63,10 +64,13 @@ def budget_error(refusal: BudgetRefusal, level: LimitState | None = None) -> Gat
             400, f"this request reserves {refusal.cost:g} tokens of cost, more than the whole "
             f"budget {budget.key}{whose}; lower max_tokens or shorten the prompt",
             reason="larger_than_budget", code="budget_too_small", param="max_tokens")
+    # A calendar budget says when its period ends (``retry-after`` and
+    # ``x-ratelimit-reset-tokens`` count the seconds to it): one clock read, one format.
+    when = (f"it resets at {iso(round(time.time() + refusal.reset_s))}"
+            if budget.calendar is not None else f"retry in {refusal.retry_after_s:.3f} s")
     return GatewayError(
         429, f"token budget {budget.key}{whose} exhausted: this request needs "
-        f"{refusal.cost:g}, {math.floor(refusal.remaining)} remain; retry in "
-        f"{refusal.retry_after_s:.3f} s",
+        f"{refusal.cost:g}, {math.floor(refusal.remaining)} remain; {when}",
         reason="budget", code="rate_limit_exceeded",
         headers=refusal_headers(refusal, "tokens", int(budget.tokens)))
 

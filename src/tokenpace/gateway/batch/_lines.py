@@ -26,8 +26,10 @@ from ..wire import clip
 
 ENDPOINTS: dict[str, str] = {"/v1/chat/completions": "chat",
                              "/v1/completions": "completion",
-                             "/v1/responses": "responses"}
-"""The endpoints a batch may name, and the gateway route (``wire.Kind``) each runs on."""
+                             "/v1/responses": "responses",
+                             "/v1/embeddings": "embeddings"}
+"""The endpoints a batch may name (OpenAI's Batch API's, but ``/v1/moderations``), and
+the gateway route (``wire.Kind``) each runs on."""
 
 MAX_CUSTOM_ID = 512
 """Characters in a ``custom_id``: it is copied into every output line and the ledger's

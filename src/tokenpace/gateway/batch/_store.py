@@ -39,7 +39,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from ..ledger import LedgerError, parse_ledger_url
+from ..ledger import LedgerError, import_psycopg, parse_ledger_url, write_transaction
 from ._objects import (
     STAMPS,
     UNFINISHED,
@@ -146,11 +146,7 @@ class BatchStore:
                 raise LedgerError(f"cannot open the batch store {where}: {exc}") from exc
             self._mark, blob, serial = "?", "BLOB", "INTEGER"
         else:
-            try:
-                import psycopg
-            except ImportError as exc:
-                raise LedgerError("the batch store in Postgres needs psycopg 3: "
-                                  "pip install 'psycopg[binary]>=3.1'") from exc
+            psycopg = import_psycopg("the batch store in Postgres")
             self._errors = (psycopg.Error,)
             self._psycopg, self._where = psycopg, where
             try:
@@ -230,17 +226,8 @@ class BatchStore:
         write lock taken at once, so two replicas on one file serialize here)."""
         with self._lock:
             self._ready()
-            if self._mark == "?":
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
-            else:
-                with self._conn.transaction():
-                    yield
+            with write_transaction(self._conn, self._mark == "?"):
+                yield
 
     def close(self) -> None:
         with self._lock:

@@ -6,10 +6,11 @@ Nothing here runs a request: every stage reads these values, and a reload swaps 
 
 Inside: the file read (``_read``, with ``_gc``), the top level checked (``_parse``) with
 one module per section (``_engines`` and ``_router_headers``, ``_models``, ``_tenants``,
-``_batch``) over the checks of one value (``_fields``), into the values (``_values``,
-``_gateway``).
+``_batch``; ``_api_tenant``, a tenant of the admin API by the same parser) over the
+checks of one value (``_fields``), into the values (``_values``, ``_gateway``).
 """
 
+from ._api_tenant import API_TENANT_WHERE, application_digest, parse_api_tenant
 from ._engines import keep_engine_keys
 from ._fields import ConfigError
 from ._gateway import GatewayConfig
@@ -29,6 +30,9 @@ from ._values import (
 )
 
 __all__ = [
+    "API_TENANT_WHERE",
+    "application_digest",
+    "parse_api_tenant",
     "BatchConfig",
     "APPLICATION_SEPARATOR",
     "ApplicationConfig",

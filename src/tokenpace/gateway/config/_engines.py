@@ -23,8 +23,8 @@ def _engine(value: Any, where: str) -> EngineConfig:
         value = {"url": value}
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
-                      "max_kv_cache_usage", "max_num_seqs", "api_key", "api_key_env", "models",
-                      "model_path", "drain", "discovery", "headers"))
+                      "max_kv_cache_usage", "max_num_seqs", "reserved_slots", "api_key",
+                      "api_key_env", "models", "model_path", "drain", "discovery", "headers"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -58,6 +58,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         max_kv_cache_usage=None if kv is None else float(kv),
         api_key=_engine_key(m, where),
         max_num_seqs=_int(m, "max_num_seqs", where, None, minimum=1),
+        reserved_slots=_int(m, "reserved_slots", where, None, minimum=0),
         models=_name_list(m["models"], f"{where}.models") if m.get("models") is not None
         else None,
         model_path=_model_path(m, where),

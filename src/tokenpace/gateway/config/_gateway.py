@@ -164,6 +164,12 @@ class GatewayConfig:
         """
         return self._identity_by_digest.get(hash_key(key))
 
+    def identity_for_digest(self, digest: bytes,
+                            ) -> tuple[TenantConfig, ApplicationConfig | None] | None:
+        """``identity_for_key`` of a key whose SHA-256 digest the caller computed (one
+        dict lookup)."""
+        return self._identity_by_digest.get(digest)
+
     @property
     def _identity_by_digest(self) -> dict[bytes, tuple[TenantConfig, ApplicationConfig | None]]:
         table = self.__dict__.get("_by_digest")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...fairness import BudgetSpec, RequestLimit, parse_duration
+from ...fairness import PERIODS, BudgetSpec, RequestLimit, nominal_seconds, parse_duration
 from ...pacing import LimitsError, validate_user_id
 from ._fields import (
     ConfigError,
@@ -136,18 +136,23 @@ def _no_control_characters(value: str, where: str) -> None:
 
 
 def _budgets(m: Mapping[str, Any], where: str) -> list[BudgetSpec]:
-    """``budgets: [{tokens, per, mode}]``: token buckets, each listed once."""
+    """``budgets: [{tokens, per, mode}]``: token buckets, each listed once; ``per`` a
+    duration (a sliding bucket) or ``month`` / ``week`` (a calendar budget, UTC)."""
     budgets = []
     for i, b in enumerate(_list(m, "budgets", where)):
         bw = f"{where}.budgets[{i}]"
         bm = _mapping(b, bw)
         _known(bm, bw, ("tokens", "per", "mode"))
         tokens = _number(bm, "tokens", bw, required=True)
+        assert tokens is not None
+        if bm.get("per") in PERIODS:
+            budgets.append(BudgetSpec(tokens, nominal_seconds(bm["per"]), _observe(bm, bw),
+                                      calendar=bm["per"]))
+            continue
         try:
             per = parse_duration(bm.get("per"))
         except ValueError as exc:
-            raise ConfigError(f"{bw}.per: {exc}") from None
-        assert tokens is not None
+            raise ConfigError(f"{bw}.per: {exc}, or 'month' or 'week'") from None
         budgets.append(BudgetSpec(tokens, per, _observe(bm, bw)))
     if len({b.key for b in budgets}) != len(budgets):
         raise ConfigError(f"{where}.budgets: the same budget is listed twice")

@@ -30,6 +30,10 @@ class EngineConfig:
     # The engine's --max-num-seqs: how many requests it runs at once. Unset: learned from
     # its /metrics (the running count while requests keep waiting in it).
     max_num_seqs: int | None = None
+    # The engine's last slots kept for tenants that hold fewer than this many requests on
+    # it (``EngineSlots.admits``): a tenant with long requests cannot take every slot.
+    # None: an eighth of its slots (none below 8); 0: none kept.
+    reserved_slots: int | None = None
     # The model names it serves (its --served-model-name). None: learned from its
     # /v1/models at start-up and on health checks.
     models: tuple[str, ...] | None = None

@@ -74,6 +74,7 @@ class Waiter:
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     granted: bool = False
     released: bool = False
+    in_reserve: bool = False  # granted one of its engine's reserved slots
     # The conversation it continues (``wire.conversation_key``): its engine is the one that
     # key hashes to, within the load bound (``Dispatcher.choose``). None: by tenant and load.
     affinity: bytes | None = None
@@ -232,6 +233,18 @@ class Dispatcher:
         O(configured))."""
         queue.set_lanes(_lane_specs(config))
         queue.fair = config.dispatch_order == "vtc"
+        self._declare_tenants(queue, config)
+
+    def configure_tenants(self, config: GatewayConfig) -> None:
+        """Apply ``config``'s tenant lanes and weights to every pool's queue, and nothing
+        else (a change of the admin API's tenants: lanes and engines, their drain flags
+        included, stay as they are). O(pools x tenants each queue has seen)."""
+        self._config = config
+        self._ranked.clear()
+        for pool in self.pools.values():
+            self._declare_tenants(pool.queue, config)
+
+    def _declare_tenants(self, queue: FairQueue[Waiter], config: GatewayConfig) -> None:
         for tenant_id in queue.declared_tenants():
             tenant = config.tenant(tenant_id)
             if tenant is not None:
@@ -323,19 +336,19 @@ class Dispatcher:
         """
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
-            return engine if engine.accepts and self._open(engine) else None
+            return engine if self._takes(engine, tenant.id) else None
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each
             # engine more is a share to move by control call as streams start and end.
             return next((e for e in self._rank(tenant.id, pool)
-                         if e.accepts and self._open(e)), None)
+                         if self._takes(e, tenant.id)), None)
         if affinity is not None and self.by_conversation(tenant, pool):
             return self._conversation_engine(tenant.id, pool, affinity)
         best: EngineSlots | None = None
         first: EngineSlots | None = None
         for engine in self._rank(tenant.id, pool):
-            if not (engine.accepts and self._open(engine)):
+            if not self._takes(engine, tenant.id):
                 continue
             if first is None:
                 first = engine
@@ -374,7 +387,7 @@ class Dispatcher:
         Cost: one dict lookup for the home and O(engines) comparisons; for a new
         conversation a BLAKE2b per engine of the pool more (0.5 us each).
         """
-        open_engines = [e for e in pool.engines if e.accepts and self._open(e)]
+        open_engines = [e for e in pool.engines if self._takes(e, tenant)]
         if not open_engines:
             return None
         least = min(open_engines, key=lambda e: e.inflight)
@@ -401,6 +414,11 @@ class Dispatcher:
         operations."""
         return self._homes.put(tenant, affinity, engine.url)
 
+    def _takes(self, engine: EngineSlots, tenant_id: str) -> bool:
+        """Whether ``engine`` takes a request of ``tenant_id`` now: it accepts requests, has
+        room, and its reserved slots admit the tenant (``EngineSlots.admits``)."""
+        return engine.accepts and self._open(engine) and engine.admits(tenant_id)
+
     def _open(self, engine: EngineSlots) -> bool:
         """Whether ``engine`` takes a request now (the shared dispatcher adds the slots
         other replicas hold)."""
@@ -409,12 +427,17 @@ class Dispatcher:
     def spare(self, pool: Pool, keep: int) -> int:
         """Slots of ``pool`` that work which must never delay live requests (batch lines)
         may take now: none while any request waits in the pool's queue; else, summed over
-        the engines that take requests and have room, the free slots beyond ``keep`` per
-        engine. O(engines in the pool). With several replicas the counts are this
-        replica's (another replica's slots show only as an engine without room)."""
+        the engines that take requests and have room, the free slots beyond ``keep`` (or
+        the engine's ``reserve``, the larger) per engine. O(engines in the pool). With several replicas the counts are this
+        replica's (another replica's slots show only as an engine without room).
+
+        An engine's slots are its capacity where known (``max_num_seqs``), else its
+        ``max_inflight``: with ``max_inflight`` above the capacity (an engine whose lanes
+        hold lower-priority requests for better ones), live requests may go past the batch
+        lines, which never take more than the requests the engine runs at once."""
         if len(pool.queue):
             return 0
-        return sum(max(0, engine.config.max_inflight - keep - engine.inflight)
+        return sum(max(0, engine.slots - max(keep, engine.reserve) - engine.inflight)
                    for engine in pool.engines if engine.accepts and self._open(engine))
 
     # -- waiting and dispatch ----------------------------------------------------------
@@ -482,7 +505,7 @@ class Dispatcher:
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
         assert engine is not None
-        engine.inflight -= 1
+        engine.released(tenant.id, waiter.in_reserve)
         tenant.inflight -= 1
         if waiter.application is not None:
             waiter.application.inflight -= 1
@@ -551,7 +574,7 @@ class Dispatcher:
             if waiter.application is not None:
                 waiter.application.inflight += 1
                 dispatched(waiter.application, self._clock())
-            engine.dispatched()
+            waiter.in_reserve = engine.dispatched(tenant.id)
             engine.inflight_gauge.set(engine.inflight)
             metrics.child(metrics.QUEUED, tenant.id).set(tenant.queued)
             metrics.child(metrics.INFLIGHT, tenant.id).set(tenant.inflight)

@@ -285,7 +285,7 @@ class SharedDispatcher(Dispatcher):
         if waiter.application is not None:
             waiter.application.inflight += 1
             dispatched(waiter.application, self._clock())
-        engine.dispatched()
+        waiter.in_reserve = engine.dispatched(tenant.id)
         if waiter.prompt_cost:
             self.store.charge(tenant.config.lane, tenant.id,
                               waiter.prompt_cost / tenant.config.weight)
@@ -310,7 +310,7 @@ class SharedDispatcher(Dispatcher):
         waiter.released = True
         engine, tenant = waiter.engine, waiter.tenant
         assert engine is not None
-        engine.inflight -= 1
+        engine.released(tenant.id, waiter.in_reserve)
         tenant.inflight -= 1
         if waiter.application is not None:
             waiter.application.inflight -= 1

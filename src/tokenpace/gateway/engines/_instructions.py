@@ -25,7 +25,7 @@ from ...engine import (
     USER_EXTRA_ARG,
 )
 from ..config import ApplicationConfig, TenantConfig
-from ..wire import ParsedRequest, encode_body
+from ..wire import POOLING_KINDS, ParsedRequest, encode_body
 
 
 class EngineInstructions(NamedTuple):
@@ -131,6 +131,12 @@ def engine_body(req: ParsedRequest, instructions: EngineInstructions,
         if isinstance(own, str) and own:
             cache_salt = hashlib.sha256(f"{cache_salt}\0{own}".encode("utf-8")).hexdigest()
         body["cache_salt"] = cache_salt
+    if req.kind in POOLING_KINDS:
+        # No output to pace or limit: vLLM's pooling requests read no ``vllm_xargs``
+        # (a client's is dropped) and have no output limit; the lane's priority stands.
+        body.pop("vllm_xargs", None)
+        body["priority"] = instructions.priority
+        return encode_body(body)
     xargs = body.get("vllm_xargs")
     xargs = dict(xargs) if isinstance(xargs, dict) else {}
     # Every pacing field is the gateway's: set from the tenant's configuration, or dropped

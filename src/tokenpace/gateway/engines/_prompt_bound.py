@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from .. import metrics
-from ..wire import ParsedRequest
+from ..wire import POOLING_KINDS, ParsedRequest
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -119,9 +119,18 @@ class Learned:
 def bound(req: ParsedRequest, overhead: Overhead) -> int | None:
     """Tokens the engine can make of this prompt at most, or None when not claimed.
 
-    Cost: one pass over the messages; ``text_bytes`` per string (O(1) for ASCII).
+    Cost: one pass over the messages; ``text_bytes`` per string (O(1) for ASCII). The
+    inputs of an embeddings, pooling or classify request are plain prompts (the
+    completion probes' overhead, once per input); a rerank or score pair and chat
+    ``messages`` of a pooling request are not claimed.
     """
     body = req.body
+    if req.kind in POOLING_KINDS:
+        value = body.get("input") if req.kind not in ("rerank", "score") else None
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts or set(map(type, texts)) != {str}:
+            return None
+        return sum(overhead.fixed + text_bytes(t) + SLACK_PROMPT for t in texts)
     if req.kind != "chat":
         prompt = body.get("prompt")
         if isinstance(prompt, list):

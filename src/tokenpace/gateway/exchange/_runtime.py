@@ -13,6 +13,7 @@ from ..config import GatewayConfig
 from ..dispatch import Dispatcher
 from ..engines import PromptBounds, RateSplitter, Upstream
 from ..ledger import Ledger
+from ..registry import KeyTable
 from ..state import StateStore
 from ..tenants import Tenants
 
@@ -40,3 +41,6 @@ class Runtime:
     # Tenant id -> the bytes of streamed answers kept for its slow readers (``relay``'s
     # ``ClientPipe``); a tenant with none has no entry.
     backlogs: dict[str, int] = field(default_factory=dict)
+    # Keys made through the admin API (``registry``), asked when a key is not the file's;
+    # None: the admin store is not open (yet).
+    keys: KeyTable | None = None

@@ -31,7 +31,7 @@ from ._health import (
 )
 from ._load import LOAD_INTERVAL_S, LOAD_SOON_S, engine_load, read_load, reread_delay
 from ._monitor import START_MODELS_TIMEOUT_S, Monitor
-from ._policy import UNKNOWN, policy_problem, reported_policy
+from ._policy import UNKNOWN, policy_problem, reported_capacity, reported_policy
 from ._slots import EnginePool, EngineSlots
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "PROBE_FIRST_S",
     "ProbeSchedule",
     "read_load",
+    "reported_capacity",
     "reported_policy",
     "request_fields",
     "reread_delay",

@@ -23,7 +23,7 @@ from ._fields import learn_request_fields
 from ._fleet import Fleet
 from ._health import DOWN_AFTER_FAILURES, HEALTH_TIMEOUT_S, ProbeSchedule
 from ._load import read_load
-from ._policy import policy_problem, reported_policy
+from ._policy import policy_problem, reported_capacity, reported_policy
 from ._slots import EngineSlots
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -175,6 +175,7 @@ class Monitor:
                     ok = False
                 if ok:
                     self._note_policy(engine.config, reported_policy(headers))
+                    engine.reported_capacity = reported_capacity(headers)
                     if engine.config.models is None:
                         await self._learn_models(engine, HEALTH_TIMEOUT_S)
                     if engine.fields_wanted and not engine.fields_learned:

@@ -37,8 +37,9 @@ class EngineSlots:
     Two signals, because each alone fails:
 
     - The gateway's own count. With the engine's capacity known (``max_num_seqs``
-      configured, or learned from two readings in a row that show requests waiting beside
-      the same running count), at most capacity + ``max_engine_waiting`` of the gateway's
+      configured, reported on its ``/health`` by ``tokenpace serve``, or learned from two
+      readings in a row that show requests waiting beside the same running count), at
+      most capacity + ``max_engine_waiting`` of the gateway's
       requests are in the engine at once: a burst larger than the engine can run waits here,
       where the fair queue orders it, and a burst that fits goes at once.
     - The engine's own waiting count, polled from its ``/metrics``, for load the gateway does
@@ -58,6 +59,9 @@ class EngineSlots:
         self.models: frozenset[str] | None = (  # None: not known yet (learned)
             frozenset(config.models) if config.models is not None else None)
         self.inflight = 0
+        # Tenant id -> its requests in flight here (this replica's): ``admits`` reads it.
+        self.by_tenant: dict[str, int] = {}
+        self.in_reserve = 0  # of ``inflight``: requests in its reserved slots (``admits``)
         self.healthy = True
         self.down_since: float | None = None
         # Connections refused in a row (requests that never reached it): one takes it out
@@ -74,6 +78,8 @@ class EngineSlots:
         self.engine_waiting: float | None = None  # from the engine's /metrics
         self.engine_running: float | None = None
         self.kv_cache_usage: float | None = None
+        # Its --max-num-seqs as its /health reports it (tokenpace serve does; None: not).
+        self.reported_capacity: int | None = None
         self.learned_capacity: int | None = None
         # Route -> the top-level request fields the engine reads (``_fields``); empty: not
         # known (every field is forwarded). Read once a large body asked for them
@@ -122,8 +128,9 @@ class EngineSlots:
 
     @property
     def capacity(self) -> int | None:
-        """Requests the engine runs at once (configured, else learned; None: unknown)."""
-        return self.config.max_num_seqs or self.learned_capacity
+        """Requests the engine runs at once (configured, else reported on its ``/health``,
+        else learned; None: unknown)."""
+        return self.config.max_num_seqs or self.reported_capacity or self.learned_capacity
 
     def record_reading(self, running: float | None, waiting: float | None,
                        kv_usage: float | None) -> None:
@@ -139,9 +146,60 @@ class EngineSlots:
         self._fresh_at_reading = self._dispatched_since_reading
         self._dispatched_since_reading = 0
 
-    def dispatched(self) -> None:
+    @property
+    def slots(self) -> int:
+        """The requests it runs at once as far as the gateway knows: its capacity where
+        known, at most ``max_inflight``."""
+        limit = self.config.max_inflight
+        capacity = self.capacity
+        return limit if capacity is None else min(limit, capacity)
+
+    @property
+    def reserve(self) -> int:
+        """Its slots kept for tenants that hold few requests on it (``admits``):
+        ``reserved_slots``, by default an eighth of ``slots`` (none below 8 slots); always
+        fewer than ``slots``."""
+        slots = self.slots
+        wanted = self.config.reserved_slots
+        if wanted is None:
+            wanted = slots // 8
+        return max(0, min(wanted, slots - 1))
+
+    def admits(self, tenant_id: str) -> bool:
+        """Whether a request of ``tenant_id`` may take a slot here, room permitting
+        (``has_room``): the last ``reserve`` of its running slots go only to a tenant that
+        holds fewer than ``reserve`` requests here. So a tenant whose requests run for
+        minutes cannot take every slot: the next tenant's request starts at once instead of
+        waiting for one of them to end. At most ``reserve`` slots stay idle, while no
+        waiting tenant may have them. A few attribute reads and a dict lookup."""
+        reserve = self.reserve
+        return not self._outside_full(reserve) or self.by_tenant.get(tenant_id, 0) < reserve
+
+    def _outside_full(self, reserve: int) -> bool:
+        """Whether the next request here would take one of the ``reserve`` reserved slots
+        (every slot outside them is taken)."""
+        return bool(reserve) and self.inflight - self.in_reserve + 1 + reserve > self.slots
+
+    def dispatched(self, tenant_id: str) -> bool:
+        """A request of ``tenant_id`` was given a slot here; True: one of the reserved
+        slots (give it back with ``released(tenant_id, True)``)."""
+        in_reserve = self._outside_full(self.reserve)
         self.inflight += 1
+        self.in_reserve += in_reserve
+        self.by_tenant[tenant_id] = self.by_tenant.get(tenant_id, 0) + 1
         self._dispatched_since_reading += 1
+        return in_reserve
+
+    def released(self, tenant_id: str, in_reserve: bool) -> None:
+        """A request of ``tenant_id`` gave its slot here back (``in_reserve``: what
+        ``dispatched`` said of it)."""
+        self.inflight -= 1
+        self.in_reserve -= in_reserve
+        held = self.by_tenant.get(tenant_id, 0) - 1
+        if held > 0:
+            self.by_tenant[tenant_id] = held
+        else:
+            self.by_tenant.pop(tenant_id, None)
 
     def connect_ok(self) -> None:
         """A request reached the engine: its run of refused connections ends (one store

@@ -23,13 +23,15 @@ row both accept), ``_sqlite`` and ``_postgres`` (one connection each; Postgres's
 limits), ``_journal`` (the segments on disk), ``_writer`` (:class:`Ledger`: the journal's
 reader thread, the dead-letter file and the connection's lock), ``_queries`` (the reads:
 saved budgets, rows, ``tokenpace usage`` totals), ``_open`` (URL to ledger), ``_cli``
-(``tokenpace usage``). Other modules import only the names below.
+(``tokenpace usage``), ``_transaction`` (one write transaction on either database, for the
+other stores in the same database). Other modules import only the names below.
 """
 
 from ._cli import format_table, main as usage_main, parse_since
 from ._open import default_journal, open_ledger
 from ._records import BudgetState, LedgerError, UsageRecord, UsageTotal
 from ._schema import RECORD_COLUMNS, record_from_row
+from ._transaction import import_psycopg, write_transaction
 from ._url import parse_ledger_url, redact, resolve_ledger_url
 from ._writer import DEFAULT_JOURNAL_BYTES, INTERRUPTED, ON_FULL, Ledger
 
@@ -45,6 +47,7 @@ __all__ = [
     "UsageTotal",
     "default_journal",
     "format_table",
+    "import_psycopg",
     "open_ledger",
     "redact",
     "parse_since",
@@ -52,4 +55,5 @@ __all__ = [
     "parse_ledger_url",
     "resolve_ledger_url",
     "usage_main",
+    "write_transaction",
 ]

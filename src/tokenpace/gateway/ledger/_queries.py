@@ -96,3 +96,45 @@ def _since(placeholder: str, since: float | None) -> tuple[str, tuple[Any, ...]]
     if since is None:
         return "", ()
     return f" WHERE ended_at >= {placeholder}", (float(since),)
+
+
+BUCKET_GROUPS = {"project_id": "tenant", "model": "model"}
+"""The usage API's ``group_by`` fields and the ledger column each groups by (a tenant is
+OpenAI's project)."""
+
+
+def usage_buckets(query: Query, placeholder: str, start: float, end: float, width: float,
+                  group_by: tuple[str, ...] = (), tenants: tuple[str, ...] = (),
+                  models: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
+    """Totals per time bucket (and per ``group_by`` field) of the rows that ended in
+    ``[start, end)``; bucket ``i`` is ``[start + i * width, start + (i + 1) * width)``.
+
+    Rows ``(bucket index, *group values, requests, rejected, prompt_tokens,
+    cached_prompt_tokens, completion_tokens)`` with the same sums as :func:`usage`, so
+    a window's buckets add up to ``tokenpace usage`` over it. ``tenants`` and ``models``
+    keep only those (empty: all). One ``SELECT``: an index range on ``ended_at``, grouped
+    in the database; at most buckets x groups rows come back.
+    """
+    columns = [BUCKET_GROUPS[g] for g in group_by]
+    offset = f"(ended_at - {placeholder}) / {placeholder}"
+    # Postgres casts a float to an integer by rounding, SQLite by truncating (which is the
+    # floor here: ended_at >= start).
+    index = f"FLOOR({offset})" if placeholder == "%s" else f"CAST({offset} AS INTEGER)"
+    where = f"ended_at >= {placeholder} AND ended_at < {placeholder}"
+    params: list[Any] = [float(start), float(width), float(start), float(end)]
+    for column, values in (("tenant", tenants), ("model", models)):
+        if values:
+            where += f" AND {column} IN ({', '.join([placeholder] * len(values))})"
+            params += values
+    group = ", ".join(["b", *columns])
+    selected = query(
+        f"SELECT {index} AS b, {''.join(c + ', ' for c in columns)}COUNT(*), "
+        "SUM(CASE WHEN substr(finish_reason, 1, 9) = 'rejected:' THEN 1 ELSE 0 END), "
+        "SUM(CASE WHEN served = 1 THEN prompt_tokens ELSE 0 END), "
+        "SUM(CASE WHEN served = 1 THEN cached_prompt_tokens ELSE 0 END), "
+        f"SUM(completion_tokens) FROM requests WHERE {where} GROUP BY {group} ORDER BY {group}",
+        tuple(params),
+    )
+    n = len(columns)
+    return [(int(r[0]), *(str(v) for v in r[1:1 + n]), *(int(v or 0) for v in r[1 + n:]))
+            for r in selected]

@@ -511,6 +511,15 @@ class Ledger:
         after ``since``, ordered by key (see :func:`._queries.usage`)."""
         return queries.usage(self._query, self._backend.placeholder, since, by)
 
+    def usage_buckets(self, start: float, end: float, width: float,
+                      group_by: tuple[str, ...] = (), tenants: tuple[str, ...] = (),
+                      models: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
+        """Totals per time bucket of the rows that ended in ``[start, end)`` (the usage
+        API; see :func:`._queries.usage_buckets`). Blocks on the database: call it off
+        the event loop."""
+        return queries.usage_buckets(self._query, self._backend.placeholder, start, end,
+                                     width, group_by, tenants, models)
+
     def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         """Run one read on the shared connection, under the DB lock."""
         with self._db_lock:

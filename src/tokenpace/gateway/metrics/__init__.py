@@ -20,10 +20,12 @@ rules in deploy/ read them by name, and tests/monitoring fails when a name they 
 from ._children import _CHILDREN, child, forget_tenant, has_series, publish_output_rate
 from ._declare import (
     APPLICATION_BUDGET_REMAINING,
+    APPLICATION_BUDGET_USED_RATIO,
     APPLICATION_REQUESTS,
     APPLICATION_TOKENS,
     BATCH_LINES,
     BUDGET_REMAINING,
+    BUDGET_USED_RATIO,
     CACHED_PROMPT_TOKENS,
     COMPLETION_TOKENS,
     E2E_SECONDS,
@@ -75,10 +77,12 @@ from ._render import (
 
 __all__ = [
     "APPLICATION_BUDGET_REMAINING",
+    "APPLICATION_BUDGET_USED_RATIO",
     "APPLICATION_REQUESTS",
     "APPLICATION_TOKENS",
     "BATCH_LINES",
     "BUDGET_REMAINING",
+    "BUDGET_USED_RATIO",
     "CACHED_PROMPT_TOKENS",
     "CHUNK_BYTES",
     "COMPLETION_TOKENS",

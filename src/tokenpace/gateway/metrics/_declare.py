@@ -125,7 +125,18 @@ APPLICATION_BUDGET_REMAINING = LiveGauge(
     "application's own token budget (the applications of active tenants).",
     ["tenant", "application", "budget"],
 )
-LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING, APPLICATION_BUDGET_REMAINING)
+BUDGET_USED_RATIO = LiveGauge(
+    "tokenpace_gateway_budget_used_ratio", "Fraction of a tenant's token budget used: of "
+    "its period for a calendar budget (per: month or week), of the bucket for a sliding "
+    "one; above 1 in debt (active tenants).", ["tenant", "budget"],
+)
+APPLICATION_BUDGET_USED_RATIO = LiveGauge(
+    "tokenpace_gateway_application_budget_used_ratio", "Fraction of an application's own "
+    "token budget used, as tokenpace_gateway_budget_used_ratio (the applications of active "
+    "tenants).", ["tenant", "application", "budget"],
+)
+LIVE: tuple[LiveGauge, ...] = (BUDGET_REMAINING, APPLICATION_BUDGET_REMAINING,
+                               BUDGET_USED_RATIO, APPLICATION_BUDGET_USED_RATIO)
 FAIRNESS_DEBT = Gauge(
     "tokenpace_gateway_fairness_debt", "A tenant's virtual counter minus the smallest counter "
     "among its lane's backlogged tenants (cost units / weight; 0: nobody is behind it).",

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from ..engines import ConnectFailed, Upstream, UpstreamError, UpstreamResponse
 from ..exchange import Exchange, Outcome
 from ..wire import (
+    POOLING_KINDS,
     ROUTES,
     ChunkRewriter,
     EventScanner,
@@ -37,6 +38,7 @@ from ..wire import (
     error_body,
     headroom_headers,
     parse_request,
+    pooling_usage,
     stream_error_event,
 )
 from ._counts import ABORT_WAIT_S, ask_engine_counts
@@ -155,7 +157,10 @@ class NotReached(Exception):
 
 async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch,
                deadline: float, headers: Mapping[str, str] | None = None) -> Response:
-    """A non-streaming request: the engine's answer is passed on as it is. Raises
+    """A non-streaming request (every pooling request): the engine's answer is passed on
+    as it is, held once in memory (bounded by the engine's answer; a pooling answer's
+    usage is read without parsing its vectors). A pooling request cut short is charged
+    what admission counted (the engine keeps no book of pooling requests). Raises
     ``NotReached`` (the exchange still open) when the engine refused the connection.
     ``headers``: the router headers of this request on this engine, if any."""
     outcome, detail = Outcome.CANCELLED, None
@@ -192,16 +197,23 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
         if resp.status != 200:
             ex.charge_usage = False
             outcome = Outcome.UPSTREAM_ERROR
+            if resp.status in NOT_SERVED and ex.kind in POOLING_KINDS \
+                    and b'"error"' not in content:  # not vLLM's own error (a model unknown)
+                return _not_served(ex, resp.status)
             return Response(content, status_code=resp.status,
                             media_type=resp.headers.get("content-type"),
                             headers={"x-request-id": ex.id})
         try:
-            answer = json.loads(content)
-            reported, ex.completion_tokens, reason = answer_usage(ex.kind, answer)
+            if ex.kind in POOLING_KINDS:
+                # Only the usage is read (vectors are skipped, not parsed); no output.
+                reported, reason = pooling_usage(content), None
+            else:
+                answer = json.loads(content)
+                reported, ex.completion_tokens, reason = answer_usage(ex.kind, answer)
+                # Cached prompt tokens: a few dict lookups on the answer already parsed.
+                ex.learn_cached(answer_cached(ex.kind, answer))
             if reported:
                 ex.learn_prompt(int(reported))
-            # Cached prompt tokens: a few dict lookups on the answer already parsed.
-            ex.learn_cached(answer_cached(ex.kind, answer))
             outcome, detail = Outcome.FINISHED, reason
         except (ValueError, AttributeError, TypeError):
             outcome = Outcome.UPSTREAM_ERROR
@@ -215,7 +227,8 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                 resp.release()
         if not reached:
             pass
-        elif cut and ex.lease is not None and ex.charge_usage:
+        elif cut and ex.lease is not None and ex.charge_usage \
+                and ex.kind not in POOLING_KINDS:
             _settle_with_engine(ex, watch, outcome, detail, *_shape(ex, body),
                                 unknown=ex.max_completion_tokens)
         else:
@@ -223,6 +236,23 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
                 ex.completion_tokens = ex.max_completion_tokens
             ex.finish(outcome, detail)
             watch.stop()
+
+
+NOT_SERVED = (404, 405)
+"""An engine's answer on a pooling route its model does not serve: vLLM registers each
+pooling route only for a model whose runner supports it (FastAPI's plain 404 otherwise,
+``{"detail": "Not Found"}``; vLLM's own errors, such as an unknown model's 404, carry an
+``error`` object and pass as they are)."""
+
+
+def _not_served(ex: Exchange, status: int) -> Response:
+    """A 400 in OpenAI's format for a pooling route the request's model does not serve
+    (the engine's own answer is FastAPI's, in no API's format)."""
+    message = (f"model {ex.model!r} does not serve {ROUTES[ex.kind]} (its engine answered "
+               f"{status}): a pooling model serves the routes of its task only")
+    return Response(json.dumps(error_body(400, message, "unsupported_route", "model")),
+                    status_code=400, media_type="application/json",
+                    headers={"x-request-id": ex.id})
 
 
 def _timeout_response(ex: Exchange) -> Response:

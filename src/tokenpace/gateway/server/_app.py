@@ -46,12 +46,16 @@ from ..reconcile import Reconciler, tenant_of_user
 from ._recovery import correct_settled, recover_in_flight, snapshot_times
 from ..state import StateStore, open_store
 from ..tenants import ReloadPlan, SharedBudgetLevels, Tenants
-from ..wire import GatewayError, Kind, clip, error_response
+from ..wire import POOLING_PATHS, GatewayError, Kind, clip, error_response
+from ._admin import AdminApi
 from ._batches import BatchService
 from ._proxy import handle
+from ._registry import Registry
 from ._scrape import PageCache, metrics_refusal, shows_details, stream, warn_if_open
 from ._secrets import register_secrets
 from ._tokenize import PATHS as TOKENIZE_PATHS, handle_tokenize
+from ._me import me
+from ._usage_api import usage_completions
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -68,7 +72,8 @@ PUBLISH_SLICE = 100
 _COMPLETION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
                                      "/v1/completions": "completion",
                                      "/v1/responses": "responses",
-                                     "/v1/messages": "messages"}
+                                     "/v1/messages": "messages",
+                                     **POOLING_PATHS}  # type: ignore[dict-item]
 
 
 class Gateway:
@@ -91,6 +96,9 @@ class Gateway:
         self.app = self  # the ASGI application to serve (``__call__``)
         self.batches = BatchService(lambda: self.rt)
         self._page = PageCache(self._render_page)  # /metrics, rendered once per metrics_cache
+        # The admin API's tenants and keys (made at start-up, from the ledger's database).
+        self.registry: Registry | None = None
+        admin = AdminApi(lambda: self.config, lambda: self.registry)
         b = self.batches
         self._routes = Starlette(
             routes=[
@@ -98,6 +106,7 @@ class Gateway:
                 Route("/v1/completions", self._not_started, methods=["POST"]),
                 Route("/v1/responses", self._not_started, methods=["POST"]),
                 Route("/v1/messages", self._not_started, methods=["POST"]),
+                *(Route(path, self._not_started, methods=["POST"]) for path in POOLING_PATHS),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/files", b.create_file, methods=["POST"]),
                 Route("/v1/files", b.list_files, methods=["GET"]),
@@ -111,8 +120,20 @@ class Gateway:
                 *(Route(path, self._tokenize, methods=["POST"]) for path in TOKENIZE_PATHS),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/tokenpace/v1/me", self._me, methods=["GET"]),
+                Route("/v1/organization/usage/completions", self._usage, methods=["GET"]),
                 Route("/admin/reload", self._admin_reload, methods=["POST"]),
                 Route("/admin/engines/drain", self._admin_drain, methods=["POST"]),
+                Route("/admin/tenants", admin.create_tenant, methods=["POST"]),
+                Route("/admin/tenants", admin.list_tenants, methods=["GET"]),
+                Route("/admin/tenants/{tenant_id}", admin.get_tenant, methods=["GET"]),
+                Route("/admin/tenants/{tenant_id}", admin.update_tenant, methods=["PATCH"]),
+                Route("/admin/tenants/{tenant_id}", admin.delete_tenant, methods=["DELETE"]),
+                Route("/admin/tenants/{tenant_id}/keys", admin.create_key, methods=["POST"]),
+                Route("/admin/tenants/{tenant_id}/keys", admin.list_keys, methods=["GET"]),
+                Route("/admin/keys/{key_id}/rotate", admin.rotate_key, methods=["POST"]),
+                Route("/admin/keys/{key_id}", admin.revoke_key, methods=["DELETE"]),
+                Route("/admin/audit", admin.audit, methods=["GET"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={404: self._not_found, 405: self._not_allowed},
@@ -145,6 +166,11 @@ class Gateway:
                              journal_bytes=config.ledger_journal_max_bytes,
                              on_full=config.on_ledger_full, wait=True)
         metrics.LEDGER_JOURNAL_MAX_BYTES.set(config.ledger_journal_max_bytes)
+        # The admin API's tenants and keys join the file's before any state is made.
+        # (A second start-up of this object keeps the file's configuration it had.)
+        file_config = self.registry.file_config if self.registry is not None else config
+        registry = self.registry = Registry(config.ledger, file_config)
+        self.config = await asyncio.to_thread(registry.load)
         try:
             levels = ledger.load_budgets()
             tenants = Tenants(self.config, self.clock, _restore_levels(levels))
@@ -165,7 +191,7 @@ class Gateway:
             # global leases and the VTC counters shared; without, all stays in process.
             self.rt = Runtime(self.config, tenants, make_dispatcher(self.config, self.clock, store),
                               clients, ledger, clock=self.clock, upstreams=upstreams,
-                              store=store)
+                              store=store, keys=registry.keys)
             # Paced tenants' rates split over the engines their streams run on: the book
             # in process, or in the shared store where several replicas serve them.
             if self.rt.dispatcher.splits_rates:
@@ -183,17 +209,23 @@ class Gateway:
                 lambda url: rt.prompt_bounds.forget(url), self._reloading, self._discovery)
             # DNS-named engines and every engine's model names, before any request.
             await monitor.join_named()
+            registry.start(self._commit_registry)
             tasks = [asyncio.create_task(self._snapshot_loop()),
-                     asyncio.create_task(self._sweep_loop())]
+                     asyncio.create_task(self._sweep_loop()),
+                     asyncio.create_task(registry.run())]
             if store is None:
                 metrics.BUDGET_REMAINING.source = tenants.budget_samples
                 metrics.APPLICATION_BUDGET_REMAINING.source = tenants.application_budget_samples
+                metrics.BUDGET_USED_RATIO.source = tenants.budget_used_samples
+                metrics.APPLICATION_BUDGET_USED_RATIO.source = tenants.application_budget_used_samples
             else:
                 # The process's own buckets are unused: publish the shared levels, read in
                 # the background (a scrape never waits on the store).
                 shared_levels = SharedBudgetLevels(tenants.series, store)
                 metrics.BUDGET_REMAINING.source = shared_levels.samples
                 metrics.APPLICATION_BUDGET_REMAINING.source = shared_levels.application_samples
+                metrics.BUDGET_USED_RATIO.source = shared_levels.used_samples
+                metrics.APPLICATION_BUDGET_USED_RATIO.source = shared_levels.application_used_samples
                 tasks.append(asyncio.create_task(shared_levels.run()))
             monitor.start()
             await self.batches.start()  # after the pools: a resumed batch's lines may run
@@ -231,6 +263,7 @@ class Gateway:
                     await store.close()
                 self._snapshot()
                 tenants.series.clear()
+                await registry.close()
         finally:
             ledger.close()
 
@@ -302,14 +335,16 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _load_reload(self) -> ReloadPlan:
+    def _load_reload(self) -> tuple[ReloadPlan, GatewayConfig, frozenset[str]]:
         """Read, check and pair the new configuration with the live tenants: the slow part
         of a reload (O(tenants): parsing, validation, lookup tables, new tenants' states),
         in a worker thread while the event loop serves.
 
         Tenants, lanes, costs, timeouts, admin keys and engines change (engines join and
         leave: ``Monitor.apply``); the ledger and the state store are fixed for the life
-        of the process, so a file that changes them is refused as a whole.
+        of the process, so a file that changes them is refused as a whole. The admin API's
+        tenants stay, merged after the file's (``Registry.merged``: the file wins an id);
+        with the plan, the file's configuration and the ids of the API tenants served.
         """
         if self.config.source is None:
             raise ConfigError("the gateway was not started from a file; nothing to reload")
@@ -326,10 +361,13 @@ class Gateway:
                         f"engines[{i}].api_key: required here, every engine has a key (paced "
                         "tenants' rates are split over engines by a control call that needs "
                         "it); an engine without one needs a restart")
+        assert self.registry is not None
         with paused_gc():  # thousands of new tenants' states: see paused_gc
-            return self.rt.tenants.plan(new)
+            merged, served = self.registry.merged(new, reload=True)
+            return self.rt.tenants.plan(merged), new, served
 
-    def _commit_reload(self, plan: ReloadPlan, engines: list[EngineConfig]) -> GatewayConfig:
+    def _commit_reload(self, plan: ReloadPlan, engines: list[EngineConfig],
+                       file_config: GatewayConfig, served: frozenset[str]) -> GatewayConfig:
         """Swap the new configuration in, on the event loop, between two requests' steps:
         O(tenants whose configuration changed + tenants the fair queues have seen + engines).
         Requests in flight keep their tenant's state object, and with it what they were
@@ -343,6 +381,9 @@ class Gateway:
         self.rt.dispatcher.configure(new)
         self.rt.config = new
         self.config = new
+        assert self.registry is not None
+        self.registry.file_config = file_config
+        self.registry.keys.tenants = served
         # The new configuration lives until the next reload, like start-up's: out of the
         # collector's sight as well (see _lifespan). Unfrozen, its objects made the next
         # full collection walk them all: one pause of 60+ ms, after a 10,000-tenant reload,
@@ -358,28 +399,47 @@ class Gateway:
         """Re-read the configuration file, all on the calling thread (tools, tests);
         in-flight requests are not touched. DNS-named engines keep the addresses last
         resolved (a new name is resolved by the next discovery round)."""
-        plan = self._load_reload()
+        plan, file_config, served = self._load_reload()
         assert self._monitor is not None
-        return self._commit_reload(plan, self._monitor.known(plan.config.engines))
+        return self._commit_reload(plan, self._monitor.known(plan.config.engines), file_config,
+                                   served)
 
     async def reload_async(self) -> GatewayConfig:
         """``reload`` with its slow part in a worker thread (``POST /admin/reload``); one
         reload at a time, so two never pair against the same live states. DNS-named
         engines are resolved before the new configuration is applied."""
         async with self._reloading:
-            plan = await asyncio.to_thread(self._load_reload)
+            plan, file_config, served = await asyncio.to_thread(self._load_reload)
             if self.rt is None:
                 raise ConfigError("the gateway stopped during the reload")
             assert self._monitor is not None
             engines = await self._monitor.resolve(plan.config.engines)
             if self.rt is None:
                 raise ConfigError("the gateway stopped during the reload")
-            return self._commit_reload(plan, engines)
+            return self._commit_reload(plan, engines, file_config, served)
+
+    async def _commit_registry(self) -> None:
+        """The admin API's tenants changed: the served configuration merged again and
+        swapped in as a reload does (``Tenants.plan`` in a worker thread, ``commit`` here;
+        the queues learn the tenants' lanes and weights), without reading the file or
+        touching the engines. One at a time with reloads."""
+        async with self._reloading:
+            rt, registry = self.rt, self.registry
+            if rt is None or registry is None:
+                return
+            new, served = await asyncio.to_thread(registry.merged, registry.file_config)
+            plan = await asyncio.to_thread(rt.tenants.plan, new)
+            rt.tenants.commit(plan)
+            rt.dispatcher.configure_tenants(new)
+            rt.config = new
+            self.config = new
+            registry.keys.tenants = served
 
     # -- routes ----------------------------------------------------------------------
 
     async def _not_started(self, request: Request) -> Response:
-        """A completion before start-up finished (``app`` serves them once it has)."""
+        """A completion or pooling request before start-up finished (``app`` serves them
+        once it has)."""
         return error_response(503, "the gateway is starting", code="engine_unavailable",
                               headers={"retry-after": "1"})
 
@@ -412,6 +472,7 @@ class Gateway:
         engines = [{"url": e.url, "healthy": e.healthy, "draining": e.drained,
                     **({"shutting_down": True} if e.stopping_since is not None else {}),
                     "inflight": e.inflight, "queued": e.waiting(),
+                    "capacity": e.capacity, "reserved_slots": e.reserve,
                     "models": sorted(e.models or ()), **self._policy_fields(e.config),
                     **({"discovered_from": e.config.discovered_from}
                        if e.config.discovered_from else {})}
@@ -499,7 +560,20 @@ class Gateway:
         except ConfigError as exc:
             return error_response(400, f"reload refused, the old configuration stays: {exc}",
                                   code="invalid_config")
-        return JSONResponse({"reloaded": str(new.source), "tenants": [t.id for t in new.tenants]})
+        left_out = self.registry.problems if self.registry is not None else []
+        return JSONResponse({"reloaded": str(new.source), "tenants": [t.id for t in new.tenants],
+                             **({"left_out": left_out} if left_out else {})})
+
+    async def _me(self, request: Request) -> Response:
+        assert self.rt is not None
+        return await me(self.rt, request)
+
+    async def _usage(self, request: Request) -> Response:
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        assert self.rt is not None
+        return await usage_completions(self.rt, request)
 
     async def _tokenize(self, request: Request) -> Response:
         assert self.rt is not None
@@ -510,7 +584,7 @@ class Gateway:
                            for r in self._routes.routes if isinstance(r, Route)
                            and not r.path.startswith("/admin"))
         return error_response(404, f"no route {clip(request.url.path)}; this gateway serves "
-                              f"{served} (and POST /admin/reload, /admin/engines/drain)",
+                              f"{served} (and the /admin routes: docs/gateway/admin-api.md)",
                               code="not_found")
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:

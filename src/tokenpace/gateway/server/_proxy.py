@@ -1,4 +1,5 @@
-"""One proxied completion: identity -> admission -> queue -> engine -> settlement.
+"""One proxied request (a completion, or a pooling request: embeddings and the like):
+identity -> admission -> queue -> engine -> settlement.
 
 ``handle`` runs the stages in order; each lives in its own package: ``admission``
 (identity, body, caps, budget reservation), ``dispatch``'s ``Lease`` (a slot on an engine
@@ -44,6 +45,7 @@ from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
 from ..tenants import ApplicationState, TenantState
 from ..wire import (
+    POOLING_KINDS,
     GatewayError,
     ROUTES,
     Kind,
@@ -126,6 +128,7 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
         # an unpaced tenant; see wire.conversation_key for its cost).
         affinity = (conversation_key(req, tenant.id)
                     if len(pool.engines) > 1 and rt.config.locality == "conversation"
+                    and kind not in POOLING_KINDS
                     and rt.config.routing == "pool"
                     and tenant.config.output_tokens_per_second is None else None)
         ex.lease = await _wait_for_slot(ex, pool, admission, watch, affinity=affinity)
@@ -266,7 +269,8 @@ async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None,
     shares are lowered (``engines.RateSplitter``; a 503 when one cannot be)."""
     rt, tenant = ex.rt, ex.tenant
     rate = tenant.config.output_tokens_per_second
-    if rate is None or rt.rate_split is None or rt.dispatcher.pinned(tenant):
+    if rate is None or rt.rate_split is None or rt.dispatcher.pinned(tenant) \
+            or ex.kind in POOLING_KINDS:  # no output to pace: nothing to split
         return rate, None
     try:
         share = await rt.rate_split.start(tenant.id, rate, url)

@@ -39,6 +39,7 @@ from ..exchange import Runtime
 from ..ledger import INTERRUPTED, RECORD_COLUMNS, BudgetState, UsageRecord, record_from_row
 from ..relay import ask_engine_counts
 from ..state import Reservation
+from ..wire import POOLING_KINDS
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -172,13 +173,14 @@ def _bounded(entry: dict[str, Any]) -> bool:
 
 async def _recover(rt: Runtime, entry: dict[str, Any], snapshots: dict[str, float]) -> str:
     rec = provisional(entry)
-    client = rt.clients.get(str(entry.get("engine", "")))
+    kind = str(entry.get("kind", "chat"))
+    # An engine keeps no book of pooling requests: their entry's own count stands.
+    client = None if kind in POOLING_KINDS else rt.clients.get(str(entry.get("engine", "")))
     answer = None
     if client is not None:
         deadline = time.monotonic() + ASK_FOR_S
         while True:
-            answer = await ask_engine_counts(client, str(entry.get("kind", "chat")),
-                                             rec.request_id, ASK_EVERY_S)
+            answer = await ask_engine_counts(client, kind, rec.request_id, ASK_EVERY_S)
             if answer is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(ASK_EVERY_S)

@@ -32,10 +32,15 @@ class Reservation:
     # Each budget's level once the cost was taken (as ``budgets``): what is left, for the
     # rate-limit headers of the response. Empty from a store that did not say.
     levels: tuple[float, ...] = field(default=(), compare=False)
+    # Each budget's seconds until it is whole again as the store saw it (as ``budgets``):
+    # a calendar budget's period end. Empty: computed from the levels (sliding budgets).
+    ends_in: tuple[float, ...] = field(default=(), compare=False)
 
     def headroom(self) -> Headroom | None:
         """The budget with the least left after this reservation (None: not known)."""
-        return tightest(Headroom.of(b, level) for b, level in zip(self.budgets, self.levels))
+        ends = self.ends_in or (None,) * len(self.levels)
+        return tightest(Headroom.of(b, level, end)
+                        for b, level, end in zip(self.budgets, self.levels, ends))
 
 
 @dataclass(frozen=True)

@@ -8,24 +8,28 @@ for budgets, O(claims) for slots, O(tenants in the lane) for a lift.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from ...fairness import BudgetRefusal, BudgetSpec, TenantBudgets, TokenBucket
+from ...fairness import Bucket, BudgetRefusal, BudgetSpec, TenantBudgets, make_bucket
 from ._base import LANE_KEEP_S, Reservation, SlotClaim, SlotRefusal, StateStore, StoreLease
 
 
 class LocalStore(StateStore):
     """In-process budgets, slots and counters. ``divisor`` scales every limit down."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, divisor: int = 1) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, divisor: int = 1,
+                 wall: Callable[[], float] = time.time) -> None:
+        """``wall``: unix seconds, which calendar budgets' periods follow."""
         if divisor < 1:
             raise ValueError(f"divisor must be >= 1, got {divisor}")
         self._clock = clock
+        self._wall = wall
         self.divisor = divisor
-        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._buckets: dict[tuple[str, str], Bucket] = {}
         self._slots: dict[str, set[str]] = {}
         self._counters: dict[str, dict[str, float]] = {}
         self._largest: dict[str, float] = {}  # lane -> its largest counter
@@ -33,7 +37,8 @@ class LocalStore(StateStore):
         self._dispatched: dict[str, deque[tuple[float, float]]] = {}
 
     def scaled(self, spec: BudgetSpec) -> BudgetSpec:
-        return spec if self.divisor == 1 else BudgetSpec(spec.tokens / self.divisor, spec.period_s)
+        return spec if self.divisor == 1 else dataclasses.replace(
+            spec, tokens=spec.tokens / self.divisor)
 
     def scaled_limit(self, limit: int | None) -> int | None:
         """``limit / divisor``, at least 1 so that a small limit still lets work through."""
@@ -48,7 +53,8 @@ class LocalStore(StateStore):
             key = (tenant, spec.key)
             bucket = self._buckets.get(key)
             if bucket is None:
-                bucket = self._buckets[key] = TokenBucket(self.scaled(spec), now)
+                bucket = self._buckets[key] = make_bucket(self.scaled(spec), now, None,
+                                                          self._wall)
             group.buckets.append(bucket)
         return group
 
@@ -59,8 +65,8 @@ class LocalStore(StateStore):
         now = self._clock()
         for spec in budgets:
             if spec.key in levels:
-                self._buckets[(tenant, spec.key)] = TokenBucket(self.scaled(spec), now,
-                                                                levels[spec.key])
+                self._buckets[(tenant, spec.key)] = make_bucket(self.scaled(spec), now,
+                                                                levels[spec.key], self._wall)
 
     async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
                       cost: float) -> Reservation | BudgetRefusal:
@@ -69,7 +75,8 @@ class LocalStore(StateStore):
         if refusal is not None:
             return refusal
         return Reservation(tenant, tuple(budgets), cost, self,
-                           tuple(b.level(now) for b in group.buckets))
+                           tuple(b.level(now) for b in group.buckets),
+                           tuple(b.until_full(now) for b in group.buckets))
 
     async def settle(self, reservation: Reservation, actual: float) -> None:
         self._tenant_budgets(reservation.tenant, reservation.budgets).settle(

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from ...fairness import BudgetRefusal, BudgetSpec
+from ...fairness import BudgetRefusal, BudgetSpec, period_end, period_start
 from . import _scripts
 from ._base import (
     LANE_KEEP_S,
@@ -80,7 +80,9 @@ class RedisStore(StateStore):
 
     def __init__(self, url: str, *, lease_s: float = 10.0, timeout_s: float = 0.1,
                  probe_s: float = 0.5, flush_s: float = 0.05, prefix: str = "tokenpace:",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        """``wall``: unix seconds, which calendar budgets' periods (and keys) follow."""
         from redis.asyncio import BlockingConnectionPool, Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -92,6 +94,7 @@ class RedisStore(StateStore):
         self.flush_s = flush_s
         self.prefix = prefix
         self._clock = clock
+        self._wall = wall
         # No retries: a retry would double the longest wait; the caller decides what a
         # failure means (closed: 503, open: the fallback store). A call finding all 64
         # connections busy waits for one (within the call's own deadline) instead of
@@ -165,8 +168,20 @@ class RedisStore(StateStore):
     # -- budgets ---------------------------------------------------------------------
 
     def _budget_args(self, tenant: str, budgets: Sequence[BudgetSpec]) -> tuple[list[str], list[str]]:
-        keys = [self._k("b", f"{tenant}:{b.key}") for b in budgets]
-        args = [arg for b in budgets for arg in (repr(float(b.tokens)), repr(b.refill_per_s))]
+        """Each budget's key and its three numbers (``_scripts``). A calendar budget's key
+        names its period's start on this replica's wall clock (one clock read, and two
+        date computations per calendar budget)."""
+        keys: list[str] = []
+        args: list[str] = []
+        wall = self._wall() if any(b.calendar for b in budgets) else 0.0
+        for b in budgets:
+            if b.calendar is None:
+                keys.append(self._k("b", f"{tenant}:{b.key}"))
+                args += (repr(float(b.tokens)), repr(b.refill_per_s), "-1")
+            else:
+                start = period_start(b.calendar, wall)
+                keys.append(self._k("b", f"{tenant}:{b.key}@{int(start)}"))
+                args += (repr(float(b.tokens)), "0", repr(period_end(b.calendar, wall) - wall))
         return keys, args
 
     async def reserve(self, tenant: str, budgets: Sequence[BudgetSpec],
@@ -176,7 +191,8 @@ class RedisStore(StateStore):
         keys, args = self._budget_args(tenant, budgets)
         out = await self._script("RESERVE", keys, [repr(float(cost)), *args])
         if out[0] == "ok":
-            return Reservation(tenant, tuple(budgets), cost, self, tuple(map(float, out[1:])))
+            return Reservation(tenant, tuple(budgets), cost, self, tuple(map(float, out[1:])),
+                               _ends_in(budgets, args))
         return _refusal(out, budgets, cost)
 
     async def settle(self, reservation: Reservation, actual: float) -> None:
@@ -515,6 +531,14 @@ class RedisStore(StateStore):
     def describe(self) -> dict[str, object]:
         return {"backend": "redis", "url": self.url_redacted, "healthy": self.healthy,
                 "leases": len(self._leases)}
+
+
+def _ends_in(budgets: Sequence[BudgetSpec], args: Sequence[str]) -> tuple[float, ...]:
+    """Each budget's seconds until its period ends, as sent (calendar budgets; empty when
+    none is one: the headroom is computed from the levels)."""
+    if not any(b.calendar for b in budgets):
+        return ()
+    return tuple(float(args[3 * i + 2]) for i in range(len(budgets)))
 
 
 def _refusal(out: Sequence[Any], budgets: Sequence[BudgetSpec], cost: float) -> BudgetRefusal:

@@ -7,7 +7,13 @@ strings (``%.17g``): Redis truncates a Lua number returned to the client to an i
 
 Key layout under a prefix ``P`` (default ``tokenpace:``):
 - ``P b:<tenant>:<budget>`` hash {l: level, t: time of level}; expires when full again
-  (an absent bucket is full, so nothing idle stays in Redis).
+  (an absent bucket is full, so nothing idle stays in Redis). A calendar budget's key
+  ends with its period's start (``...:2000000/month@1798761600``), computed by the
+  replica from its wall clock, and never refills: it expires an hour after its period
+  ends (a replica whose clock lags a little still finds it).
+
+A budget crosses the boundary as three numbers: tokens, refill per second (0: calendar),
+seconds until its period ends (-1: a sliding budget).
 - ``P s:<slot key>`` sorted set lease id -> expiry in ms; expired members are purged
   whenever the set is counted, and the set itself expires after twice the lease time.
 - ``P v:<lane>`` hash tenant -> virtual counter; ``P m:<lane>`` the largest of them;
@@ -28,17 +34,22 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function num(x) return string.format('%.17g', x) end
 """
 
-# Budget level after refill (absent bucket: full).
+# Budget level after refill (absent bucket: full); a calendar budget (rate 0, ``ends``
+# seconds left in its period) does not refill and expires an hour after its period.
 _LEVEL = """
 local function level_of(key, tokens, rate)
   local v = redis.call('HMGET', key, 'l', 't')
   if not v[1] then return tokens end
   return math.min(tokens, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * rate)
 end
-local function store(key, level, tokens, rate)
+local function store(key, level, tokens, rate, ends)
   if level >= tokens then redis.call('DEL', key) return end
   redis.call('HSET', key, 'l', num(level), 't', num(now))
-  redis.call('PEXPIRE', key, math.ceil((tokens - level) / rate * 1000) + 1000)
+  if rate > 0 then
+    redis.call('PEXPIRE', key, math.ceil((tokens - level) / rate * 1000) + 1000)
+  else
+    redis.call('PEXPIRE', key, math.ceil(math.max(0, ends) * 1000) + 3600000)
+  end
 end
 """
 
@@ -123,28 +134,32 @@ local function check(bkeys, cost, spec)
   local levels = {}
   local worst, worst_wait = 0, 0
   for i = 1, #bkeys do
-    local tokens, rate = spec[2 * i - 1], spec[2 * i]
+    local tokens, rate, ends = spec[3 * i - 2], spec[3 * i - 1], spec[3 * i]
     local level = level_of(bkeys[i], tokens, rate)
     levels[i] = level
     local wait = 0
     if cost > tokens then wait = math.huge
-    elseif cost > level then wait = (cost - level) / rate end
+    elseif cost > level then
+      if rate > 0 then wait = (cost - level) / rate else wait = math.max(0, ends) end
+    end
     if wait > worst_wait then worst, worst_wait = i, wait end
   end
   return worst, levels, worst_wait
 end
 local function refusal(worst, levels, worst_wait, spec)
-  local tokens, rate = spec[2 * worst - 1], spec[2 * worst]
+  local tokens, rate, ends = spec[3 * worst - 2], spec[3 * worst - 1], spec[3 * worst]
   local wait = 'inf'
   if worst_wait ~= math.huge then wait = num(worst_wait) end
-  return {'budget', worst, wait, num(math.max(0, levels[worst])),
-          num(math.max(0, tokens - levels[worst]) / rate)}
+  local reset = 0
+  if rate > 0 then reset = math.max(0, tokens - levels[worst]) / rate
+  elseif levels[worst] < tokens then reset = math.max(0, ends) end
+  return {'budget', worst, wait, num(math.max(0, levels[worst])), num(reset)}
 end
 """
 
 # One stage, one script: admission. KEYS: nb budget buckets, the tenant's queued set, the
-# lane's counter hash, its largest counter, its backlog set. ARGV: nb, cost, tokens and
-# refill/s per budget, lease id, lease ms, queued limit (-1: none), tenant, the prefix of
+# lane's counter hash, its largest counter, its backlog set. ARGV: nb, cost, three numbers
+# per budget, lease id, lease ms, queued limit (-1: none), tenant, the prefix of
 # the queued sets' keys.
 # Returns {'ok', counter} | {'budget', index, wait, remaining, reset} | {'queue', held}.
 ADMIT = _NOW + _LEVEL + _SLOTS + _LIFT + _BUDGET + """
@@ -153,16 +168,16 @@ local cost = tonumber(ARGV[2])
 local bkeys, spec = {}, {}
 for i = 1, nb do
   bkeys[i] = KEYS[i]
-  spec[2 * i - 1], spec[2 * i] = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+  for j = 0, 2 do spec[3 * i - 2 + j] = tonumber(ARGV[3 * i + j]) end
 end
-local a = 3 + 2 * nb
+local a = 3 + 3 * nb
 local id, ttl, limit, tenant = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), ARGV[a + 3]
 local qkey, vkey = KEYS[nb + 1], KEYS[nb + 2]
 local waiting = live(qkey)
 if limit >= 0 and waiting >= limit then return {'queue', waiting} end
 local worst, levels, worst_wait = check(bkeys, cost, spec)
 if worst > 0 then return refusal(worst, levels, worst_wait, spec) end
-for i = 1, nb do store(bkeys[i], levels[i] - cost, spec[2 * i - 1], spec[2 * i]) end
+for i = 1, nb do store(bkeys[i], levels[i] - cost, spec[3 * i - 2], spec[3 * i - 1], spec[3 * i]) end
 local counter = nil
 if waiting == 0 then
   counter = lift(vkey, KEYS[nb + 3], KEYS[nb + 4], tenant, ARGV[a + 4])
@@ -196,7 +211,7 @@ return {0}
 
 # Settlement: release a lease and settle a reservation. KEYS: ns slot sets and the lease's
 # tombstone (when ns > 0), then the budget buckets. ARGV: ns, lease id, delta (reserved -
-# actual), lease ms, tokens and refill/s per budget.
+# actual), lease ms, three numbers per budget.
 FINISH = _NOW + _LEVEL + """
 local ns = tonumber(ARGV[1])
 local off = 0
@@ -209,14 +224,14 @@ local delta = tonumber(ARGV[3])
 if delta ~= 0 then
   for i = off + 1, #KEYS do
     local j = i - off
-    local tokens, rate = tonumber(ARGV[3 + 2 * j]), tonumber(ARGV[4 + 2 * j])
-    store(KEYS[i], math.min(tokens, level_of(KEYS[i], tokens, rate) + delta), tokens, rate)
+    local tokens, rate, ends = tonumber(ARGV[2 + 3 * j]), tonumber(ARGV[3 + 3 * j]), tonumber(ARGV[4 + 3 * j])
+    store(KEYS[i], math.min(tokens, level_of(KEYS[i], tokens, rate) + delta), tokens, rate, ends)
   end
 end
 return 0
 """
 
-# KEYS: one bucket per budget. ARGV: cost, then tokens and refill/s per budget.
+# KEYS: one bucket per budget. ARGV: cost, then three numbers per budget.
 # Returns {'ok', level after, ...} (one per budget) when reserved, else {'budget', index,
 # wait_s, remaining, reset_s} of the budget with the longest wait (wait "inf": the cost
 # exceeds the whole budget).
@@ -228,27 +243,27 @@ local worst, levels, worst_wait = check(KEYS, cost, spec)
 if worst > 0 then return refusal(worst, levels, worst_wait, spec) end
 local out = {'ok'}
 for i = 1, #KEYS do
-  store(KEYS[i], levels[i] - cost, spec[2 * i - 1], spec[2 * i])
+  store(KEYS[i], levels[i] - cost, spec[3 * i - 2], spec[3 * i - 1], spec[3 * i])
   out[i + 1] = num(levels[i] - cost)
 end
 return out
 """
 
-# KEYS: buckets. ARGV: delta (reserved - actual), then tokens and refill/s per budget.
+# KEYS: buckets. ARGV: delta (reserved - actual), then three numbers per budget.
 SETTLE = _NOW + _LEVEL + """
 local delta = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local tokens, rate = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
-  store(KEYS[i], math.min(tokens, level_of(KEYS[i], tokens, rate) + delta), tokens, rate)
+  local tokens, rate, ends = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  store(KEYS[i], math.min(tokens, level_of(KEYS[i], tokens, rate) + delta), tokens, rate, ends)
 end
 return 0
 """
 
-# KEYS: buckets. ARGV: tokens and refill/s per budget. Returns the levels.
+# KEYS: buckets. ARGV: three numbers per budget. Returns the levels.
 LEVELS = _NOW + _LEVEL + """
 local out = {}
 for i = 1, #KEYS do
-  out[i] = num(level_of(KEYS[i], tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])))
+  out[i] = num(level_of(KEYS[i], tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1])))
 end
 return out
 """

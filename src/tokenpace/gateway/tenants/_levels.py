@@ -8,10 +8,11 @@ same object and budgets whose definition did not change keep their level.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from ...fairness import BudgetRefusal, TenantBudgets
+from ...fairness import BudgetRefusal, BudgetSpec, TenantBudgets, period_start
 from ..config import ApplicationConfig, TenantConfig
 from ._body_rate import BodyRate
 
@@ -26,16 +27,20 @@ class LimitState(Generic[C]):
     checks read and the buckets of their limits (``C``: its configuration's type)."""
 
     def __init__(self, config: C, now: float,
-                 saved: dict[str, tuple[float, float]] | None = None) -> None:
+                 saved: dict[str, tuple[float, float]] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        """``saved``: budget key -> (level, seconds since it was saved); ``wall``: unix
+        seconds, which calendar budgets' periods follow."""
         self.config = config
+        self.wall = wall
         saved = saved or {}
-        levels = {b.key: saved[b.key][0] + saved[b.key][1] * b.refill_per_s
+        levels = {b.key: _restored(b, *saved[b.key], wall)
                   for b in config.budgets if b.key in saved}
-        self.budgets = TenantBudgets(list(config.budgets), now, levels)
+        self.budgets = TenantBudgets(list(config.budgets), now, levels, wall)
         # max_requests, in process (the shared store keeps its own with state: redis).
         self.request_limits = TenantBudgets(list(config.max_requests), now)
         # Limits in observe mode (``admission._observe``), kept as if enforced.
-        self.observed_budgets = TenantBudgets(list(config.observed_budgets), now)
+        self.observed_budgets = TenantBudgets(list(config.observed_budgets), now, None, wall)
         self.observed_requests = TenantBudgets(list(config.observed_requests), now)
         self.inflight = 0
         # Budget levels changed since the last snapshot to the ledger: the snapshot writes
@@ -82,7 +87,7 @@ class LimitState(Generic[C]):
         their levels (``TenantBudgets.carry_over``), the others start full."""
         if self.config.budgets != config.budgets:
             old_budgets = self.budgets
-            self.budgets = TenantBudgets(list(config.budgets), now)
+            self.budgets = TenantBudgets(list(config.budgets), now, None, self.wall)
             self.budgets.carry_over(old_budgets, now)
             self.dirty = True
         for attr, specs in (("request_limits", "max_requests"),
@@ -90,18 +95,29 @@ class LimitState(Generic[C]):
                             ("observed_requests", "observed_requests")):
             if getattr(self.config, specs) != getattr(config, specs):
                 old_buckets = getattr(self, attr)
-                buckets = TenantBudgets(list(getattr(config, specs)), now)
+                buckets = TenantBudgets(list(getattr(config, specs)), now, None, self.wall)
                 buckets.carry_over(old_buckets, now)
                 setattr(self, attr, buckets)
         self.config = config
+
+
+def _restored(budget: BudgetSpec, level: float, age_s: float,
+              wall: Callable[[], float]) -> float | None:
+    """A saved level as it stands now: refilled for the time since it was saved, or for a
+    calendar budget kept only if saved in the current period (None: whole)."""
+    if budget.calendar is None:
+        return level + age_s * budget.refill_per_s
+    now = wall()
+    return level if now - age_s >= period_start(budget.calendar, now) else None
 
 
 class ApplicationState(LimitState[ApplicationConfig]):
     """An application inside a tenant: its limits apply inside the tenant's."""
 
     def __init__(self, config: ApplicationConfig, tenant_id: str, now: float,
-                 saved: dict[str, tuple[float, float]] | None = None) -> None:
-        super().__init__(config, now, saved)
+                 saved: dict[str, tuple[float, float]] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        super().__init__(config, now, saved, wall)
         self._tenant_id = tenant_id
         self._owner = config.owner(tenant_id)
         # An attribute, not a property of ``config``: read a dozen times per request, and a
@@ -131,12 +147,13 @@ class TenantState(LimitState[TenantConfig]):
     def __init__(self, config: TenantConfig, now: float,
                  saved: dict[str, tuple[float, float]] | None = None,
                  saved_applications: dict[str, dict[str, tuple[float, float]]] | None = None,
-                 ) -> None:
+                 wall: Callable[[], float] = time.time) -> None:
         """``saved_applications``: application owner -> its saved budget levels."""
-        super().__init__(config, now, saved)
+        super().__init__(config, now, saved, wall)
         saved_applications = saved_applications or {}
         self.applications = {
-            a.id: ApplicationState(a, config.id, now, saved_applications.get(a.owner(config.id)))
+            a.id: ApplicationState(a, config.id, now, saved_applications.get(a.owner(config.id)),
+                                   wall)
             for a in config.applications}
         self.queued = 0
         self.service_s: float | None = None  # moving average of time on the engine
@@ -189,7 +206,7 @@ class TenantState(LimitState[TenantConfig]):
         for app in config.applications:
             state = self.applications.get(app.id)
             if state is None:
-                state = ApplicationState(app, config.id, now)
+                state = ApplicationState(app, config.id, now, wall=self.wall)
             elif state.config != app:
                 state.reconfigure(app, now)
             apps[app.id] = state

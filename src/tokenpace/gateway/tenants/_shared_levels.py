@@ -1,8 +1,8 @@
 """The budget gauge when budgets live in the shared state store.
 
 With ``state: redis://...`` a tenant's buckets are in Redis and every replica spends from
-them; the process's own buckets are unused. The gauge ``budget_remaining_tokens`` must then
-show the shared level, as every replica sees it. Prometheus collectors are synchronous and
+them; the process's own buckets are unused. The gauges ``budget_remaining_tokens`` and
+``budget_used_ratio`` must then show the shared level, as every replica sees it. Prometheus collectors are synchronous and
 a scrape must not wait on the network, so the levels are read in the background every
 ``REFRESH_S`` and the scrape publishes the last reading: a level is at most ``REFRESH_S``
 (plus one round trip) old, which is finer than any budget window worth alerting on.
@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from ..state import StateStore, StateUnavailable
 from ._series import TenantSeries
+from ._tenants import used_ratio
 
 logger = logging.getLogger("tokenpace.gateway")
 
@@ -35,6 +36,9 @@ class SharedBudgetLevels:
         self._store = store
         self._levels: dict[tuple[str, str], float] = {}
         self._application_levels: dict[tuple[str, str, str], float] = {}
+        # The same readings as fractions used (the threshold gauge).
+        self._used: dict[tuple[str, str], float] = {}
+        self._application_used: dict[tuple[str, str, str], float] = {}
 
     async def refresh(self) -> None:
         """Read every active budgeted tenant's levels and its applications'. A store that
@@ -43,26 +47,39 @@ class SharedBudgetLevels:
         reading."""
         levels: dict[tuple[str, str], float] = {}
         application_levels: dict[tuple[str, str, str], float] = {}
+        used: dict[tuple[str, str], float] = {}
+        application_used: dict[tuple[str, str, str], float] = {}
         try:
             for state in self._tenants.active():
                 budgets = state.config.budgets
                 if budgets:
-                    for key, level in (await self._store.budget_levels(state.id, budgets)).items():
-                        levels[(state.id, key)] = level
+                    read = await self._store.budget_levels(state.id, budgets)
+                    for b in budgets:
+                        levels[(state.id, b.key)] = read[b.key]
+                        used[(state.id, b.key)] = used_ratio(read[b.key], b.tokens)
                 for app in state.applications.values():
                     if app.config.budgets:
                         read = await self._store.budget_levels(app.owner, app.config.budgets)
-                        for key, level in read.items():
-                            application_levels[(state.id, app.config.id, key)] = level
+                        for b in app.config.budgets:
+                            labels = (state.id, app.config.id, b.key)
+                            application_levels[labels] = read[b.key]
+                            application_used[labels] = used_ratio(read[b.key], b.tokens)
         except StateUnavailable:
-            levels, application_levels = {}, {}
+            levels, application_levels, used, application_used = {}, {}, {}, {}
         self._levels, self._application_levels = levels, application_levels
+        self._used, self._application_used = used, application_used
 
     def samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
         return list(self._levels.items())
 
     def application_samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
         return list(self._application_levels.items())
+
+    def used_samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
+        return list(self._used.items())
+
+    def application_used_samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
+        return list(self._application_used.items())
 
     async def run(self) -> None:
         while True:

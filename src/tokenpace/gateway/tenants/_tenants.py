@@ -10,6 +10,7 @@ touching only the tenants whose configuration changed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,14 +34,17 @@ class Tenants:
     """Tenant id -> state, rebuilt on reload without losing live counters."""
 
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
-                 saved_levels: dict[str, dict[str, tuple[float, float]]] | None = None) -> None:
+                 saved_levels: dict[str, dict[str, tuple[float, float]]] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         """``saved_levels``: tenant -> budget key -> (level, seconds since it was saved).
-        O(tenants), no metrics: a tenant's series appear with its first request."""
+        ``wall``: unix seconds, which calendar budgets' periods follow. O(tenants), no
+        metrics: a tenant's series appear with its first request."""
         self._clock = clock
+        self.wall = wall
         now = clock()
         saved_levels = saved_levels or {}
         self._states = {t.id: TenantState(t, now, saved_levels.get(t.id),
-                                          _saved_applications(t, saved_levels))
+                                          _saved_applications(t, saved_levels), wall)
                         for t in config.tenants}
         self.series = TenantSeries(config.metrics_idle_after_s, clock)
 
@@ -71,7 +75,7 @@ class Tenants:
         for tenant in config.tenants:
             state = live.get(tenant.id)
             if state is None:
-                state = TenantState(tenant, now)
+                state = TenantState(tenant, now, wall=self.wall)
             elif state.config != tenant:
                 changed.append((state, tenant))
             states[tenant.id] = state
@@ -116,6 +120,23 @@ class Tenants:
                 for key, level in app.budgets.levels(now).items():
                     yield (state.id, app.config.id, key), level
 
+    def budget_used_samples(self) -> Iterator[tuple[tuple[str, str], float]]:
+        """``((tenant, budget), fraction used)`` now of the active tenants' budgets: the
+        threshold gauge (``used_ratio``), at scrape time."""
+        now = self._clock()
+        for state in self.series.active():
+            for bucket in state.budgets.buckets:
+                yield (state.id, bucket.spec.key), used_ratio(bucket.level(now), bucket.spec.tokens)
+
+    def application_budget_used_samples(self) -> Iterator[tuple[tuple[str, str, str], float]]:
+        """As ``budget_used_samples``, for the active tenants' applications' own budgets."""
+        now = self._clock()
+        for state in self.series.active():
+            for app in list(state.applications.values()):
+                for bucket in app.budgets.buckets:
+                    yield ((state.id, app.config.id, bucket.spec.key),
+                           used_ratio(bucket.level(now), bucket.spec.tokens))
+
     def changed_levels(self) -> dict[str, dict[str, float]]:
         """The budget levels now of the tenants whose levels changed since the last call
         (the snapshot to the ledger). O(tenants) flag reads, once a second."""
@@ -125,6 +146,11 @@ class Tenants:
             if state.take_dirty():
                 out.update(state.levels(now))
         return out
+
+
+def used_ratio(level: float, tokens: float) -> float:
+    """The fraction of a budget of ``tokens`` used at ``level`` (above 1: in debt)."""
+    return (tokens - level) / tokens
 
 
 def _saved_applications(tenant: TenantConfig, saved: dict[str, dict[str, tuple[float, float]]],

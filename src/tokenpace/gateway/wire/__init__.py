@@ -1,5 +1,6 @@
 """The wire formats the gateway speaks, with clients and with engines: OpenAI's chat
-completions, completions and Responses, Anthropic's Messages.
+completions, completions, Responses and embeddings, Anthropic's Messages, vLLM's other
+pooling routes (rerank, score, pooling, classify).
 
 Pure functions and small values over bytes and JSON, no state: reading a request body
 (``ParsedRequest``), the errors in each API's own format (``GatewayError``), server-sent
@@ -17,6 +18,7 @@ from ._errors import (
     error_response,
     stream_error_event,
 )
+from ._pooling import POOLING_KINDS, POOLING_PATHS, pooling_prompt_bytes, pooling_usage
 from ._ratelimit import go_duration, headroom_headers, refusal_headers
 from ._request import (
     MAX_MODEL_CHARS,
@@ -65,6 +67,10 @@ __all__ = [
     "check_model_name",
     "parse_request",
     "ParsedRequest",
+    "POOLING_KINDS",
+    "POOLING_PATHS",
+    "pooling_prompt_bytes",
+    "pooling_usage",
     "prompt_token_ids",
     "refusal_headers",
     "responses_as_chat",

@@ -21,18 +21,31 @@ import msgspec
 from ...pacing import LimitsError, validate_user_id
 from ._clip import clip
 from ._errors import GatewayError
+from ._pooling import (
+    POOLING_KINDS,
+    pooling_count_calls,
+    pooling_inputs,
+    pooling_token_ids,
+)
 
-Kind = Literal["chat", "completion", "responses", "messages"]
-"""The generation routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``
-(OpenAI's Responses API) and ``/v1/messages`` (Anthropic's Messages API)."""
+Kind = Literal["chat", "completion", "responses", "messages",
+               "embeddings", "rerank", "score", "pooling", "classify"]
+"""The proxied routes: the generation routes ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses`` (OpenAI's Responses API) and ``/v1/messages``
+(Anthropic's Messages API); the pooling routes (``POOLING_KINDS``), which generate no
+tokens: ``/v1/embeddings``, rerank, score, ``/pooling`` and ``/classify``."""
 
 ROUTES: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
-                          "responses": "/v1/responses", "messages": "/v1/messages"}
-"""Each kind's path, at the engine and at the gateway alike (and in the ledger's rows)."""
+                          "responses": "/v1/responses", "messages": "/v1/messages",
+                          "embeddings": "/v1/embeddings", "rerank": "/rerank",
+                          "score": "/score", "pooling": "/pooling", "classify": "/classify"}
+"""Each kind's path at the engine (and in the ledger's rows); the gateway serves it there
+too, and rerank and score at vLLM's other paths for them (``server``)."""
 
 MAX_TOKENS_FIELD: dict[str, str] = {"chat": "max_tokens", "completion": "max_tokens",
                                     "responses": "max_output_tokens", "messages": "max_tokens"}
-"""Each API's own name for the output limit (chat also takes ``max_completion_tokens``)."""
+"""Each API's own name for the output limit (chat also takes ``max_completion_tokens``);
+the pooling routes have none."""
 
 # Fields of a chat request that change how the engine renders the prompt: the token count
 # request must carry them too, or the count would differ from the engine's.
@@ -52,7 +65,11 @@ class ParsedRequest:
     max_tokens: int | None
     max_tokens_field: str
     prompts: int = 1
-    """Completion prompts in the request (a batch); 1 for every other kind."""
+    """Completion prompts in the request (a batch), a pooling request's inputs; 1 for
+    every other kind."""
+    prompt_field: str = ""
+    """The body field that holds the prompt, where it is not the kind's usual one (a
+    pooling request's inputs)."""
 
     @property
     def sequences(self) -> int:
@@ -62,7 +79,7 @@ class ParsedRequest:
     @property
     def prompt_param(self) -> str:
         """The body field that holds the prompt, for an error's ``param``."""
-        return _PROMPT_FIELD[self.kind]
+        return self.prompt_field or _PROMPT_FIELD[self.kind]
 
 
 _PROMPT_FIELD: dict[str, str] = {"chat": "messages", "completion": "prompt",
@@ -297,8 +314,9 @@ about 140 characters), and what a ledger row keeps of a name (``ledger.MAX_NAME_
 
 
 MAX_PROMPTS = 2048
-"""The most prompts a completion request may batch by default (``max_prompts_per_request``):
-each is counted with its own engine call when its size decides anything."""
+"""The most prompts a completion request may batch, and inputs (documents, pairs) a pooling
+request may hold, by default (``max_prompts_per_request``): each is counted with its own
+engine call when its size decides anything."""
 
 
 def check_model_name(model: str, max_model_chars: int) -> None:
@@ -323,6 +341,13 @@ def parse_request(kind: Kind, body: dict[str, Any], max_model_chars: int = MAX_M
         raise GatewayError(400, "'model' is required (a string)", reason="bad_request",
                            code="invalid_value", param="model")
     check_model_name(model, max_model_chars)
+    if kind in POOLING_KINDS:
+        # No output: max_tokens 0 (nothing reserved for it, nothing written), never streamed.
+        inputs, field = pooling_inputs(kind, body, max_prompts)
+        return ParsedRequest(kind=kind, body=body, model=model, stream=False,
+                             client_wants_usage=False, client_wants_continuous_usage=False,
+                             n=1, max_tokens=0, max_tokens_field="", prompts=inputs,
+                             prompt_field=field)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -415,6 +440,8 @@ def _check_responses(body: dict[str, Any]) -> None:
 
 def prompt_token_ids(req: ParsedRequest) -> list[list[int]] | None:
     """Each prompt's token ids when the client sent ids (no tokenizer call needed)."""
+    if req.kind in POOLING_KINDS:
+        return pooling_token_ids(req.body)
     if req.kind != "completion":
         return None
     prompt = req.body.get("prompt")
@@ -429,8 +456,11 @@ def count_calls(req: ParsedRequest) -> list[tuple[str, dict[str, Any]]]:
     """The engine calls (path, body) that count this request's prompts as the engine will:
     ``/tokenize`` for chat, each completion prompt and a Responses input (rendered as the
     chat messages vLLM makes of it); the engine's own ``/v1/messages/count_tokens`` for
-    the Messages API. The answer's ``count`` (or ``input_tokens``) is the prompt's size."""
+    the Messages API; for a pooling request, ``wire._pooling``'s. The answer's ``count``
+    (or ``input_tokens``) is the prompt's size."""
     body = req.body
+    if req.kind in POOLING_KINDS:
+        return pooling_count_calls(req.kind, req.model, body)
     if req.kind == "chat":
         out = {"model": req.model, "messages": body["messages"]}
         for name in _CHAT_TEMPLATE_FIELDS:
