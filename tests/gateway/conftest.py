@@ -122,8 +122,13 @@ class GatewayProcess:
         """``/health`` with its details (the engines, the state store): the admin key's view."""
         return health(self.url).json()
 
-    def metric(self, name: str, **labels: str) -> float | None:
-        text = httpx.get(f"{self.url}/metrics").text
+    def scrape(self) -> str:
+        """One ``/metrics`` page: values read from it together are of one instant."""
+        return httpx.get(f"{self.url}/metrics").text
+
+    def metric(self, name: str, page: str | None = None, **labels: str) -> float | None:
+        """``name``'s value with ``labels`` on ``page`` (None: a new scrape)."""
+        text = self.scrape() if page is None else page
         for line in text.splitlines():
             if not line.startswith(name + "{") and not line.startswith(name + " "):
                 continue
