@@ -390,3 +390,59 @@ def test_has_quota_says_what_try_take_would_do() -> None:
     assert not limiter.try_take("u")
     clock[0] = limiter.ready_at_ns("u")
     assert limiter.has_quota("u") and limiter.try_take("u")
+
+
+def test_a_steps_drafts_granted_and_settled_at_once_leave_every_bucket_as_one_by_one() -> None:
+    """``DraftBook.grant_all`` and ``settle`` (a step's streams in one loop, the GCRA
+    arithmetic inline) leave each user's state, the counts and the stats exactly as
+    ``grant`` and ``give_back`` called stream by stream do, whatever the rates, drafts
+    and deliveries: random steps, users near and far from their rate, unpaced ones."""
+    import random
+
+    from tokenpace.pacing import DraftBook, StepPlanner
+
+    rng = random.Random(5)
+    rates = {f"u{i}": rng.choice([2.5, 10.0, 40.0, 1e9]) for i in range(12)}
+
+    def world() -> tuple[list[int], StepPlanner, DraftBook, list]:
+        clock = [10**12]
+        planner = StepPlanner(OutputRateLimiter(UserRateLimits(None, rates), lambda: clock[0]))
+        book = DraftBook(planner.limiter, planner.inner)
+        users = [*rates, "free"]
+        streams = [planner.open_stream(f"r{i}", users[i % len(users)]) for i in range(30)]
+        return clock, planner, book, streams
+
+    a_clock, a_planner, a_book, a_streams = world()
+    b_clock, b_planner, b_book, b_streams = world()
+    for _ in range(300):
+        step = rng.randrange(1, 60_000_000)
+        a_clock[0] += step
+        b_clock[0] += step
+        now = a_clock[0]
+        wants = [rng.choice([0, 1, 3, 5]) for _ in a_streams]
+        delivered = [rng.randrange(0, 7) for _ in a_streams]
+        for s, t, w in zip(a_streams, b_streams, wants):
+            s.drafts = t.drafts = w
+        paced, granted, cut = a_book.grant_all(a_streams, now)
+        expected = []
+        for t, w in zip(b_streams, wants):
+            got = b_book.grant(t, w, now) if w else None
+            if got is not None:
+                expected.append((t.key, got))
+        assert [(s.key, g) for s, g in zip(paced, granted)] == expected
+        assert cut == any(g < s.drafts for s, g in zip(paced, granted))
+        index = {s.key: i for i, s in enumerate(a_streams)}
+        got_back = [min(delivered[index[s.key]], g + 1) for s, g in zip(paced, granted)]
+        a_book.settle(paced, granted, got_back, 1, now)
+        for (key, g), n in zip(expected, got_back):
+            back = g - max(n - 1, 0)
+            b_book.give_back(b_streams[index[key]], back, now)
+        for user in rates:
+            ba, bb = a_planner.limiter._buckets.get(user), b_planner.limiter._buckets.get(user)
+            assert (ba is None) == (bb is None)
+            if ba is not None:
+                assert (ba.tat, ba.refundable) == (bb.tat, bb.refundable), user
+        assert (a_book.granted, a_book.returned) == (b_book.granted, b_book.returned)
+        assert [s.stats.tokens for s in a_streams] == [t.stats.tokens for t in b_streams]
+        assert [s.stats.refunds for s in a_streams] == [t.stats.refunds for t in b_streams]
+    assert a_book.granted > 0 and a_book.returned > 0

@@ -45,7 +45,7 @@ import logging
 import sys
 from types import MappingProxyType
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..pacing import (
     DraftBook,
@@ -112,9 +112,15 @@ STREAM_ATTRIBUTE = "tokenpace_stream"
 """Set on each vLLM ``Request`` by ``add_request``: its planner ``Stream``, so that the
 step reads one attribute per request instead of resolving its user again."""
 
-_DraftsOut = tuple[Request, Stream, int, int]
-"""A request's scheduled drafts awaiting the step's results: (the request, its stream,
-drafts scheduled, the step's dispatch instant in ns)."""
+class _DraftsOut(NamedTuple):
+    """A step's granted drafts awaiting its results, one entry per paced stream."""
+
+    requests: list[Request]
+    streams: list[Stream]
+    granted: list[int]
+    """Drafts each stream may still deliver: granted (or owed) and not yet given back."""
+    at: int
+    """The step's dispatch instant (ns), for the event log."""
 
 
 class _PacingMixin:
@@ -130,7 +136,7 @@ class _PacingMixin:
 
     # Read by update_from_output before anything else: an empty, read-only default so
     # that a scheduler built without __init__ (vLLM's own tests do) behaves as stock.
-    _draft_results: dict[int, tuple[SchedulerOutput, int, list[_DraftsOut]]] = (
+    _draft_results: dict[int, tuple[SchedulerOutput, int, _DraftsOut]] = (
         MappingProxyType({}))  # type: ignore[assignment]
     # Likewise for the book of ended requests: None without __init__ (nothing is kept).
     ended_requests: EndedRequests | None = None
@@ -158,7 +164,7 @@ class _PacingMixin:
         self._steps = 0
         # Speculative decoding: drafts are granted, cut and given back by the book
         # (``pacing._drafts``); results still to come: id(output) -> (output, step,
-        # [(request id, stream, drafts scheduled, dispatch instant)]).
+        # the step's granted drafts).
         self._drafts: DraftBook | None = None
         self._draft_results = {}
         # What each ended request was prompted with and generated, for the gateway
@@ -499,11 +505,14 @@ class _PacingMixin:
         samples = SAMPLES  # local: faster
         may_end_prompt = False
         prompts: list[Stream] = []  # running a prompt chunk (for lanes; rare: no cost per decode)
+        drafting = self._drafts is not None
         for req in self.running:
             try:
                 s = req.tokenpace_stream  # = STREAM_ATTRIBUTE, set by add_request
             except AttributeError:
                 s = self._stream_of(req)
+            if drafting:  # speculative decoding only: an attribute read, a len, a store
+                s.drafts = len(req.spec_token_ids)
             remaining = len(req._all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
             if remaining == 1:  # a decode step
                 s.samples = samples
@@ -610,103 +619,103 @@ class _PacingMixin:
                 stats.lane(s.priority).yielded_steps += 1
         return past_limit
 
-    def _grant_drafts(self) -> list[tuple[Request, Stream, int]]:
-        """Cut the drafts of every charged stream to what its quota allows now.
+    def _grant_drafts(self) -> tuple[list[Stream], list[int]]:
+        """Cut the drafts of every charged stream to what its quota allows now: the paced
+        streams and what each was granted (``DraftBook.grant_all``).
 
         vLLM verifies ``request.spec_token_ids``; a stream that gets fewer drafts than it
         proposed keeps the first ones (a new list: under async scheduling the list is a
         placeholder that vLLM shares between requests). Cost, with speculative decoding
-        only: per charged stream one ``len``, and for one with drafts a GCRA update per
-        level (``DraftBook.grant``).
+        only: ``grant_all``'s (a GCRA update per stream with drafts), and a dict lookup per
+        stream that was cut.
         """
         assert self._drafts is not None and self._planner is not None
-        requests = self.requests
-        grant = self._drafts.grant
-        now = self._planner.limiter.now_ns()
-        grants: list[tuple[Request, Stream, int]] = []
-        for s in self._planner.sampling_streams():
-            req = requests.get(s.key)  # type: ignore[arg-type]
-            want = len(req.spec_token_ids) if req is not None else 0
-            if not want:
-                continue
-            granted = grant(s, want, now)
-            if granted is None:
-                continue
-            if granted < want:
-                req.spec_token_ids = req.spec_token_ids[:granted]  # type: ignore[union-attr]
-            grants.append((req, s, granted))  # type: ignore[arg-type]
-        return grants
+        streams, granted, cut = self._drafts.grant_all(self._planner.sampling_streams(),
+                                                       self._planner.limiter.now_ns())
+        if cut:
+            requests = self.requests
+            for s, got in zip(streams, granted):
+                if got < s.drafts:
+                    req = requests[s.key]  # type: ignore[index]
+                    req.spec_token_ids = req.spec_token_ids[:got]
+        return streams, granted
 
-    def _settle_drafts(self, output: SchedulerOutput, grants: list[tuple[Request, Stream, int]],
+    def _settle_drafts(self, output: SchedulerOutput, grants: tuple[list[Stream], list[int]],
                        admitted: bool, logged_at: int | None) -> None:
-        """The refund point for drafts: those granted but not scheduled go back; those
-        scheduled wait for the step's results (``update_from_output``). Drafts vLLM
+        """Keep the step's granted drafts for its results (``update_from_output``), where
+        those not delivered go back, the unscheduled ones with them. Drafts vLLM
         scheduled without a grant (it pads a resumed decode request's first step, only in
-        a step that admitted) are owed. Cost: one dict lookup per granted stream, and in
-        a step that admitted, one per request with scheduled drafts."""
-        assert self._drafts is not None
+        a step that admitted) are owed. With an event log, the drafts granted but not
+        scheduled go back here and each scheduled one is logged as charged. Cost: a dict
+        lookup per granted stream (its request, for the results), and in a step that
+        admitted, one per request with scheduled drafts."""
+        assert self._drafts is not None and self._planner is not None
         book = self._drafts
-        spec = output.scheduled_spec_decode_tokens
+        streams, granted = grants
+        requests = self.requests
+        reqs = [requests[s.key] for s in streams]  # type: ignore[index]
         log = self._event_log
+        spec = output.scheduled_spec_decode_tokens
         # The step's instant: the one its sure tokens were logged at, if they were.
-        now = logged_at if logged_at is not None else self._planner.limiter.now_ns()  # type: ignore[union-attr]
-        out: list[_DraftsOut] = []
-        for req, s, granted in grants:
-            n = len(spec.get(req.request_id, ()))  # (only scheduled requests have an entry)
-            if n < granted:
-                book.give_back(s, granted - n)
-            if n:
-                out.append((req, s, n, now))
+        now = logged_at if logged_at is not None else self._planner.limiter.now_ns()
+        if log is not None:
+            for i, (req, s, got) in enumerate(zip(reqs, streams, granted)):
+                n = len(spec.get(req.request_id, ()))  # (only scheduled requests have an entry)
+                if n < got:
+                    book.give_back(s, got - n)
+                    granted[i] = n
         if admitted and spec:
-            seen = {req.request_id for req, _, _ in grants}
+            seen = {s.key for s in streams}
             for rid, drafts in spec.items():
                 if rid in seen or not drafts:
                     continue
-                req = self.requests.get(rid)
+                req = requests.get(rid)
                 if req is None:
                     continue
                 s = self._stream_of(req)
                 if book.owe(s, len(drafts)):
-                    out.append((req, s, len(drafts), now))
+                    reqs.append(req)
+                    streams.append(s)
+                    granted.append(len(drafts))
         if log is not None:
-            for req, s, n, _ in out:
-                for _ in range(n):
+            for req, s, got in zip(reqs, streams, granted):
+                for _ in range(got):
                     log.record(now, s.user, req.request_id, "charge")
-        if out:
-            self._draft_results[id(output)] = (output, self._steps, out)
+        if streams:
+            self._draft_results[id(output)] = (output, self._steps,
+                                               _DraftsOut(reqs, streams, granted, now))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
         """vLLM's, then the drafts of ``scheduler_output`` that were not delivered go back
-        to their users (``pacing._drafts``, step 3). Cost: nothing unless the step
-        scheduled drafts of paced users; then two attribute reads per such request."""
+        to their users (``pacing._drafts``, step 2). Cost: nothing unless the step
+        granted drafts to paced users; then per such request two ``len`` of its output
+        ids and ``DraftBook.settle``'s few operations."""
         entry = self._draft_results.pop(id(scheduler_output), None) if self._draft_results else None
         if entry is None or entry[0] is not scheduler_output:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        scheduled = entry[2]
-        counts = [req.num_output_tokens for req, _, _, _ in scheduled]
+        drafts = entry[2]
+        before = [len(req._output_token_ids) for req in drafts.requests]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        self._return_undelivered(scheduled, counts)
+        self._return_undelivered(drafts, before)
         return outputs
 
-    def _return_undelivered(self, scheduled: list[_DraftsOut], counts: list[int]) -> None:
-        """Give back each request's drafts beyond those it was delivered: the ones the
-        model rejected, and accepted ones that vLLM dropped (past a stop token or
-        ``max_tokens``, or the step's output was stale after a preemption). The sure
-        token stays charged, as any dispatched step's."""
+    def _return_undelivered(self, drafts: _DraftsOut, before: list[int]) -> None:
+        """Give back each request's drafts beyond those it was delivered: the ones not
+        scheduled, the ones the model rejected, and accepted ones that vLLM dropped (past
+        a stop token or ``max_tokens``, or the step's output was stale after a
+        preemption). The sure token stays charged, as any dispatched step's."""
         assert self._drafts is not None and self._planner is not None
-        sure = self.num_sampled_tokens_per_step  # type: ignore[attr-defined]
+        delivered = [len(req._output_token_ids) - n for req, n in zip(drafts.requests, before)]
+        returned = self._drafts.settle(
+            drafts.streams, drafts.granted, delivered,
+            self.num_sampled_tokens_per_step,  # type: ignore[attr-defined]
+            self._planner.limiter.now_ns())  # one clock read for the step's returns
         log = self._event_log
-        give_back = self._drafts.give_back
-        now = self._planner.limiter.now_ns()  # one clock read for the step's returns
-        for (req, s, n, t_ns), count in zip(scheduled, counts):
-            delivered = req.num_output_tokens - count
-            undelivered = n - min(max(delivered - sure, 0), n)
-            if undelivered:
-                give_back(s, undelivered, now)
-                if log is not None:
-                    for _ in range(undelivered):
-                        log.record(t_ns, s.user, req.request_id, "reject")
+        if log is not None and returned is not None:
+            for req, s, back in zip(drafts.requests, drafts.streams, returned):
+                for _ in range(back):
+                    log.record(drafts.at, s.user, req.request_id, "reject")
 
     def _reload_limits(self, watcher: LimitsFileWatcher) -> None:
         """Apply an edited limits file between steps (never in the middle of one)."""

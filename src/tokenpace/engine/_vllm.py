@@ -80,6 +80,7 @@ REQUEST_ATTRIBUTES = (
     "num_output_placeholders",
     "next_decode_eligible_step",
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
+    "_output_token_ids",  # its length, before and after a step's results: tokens delivered
     # An ended request's counts, kept for the gateway (_aborted): the tokens generated
     # (delivered ones; under async scheduling not the step still in flight) and the prompt.
     "num_output_tokens",

@@ -9,12 +9,13 @@ sure token as for any decode step; this module accounts for the drafts around it
    application's, its end user's: the smallest of them, all taken or given back
    together), and the scheduler verifies only that many. A throttled user's drafts are
    therefore never verified beyond its quota, and with quota to spare nothing changes.
-2. **At the refund point** (``give_back``): drafts granted but not scheduled (the step
-   was not dispatched, or vLLM cut the drafts for its token budget) go back.
-3. **When the step's results arrive** (``give_back`` again): drafts the target model
-   rejected, and accepted ones vLLM dropped (past a stop or ``max_tokens``), were never
-   delivered; they go back, so a user's delivered tokens, not its verified drafts, are
-   what its rate bounds.
+2. **When the step's results arrive** (``settle``): every granted draft that was not
+   delivered goes back: those vLLM did not schedule (the step was not dispatched, or vLLM
+   cut the drafts for its token budget), those the target model rejected, and accepted
+   ones vLLM dropped (past a stop or ``max_tokens``). A user's delivered tokens, not its
+   verified drafts, are what its rate bounds. (With an event log the unscheduled ones go
+   back at the refund point instead, ``give_back``, so that the log can say which were
+   scheduled.)
 
 Drafts vLLM schedules without asking (it pads a resumed or remotely prefilled request's
 first decode step with placeholder drafts) are counted as owed (``owe``): the user pays
@@ -27,11 +28,15 @@ flight when the window began: rejected drafts of a step dispatched before the wi
 are returned inside it. ``n`` is 1 for a user with one stream.
 
 Cost: only for streams that have drafts, one GCRA update per level per step (``take``
-grants ``d`` tokens at once) and one refund per returned token; nothing when
-speculative decoding is off. Nothing here knows vLLM.
+grants ``d`` tokens at once) and one refund per stream whose drafts were not all
+delivered; nothing when speculative decoding is off. ``grant_all`` and ``settle`` take a
+step's streams at once, with the arithmetic of a stream paced at its user's level alone
+(the usual case) in their own loop: no call per stream. Nothing here knows vLLM.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ._limiter import OutputRateLimiter, _grant
 from ._planner import Stream
@@ -85,6 +90,96 @@ class DraftBook:
         self.granted += granted
         stream.stats.tokens += granted
         return granted
+
+    def grant_all(self, streams: Sequence[Stream], now: int) -> tuple[list[Stream], list[int], bool]:
+        """``grant`` for each of ``streams`` that proposes drafts (``Stream.drafts``), all at
+        ``now``: the streams paced at some level, what each was granted (in order), and
+        whether any got fewer than it proposed.
+
+        Cost per stream with drafts and no inner level: a dict lookup and a GCRA update
+        (``_grant``), no method call; with inner levels, ``grant``."""
+        buckets = self.limiter._buckets
+        take = self.limiter.take
+        paced: list[Stream] = []
+        granted: list[int] = []
+        cut = False
+        total = 0
+        for s in streams:
+            want = s.drafts
+            if not want:
+                continue
+            if s.levels:
+                got = self.grant(s, want, now)  # counts itself
+                if got is None:
+                    continue
+            else:
+                bucket = buckets.get(s.user)
+                if bucket is None:
+                    got = take(s.user, want, now)
+                    if got is None:  # not paced: it keeps every draft, nothing counted
+                        continue
+                else:  # ``_grant(bucket, want, now)``, without the call
+                    now_scaled = now * bucket.scale
+                    tat = bucket.tat
+                    restart = tat <= now_scaled
+                    if restart:
+                        tat = now_scaled
+                    room = bucket.burst - (tat - now_scaled)
+                    if room < 0:
+                        got = 0
+                    else:
+                        got = room // bucket.interval + 1
+                        if got > want:
+                            got = want
+                        bucket.tat = tat + got * bucket.interval
+                        bucket.refundable = got if restart else bucket.refundable + got
+                if got:
+                    total += got
+                    s.stats.tokens += got
+            if got < want:
+                cut = True
+            paced.append(s)
+            granted.append(got)
+        self.granted += total
+        return paced, granted, cut
+
+    def settle(self, streams: Sequence[Stream], granted: Sequence[int],
+               delivered: Sequence[int], sure: int, now: int) -> list[int] | None:
+        """The step's results: stream ``i`` was granted ``granted[i]`` drafts and delivered
+        ``delivered[i]`` tokens, of which the first ``sure`` were not drafts; every granted
+        draft beyond those delivered goes back. Returns how many each gave back when some
+        did (for an event log), else None.
+
+        Cost per stream: a few integer operations; for one that gives back, at its user's
+        level alone, a dict lookup and the refund's arithmetic (``refund_at``'s), no
+        method call; with inner levels, ``give_back``."""
+        buckets = self.limiter._buckets
+        returned: list[int] | None = None
+        total = 0
+        for i, (s, got, n) in enumerate(zip(streams, granted, delivered)):
+            accepted = n - sure
+            back = got - accepted if accepted > 0 else got
+            if back <= 0:
+                continue
+            if returned is None:
+                returned = [0] * len(granted)
+            returned[i] = back
+            if s.levels:
+                self.give_back(s, back, now)  # counts itself
+                continue
+            bucket = buckets.get(s.user)
+            if bucket is not None and bucket.refundable:
+                k = back if back <= bucket.refundable else bucket.refundable
+                bucket.refundable -= k
+                now_scaled = now * bucket.scale
+                tat = bucket.tat - k * bucket.interval
+                bucket.tat = tat if tat > now_scaled else now_scaled
+            total += back
+            stats = s.stats
+            stats.tokens -= back
+            stats.refunds += back
+        self.returned += total
+        return returned
 
     def owe(self, stream: Stream, n: int) -> bool:
         """Count ``n`` drafts that were scheduled without a grant, at every level; False

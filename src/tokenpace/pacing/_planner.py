@@ -87,7 +87,7 @@ class Stream:
     """A request as the planner sees it; opened once, reused every step (no allocation)."""
 
     __slots__ = ("key", "user", "account", "stats", "priority", "samples", "last_served",
-                 "levels", "yielded")
+                 "levels", "yielded", "drafts")
 
     def __init__(self, key: Hashable, account: _Account, priority: int,
                  levels: tuple[InnerKey, ...] = ()) -> None:
@@ -106,6 +106,9 @@ class Stream:
         self.last_served = -1
         self.yielded = 0
         """Steps in a row this request's prompt chunk sat out for a better lane (``_lanes``)."""
+        self.drafts = 0
+        """Set by the adapter before each step with speculative decoding: the draft tokens
+        the request proposes (``_drafts``)."""
 
 
 @dataclass(slots=True)
