@@ -50,6 +50,8 @@ BENCHES: tuple[tuple[str, str], ...] = (
      "wait)"),
     ("gateway", "latency and throughput the gateway adds, against the engine direct"),
     ("fairness", "the VTC paper's workloads through the gateway: FCFS against VTC"),
+    ("mix", "short, long-context, long-generation and agent tenants together on a 2-engine "
+     "pool: shares, latency and batching under VTC, FCFS, weights and lanes"),
     ("fleet", "a 2-engine pool behind the gateway: against the engines directly, pool "
      "routing against pinned"),
     ("batch", "a large batch (/v1/batches) beside live requests on the same engine: live "

@@ -298,6 +298,34 @@ def test_bench_fleet_quick(benches: dict[str, object]) -> None:
     assert sum(counts) == 12 and max(counts) >= 8, paced["uneven"]["rounds"][0]
 
 
+def test_bench_mix_quick(benches: dict[str, object]) -> None:
+    """The mixed load runs end to end: two engines, four gateways (one per arm), four
+    tenants of different shapes, each served, figures in their ranges. No figure is bounded
+    by timing: a quick arm has 8 s of window on 2 shared cores, where a tenant's one long
+    request may wait through all of it; the goals (shares within 0.05, VTC's throughput
+    against FCFS's) are measured by the full run (docs/benchmarks/mix.md)."""
+    result, _ = _bench(benches, "mix")
+    arms = result["arms"]
+    assert set(arms) == {"vtc", "fcfs", "vtc_weighted", "vtc_lanes"}
+    slots = 2 * result["parameters"]["max_inflight_per_engine"]
+    for name, arm in arms.items():
+        tenants = arm["tenants"]
+        assert set(tenants) == {"short", "context", "generation", "agent"}, name
+        assert abs(sum(t["service_share"] for t in tenants.values()) - 1) < 0.01, name
+        assert all(t["service_share"] >= 0 for t in tenants.values()), name
+        assert arm["output_tokens_per_s"] > 0 and arm["cost_per_s"] > 0, name
+        assert 0 <= arm["mean_running"] <= slots and not arm["failed_requests"], name
+        assert 0 <= arm["prefix_hit_rate"] < 1, name
+    for tenant in ("short", "context", "generation", "agent"):
+        assert max(a["tenants"][tenant]["service_share"] for a in arms.values()) > 0, tenant
+    # the shared document and the agents' tasks are found in the engines' prefix caches
+    assert max(a["prefix_hit_rate"] for a in arms.values()) > 0
+    assert max(a["engine_tokens_per_s"] for a in arms.values()) > 0
+    assert arms["vtc_weighted"]["tenants"]["short"]["weight_share"] == 0.4
+    assert set(result["goals"][0]) >= {"vtc_shares_met", "throughput_vtc_over_fcfs",
+                                       "prefix_hit_vtc_on_fcfs_mix_over_fcfs"}
+
+
 @pytest.mark.postgres
 @pytest.mark.no_timing  # the last bench, alone by then: the next module's engines start beside it
 def test_bench_metering_quick(benches: dict[str, object]) -> None:
