@@ -1,5 +1,6 @@
 """Tenants and keys made at runtime through the admin API: two real gateway processes over
-one database (a SQLite file; once a real Postgres), the fake engine behind them.
+one database (a SQLite file; once a real Postgres; once with their state in a real
+redis-server), the fake engine behind them.
 
 A change made at one replica works at the other within a second (its poll), a rotated
 key keeps working through its grace then gets 401, a revoked key gets 401 on both, a
@@ -34,12 +35,14 @@ TENANT = {"id": "acme", "lane": "interactive", "weight": 3,
           "applications": [{"id": "portal", "max_concurrency": 2}]}
 
 
-def replica(tmp_path: Path, name: str, engine: EngineServer, ledger: str) -> GatewayProcess:
+def replica(tmp_path: Path, name: str, engine: EngineServer, ledger: str,
+            **sections: Any) -> GatewayProcess:
     home = tmp_path / name
     home.mkdir(exist_ok=True)
     config = base_config(engine.url, home / "unused.db")
     config["ledger"] = ledger
     config["ledger_journal"] = str(home / "journal")  # each replica its own journal
+    config.update(sections)
     return GatewayProcess(home, config)
 
 
@@ -145,6 +148,32 @@ def test_two_replicas_on_one_sqlite_file(two: list[GatewayProcess]) -> None:
     until(a, kept, 401)
     assert admin(a, "GET", "/admin/tenants/acme").status_code == 404
     assert any(r.tenant == "acme" for r in a.rows(1))
+
+
+@pytest.mark.redis
+def test_an_api_tenants_budget_is_shared_by_replicas_in_redis(
+        engine: EngineServer, tmp_path: Path, redis_server: Any) -> None:
+    """With ``state`` in a real redis-server, a tenant made at runtime has one budget for
+    both replicas, as a file tenant has: spent at A, refused at B. (Replicas of separate
+    processes would each keep a budget of their own.)"""
+    ledger = f"sqlite:///{tmp_path / 'shared.db'}"
+    state = {"url": redis_server.url, "replicas": 2}
+    a, b = (replica(tmp_path, n, engine, ledger, state=state).start() for n in ("a", "b"))
+    try:
+        made = admin(a, "POST", "/admin/tenants", {"id": "metered", "lane": "interactive",
+                                                   "budgets": [{"tokens": 40, "per": "1h"}]})
+        assert made.status_code == 201, made.text
+        key = admin(a, "POST", "/admin/tenants/metered/keys", {}).json()["key"]
+        until(b, key, 200)  # known at B; one request of the budget spent there
+        spent = 0
+        while complete(a, key) == 200:
+            spent += 1
+            assert spent < 40, "the budget never ran out at A"
+        assert complete(a, key) == 429
+        assert complete(b, key) == 429, b.log()  # the same budget, in Redis
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_bad_inputs_change_nothing(gateway: GatewayProcess) -> None:
