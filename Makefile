@@ -31,9 +31,23 @@ PROM_DATA ?= .prometheus-data
 DOCS_ADDR ?= 127.0.0.1:8008
 DOCS_SITE := .docs-site
 
-.PHONY: install install-vllm033 model serve test test-fast test-sched-vllm033 test-upstream services monitor docs docs-build
+.PHONY: install install-vllm033 disk-check model serve test test-fast test-sched-vllm033 test-upstream services monitor docs docs-build
 
 install: $(STAMP)
+
+# Disk the environments still to build need, in GB (peaks measured on a fresh machine,
+# pip's unpacking included: .venv 5, .venv-vllm033 12): a clear message before pip's
+# "No space left on device" halfway through.
+VENV_GB   ?= 5
+VENV33_GB ?= 12
+disk-check:
+	@need=0; test -f $(STAMP) || need=$$((need + $(VENV_GB))); \
+	test -f $(STAMP33) || need=$$((need + $(VENV33_GB))); \
+	free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ "$$need" -gt 0 ] && [ "$$free" -lt "$$need" ]; then \
+		echo "make: the environments to build need about $$need GB of disk here, $$free GB is free (df -h .)" >&2; \
+		exit 1; \
+	fi
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,7 +77,7 @@ serve: model
 # The two environments and the servers are set up at the same time (mostly downloads and
 # unpacking: about 3 minutes less on a fresh machine than one after the other), then the
 # tests run one suite at a time (the main suite's timing tests want the machine to themselves).
-test:
+test: disk-check
 	$(MAKE) -j3 $(STAMP) $(STAMP33) services
 	$(MAKE) docs-build
 	$(MAKE) test-sched-vllm033
