@@ -35,17 +35,17 @@ DOCS_SITE := .docs-site
 
 install: $(STAMP)
 
-# Disk the environments still to build need, in GB (peaks measured on a fresh machine,
-# pip's unpacking included: .venv 5, .venv-vllm033 12): a clear message before pip's
-# "No space left on device" halfway through.
-VENV_GB   ?= 5
-VENV33_GB ?= 12
+# Disk the environments still to build take at least, in GB (measured on a fresh machine:
+# .venv 3.7, .venv-vllm033 9.7 once installed; pip's unpacking peaks 2 GB above): below it
+# the install cannot succeed, so say so before pip's "No space left on device" halfway.
+VENV_GB   ?= 3
+VENV33_GB ?= 10
 disk-check:
 	@need=0; test -f $(STAMP) || need=$$((need + $(VENV_GB))); \
 	test -f $(STAMP33) || need=$$((need + $(VENV33_GB))); \
 	free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
 	if [ "$$need" -gt 0 ] && [ "$$free" -lt "$$need" ]; then \
-		echo "make: the environments to build need about $$need GB of disk here, $$free GB is free (df -h .)" >&2; \
+		echo "make: the environments to build need at least $$need GB of disk here, $$free GB is free (df -h .)" >&2; \
 		exit 1; \
 	fi
 
