@@ -136,6 +136,7 @@ class _Load:
                     record_chunk(record, data, time.monotonic())
         except (RuntimeError, aiohttp.ClientError) as exc:
             self.errors.append(f"{name}: {exc!r}"[:300])
+            await asyncio.sleep(0.1)  # a closed loop must not spin on a failing server
         return record
 
     async def _requests(self, session: aiohttp.ClientSession, name: str) -> None:
