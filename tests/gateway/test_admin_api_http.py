@@ -280,6 +280,12 @@ def test_two_replicas_on_one_postgres_and_its_outage(engine: EngineServer, tmp_p
         refused = admin(a, "POST", "/admin/tenants/acme/keys", {})
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "admin_store_unavailable"
+        # The usage API reads the ledger: a 503 to retry, never a page of missing buckets.
+        since = int(time.time()) - 3600
+        usage = admin(b, "GET", f"/v1/organization/usage/completions?start_time={since}")
+        assert usage.status_code == 503, usage.text
+        assert usage.json()["error"]["code"] == "ledger_unavailable"
+        assert usage.headers["retry-after"] == "5"
         postgres_server.start()
         deadline = time.monotonic() + 20
         while (made := admin(a, "POST", "/admin/tenants/acme/keys", {})).status_code != 201:

@@ -137,8 +137,8 @@ class EngineSample:
 def _quantiles(values: Sequence[float], digits: int = 1) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "n": 0}
-    return {"p50": round(percentile(values, 50), digits), "p95": round(percentile(values, 95), digits),
-            "n": len(values)}
+    return {"p50": round(percentile(values, 50), digits),
+            "p95": round(percentile(values, 95), digits), "n": len(values)}
 
 
 def summarize(sent: Sequence[Sent], operations: Sequence[tuple[float, float]],
@@ -199,7 +199,8 @@ def summarize(sent: Sequence[Sent], operations: Sequence[tuple[float, float]],
     computed = None
     if len(inside) >= 2 and inside[-1].at > inside[0].at:
         first, last = inside[0], inside[-1]
-        work = ((last.prompt_tokens - last.cached_tokens) - (first.prompt_tokens - first.cached_tokens)
+        work = ((last.prompt_tokens - last.cached_tokens)
+                - (first.prompt_tokens - first.cached_tokens)
                 + last.generation_tokens - first.generation_tokens)
         computed = round(work / (last.at - first.at), 1)
     return {
@@ -208,7 +209,8 @@ def summarize(sent: Sequence[Sent], operations: Sequence[tuple[float, float]],
                                 if t["share_error"] is not None), default=None),
         "output_tokens_per_s": round(tokens / (end - start), 1),
         "cost_per_s": round(total / (end - start), 1),
-        "requests_per_s": round(sum(t["requests_ended"] for t in tenants.values()) / (end - start), 2),
+        "requests_per_s": round(sum(t["requests_ended"] for t in tenants.values())
+                                / (end - start), 2),
         "engine_tokens_per_s": computed,
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
         "mean_running": round(statistics.fmean(e.running for e in inside), 2) if inside else None,
@@ -238,7 +240,8 @@ def goals(arms: Mapping[str, Mapping[str, Any]], fair: str = "vtc", order: str =
     # by its prompt tokens under FCFS (a policy that serves more long-context requests has
     # a higher overall rate with the same cache behaviour).
     fcfs_prompt = {n: t["prompt_tokens"] for n, t in fcfs["tenants"].items()}
-    same_mix = sum((vtc["tenants"][n]["prefix_hit_rate"] or 0.0) * p for n, p in fcfs_prompt.items())
+    same_mix = sum((vtc["tenants"][n]["prefix_hit_rate"] or 0.0) * p
+                   for n, p in fcfs_prompt.items())
     total_prompt = sum(fcfs_prompt.values())
     out["prefix_hit_vtc_on_fcfs_mix_over_fcfs"] = ratio(
         same_mix / total_prompt if total_prompt else None, fcfs["prefix_hit_rate"])

@@ -91,7 +91,8 @@ class DraftBook:
         stream.stats.tokens += granted
         return granted
 
-    def grant_all(self, streams: Sequence[Stream], now: int) -> tuple[list[Stream], list[int], bool]:
+    def grant_all(self, streams: Sequence[Stream],
+                  now: int) -> tuple[list[Stream], list[int], bool]:
         """``grant`` for each of ``streams`` that proposes drafts (``Stream.drafts``), all at
         ``now``: the streams paced at some level, what each was granted (in order), and
         whether any got fewer than it proposed.
