@@ -47,8 +47,9 @@ import httpx
 from ._cli import add_common_args, bench_model, int_list, positive_float, positive_int, write_outputs
 from ._environment import environment
 from ._gateway_yaml import engine_entry, gateway_yaml, tenant_entry
-from ._load import StreamRecord, async_client, percentile, stream_completion, tls_context
+from ._load import StreamRecord, async_client, percentile, stream_completion
 from ._redis_server import RedisServer
+from ._scrape import wait_idle
 from .._process import (
     PROMPT_TOKENS_DETAILS,
     Server,
@@ -282,36 +283,6 @@ def _requests(t0: float, sent: list[Sent]) -> list[Request]:
             for item, r in sent]
 
 
-def _metric_sum(text: str, names: tuple[str, ...]) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                total += sample.value
-    return total
-
-
-def _wait_idle(engine: Server, gateways: list[Server], timeout_s: float = 120.0) -> None:
-    """Until no gateway holds a request and the engine runs none: the next run starts clean."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(verify=tls_context(), timeout=10) as http:
-        while time.monotonic() < deadline:
-            busy = sum(
-                _metric_sum(http.get(f"{g.base_url}/metrics").text,
-                            ("tokenpace_gateway_inflight_requests",
-                             "tokenpace_gateway_queued_requests"))
-                for g in gateways
-            )
-            busy += _metric_sum(http.get(f"{engine.base_url}/metrics").text,
-                                ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-            if busy == 0:
-                return
-            time.sleep(0.5)
-    raise RuntimeError(f"engine or gateway still busy {timeout_s:.0f} s after a run was cancelled")
-
-
 def _calibrate(urls: list[str], streams: int, duration: float) -> dict[str, float]:
     """Cost units per second the engine delivers through the gateway at ``streams`` in flight
     (the first third of the run, while the batch fills, is left out)."""
@@ -459,7 +430,7 @@ def _run_workloads(engine: Server, gateways: dict[tuple[int, str], list[Server]]
     print(f"capacity through the gateway at {max_inflight} in flight: "
           f"{calibration['cost_per_s']:.0f} cost units/s "
           f"({calibration['output_tokens_per_s']:.0f} output tok/s)", flush=True)
-    _wait_idle(engine, everyone)
+    wait_idle([engine.base_url], [g.base_url for g in everyone])
     results: list[dict[str, Any]] = []
     for i, workload in enumerate(chosen):
         plan = _plan(workload, calibration["cost_per_s"], duration, seed + i)
@@ -478,7 +449,7 @@ def _run_workloads(engine: Server, gateways: dict[tuple[int, str], list[Server]]
                                    + "; ".join(errors[:3]))
             for error in errors:
                 print(f"request failed ({workload.name}/{label}): {error}", flush=True)
-            _wait_idle(engine, everyone)
+            wait_idle([engine.base_url], [g.base_url for g in everyone])
             by_count[n][policy] = _analyse(workload, t0, sent, duration, window_s)
             by_count[n][policy]["failed_requests"] = errors
             _print(workload.name, label, by_count[n][policy])

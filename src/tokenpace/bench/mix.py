@@ -59,6 +59,7 @@ from ._mix import (
     goals,
     summarize,
 )
+from ._scrape import metric_sums, wait_idle
 
 MAX_QUEUED = 1_000_000  # per tenant: more than a run ever has waiting (closed loops)
 LANES = [{"name": "interactive", "priority": 0},
@@ -179,21 +180,6 @@ class _Load:
                 for name, prompt, r in self.records]
 
 
-def _metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in sums:
-                sums[sample.name] += sample.value
-    return sums
-
-
-def _metric_sum(text: str, names: tuple[str, ...]) -> float:
-    return sum(_metric_sums(text, names).values())
-
-
 ENGINE_METRICS = ("vllm:num_requests_running", "vllm:prompt_tokens_total",
                   "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total")
 
@@ -215,7 +201,7 @@ class _Sampler(threading.Thread):
                 total = dict.fromkeys(ENGINE_METRICS, 0.0)
                 try:
                     for url in self.engines:
-                        for name, value in _metric_sums(http.get(f"{url}/metrics").text,
+                        for name, value in metric_sums(http.get(f"{url}/metrics").text,
                                                         ENGINE_METRICS).items():
                             total[name] += value
                 except httpx.HTTPError:
@@ -225,23 +211,6 @@ class _Sampler(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-
-
-def _wait_idle(engines: list[str], gateway: str, timeout_s: float = 120.0) -> None:
-    """Until the gateway holds no request and the engines run none."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(verify=tls_context(), timeout=10) as http:
-        while time.monotonic() < deadline:
-            busy = _metric_sum(http.get(f"{gateway}/metrics").text,
-                               ("tokenpace_gateway_inflight_requests",
-                                "tokenpace_gateway_queued_requests"))
-            busy += sum(_metric_sum(http.get(f"{url}/metrics").text,
-                                    ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-                        for url in engines)
-            if busy == 0:
-                return
-            time.sleep(0.5)
-    raise RuntimeError(f"engines or gateway still busy {timeout_s:.0f} s after an arm ended")
 
 
 def _ledger_rows(path: Path, t0_wall: float, timeout_s: float = 30.0) -> list[LedgerRow]:
@@ -335,7 +304,7 @@ def _run_arm(arm: Arm, engines: list[str], gateway: str, ledger: Path, duration:
     if len(load.errors) > 0.01 * max(1, len(sent)):
         raise RuntimeError(f"{len(load.errors)} of {len(sent)} requests failed in {arm.name}: "
                            + "; ".join(load.errors[:3]))
-    _wait_idle(engines, gateway)
+    wait_idle(engines, [gateway])
     rows = _ledger_rows(ledger, t0_wall)
     summary = summarize(sent, load.operations, rows, sampler.samples, arm.weights, warmup,
                         duration, window_s)
