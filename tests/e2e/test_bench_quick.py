@@ -315,12 +315,14 @@ def test_bench_mix_quick(benches: dict[str, object]) -> None:
         assert all(t["service_share"] >= 0 for t in tenants.values()), name
         assert arm["output_tokens_per_s"] > 0 and arm["cost_per_s"] > 0, name
         assert 0 <= arm["mean_running"] <= slots and not arm["failed_requests"], name
-        assert 0 <= arm["prefix_hit_rate"] < 1, name
+        # None: no request that arrived in the window was dispatched in it (on a loaded
+        # host the first long requests can hold every slot through a quick arm's 8 s)
+        assert arm["prefix_hit_rate"] is None or 0 <= arm["prefix_hit_rate"] < 1, name
     for tenant in ("short", "context", "generation", "agent"):
         assert max(a["tenants"][tenant]["service_share"] for a in arms.values()) > 0, tenant
     # the shared document and the agents' tasks are found in the engines' prefix caches
-    assert max(a["prefix_hit_rate"] for a in arms.values()) > 0
-    assert max(a["engine_tokens_per_s"] for a in arms.values()) > 0
+    assert max(a["prefix_hit_rate"] or 0 for a in arms.values()) > 0
+    assert max(a["engine_tokens_per_s"] or 0 for a in arms.values()) > 0
     assert arms["vtc_weighted"]["tenants"]["short"]["weight_share"] == 0.4
     assert set(result["goals"][0]) >= {"vtc_shares_met", "throughput_vtc_over_fcfs",
                                        "prefix_hit_vtc_on_fcfs_mix_over_fcfs"}
