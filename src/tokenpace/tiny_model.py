@@ -180,3 +180,35 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(f"{'wrote' if written else 'up to date:'} tiny model in {args.dir}")
     return 0
+
+
+def write_tiny_adapter(target: str | Path, seed: int, *, rank: int = 4) -> Path:
+    """Write a LoRA adapter for the tiny model into ``target`` (PEFT's layout:
+    ``adapter_config.json`` and ``adapter_model.safetensors``) and return its path.
+
+    Random low-rank updates of every layer's ``q_proj`` and ``v_proj`` drawn from ``seed``:
+    vLLM loads it with ``--enable-lora --max-lora-rank >= rank``; the same seed writes the
+    same bytes. Rewrites ``target``'s two files when they are there.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, head, heads, kv_heads, layers = 128, 64, 2, 1, 2  # write_tiny_model's shape
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        for module, width in (("q_proj", heads * head), ("v_proj", kv_heads * head)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(width, rank, generator=generator) * 0.05
+    path = Path(target)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+              "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+              "use_dora": False, "inference_mode": True,
+              "base_model_name_or_path": "tokenpace-tiny-model"}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n",
+                                              encoding="utf-8")
+    return path

@@ -15,7 +15,15 @@ from ._admit import (
     read_body,
     read_paced_body,
 )
-from ._identity import authenticate, authorization_of, bearer_key, identify, route, tenant_models
+from ._identity import (
+    adapter_of,
+    authenticate,
+    authorization_of,
+    bearer_key,
+    identify,
+    route,
+    tenant_models,
+)
 from ._parse import LARGE_BODY_BYTES, parse_body
 from ._refusals import (
     body_rate_limited,
@@ -27,6 +35,7 @@ from ._refusals import (
 )
 
 __all__ = [
+    "adapter_of",
     "MAX_BYTES_PER_TOKEN",
     "Admission",
     "admit",

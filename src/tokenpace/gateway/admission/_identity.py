@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 
 from .. import metrics
-from ..config import hash_key
+from ..config import AdapterConfig, hash_key
 from ..dispatch import Pool
 from ..exchange import Runtime
 from ..fleet import EngineSlots, engine_retry_headers
@@ -68,14 +68,29 @@ def identify(rt: Runtime, authorization: str | None,
     return state, application
 
 
-def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, EngineSlots]:
-    """The served name of the model the client asked for, its pool, and the engine that
-    counts the prompt; 404 ``model_not_found`` when no engine serves it or the tenant may
-    not use it, 503 at once when every engine the tenant could use in its pool is down.
-    Decided here, without an engine call: a dict lookup or two."""
+def adapter_of(rt: Runtime, model: str) -> AdapterConfig | None:
+    """The LoRA adapter ``model`` (a served name) names: configured, else one an engine's
+    ``/v1/models`` lists (no path: it is not loaded anywhere else); None: a model. A dict
+    lookup, and a scan of the engines' listings for a name no pool serves."""
+    adapter = rt.config.adapter(model)
+    if adapter is not None or rt.dispatcher.pool_for(model) is not None:
+        return adapter
+    base = rt.dispatcher.fleet.listed_adapter(model)
+    return None if base is None else AdapterConfig(model, base, None)
+
+
+def route(rt: Runtime, tenant: TenantState, requested: str,
+          ) -> tuple[str, Pool, EngineSlots, AdapterConfig | None]:
+    """The served name of the model the client asked for, its pool (an adapter's: its
+    base's), the engine that counts the prompt, and the adapter it names; 404
+    ``model_not_found`` when no engine serves it or the tenant may not use it (an adapter
+    of other tenants included), 503 at once when every engine the tenant could use in its
+    pool is down. Decided here, without an engine call: a dict lookup or two."""
     model = rt.config.served_name(requested)
-    pool = rt.dispatcher.pool_for(model)
-    if pool is None or not tenant.config.may_use(model):
+    adapter = adapter_of(rt, model)
+    pool = rt.dispatcher.pool_for(model if adapter is None else adapter.base)
+    if pool is None or not tenant.config.may_use(model) \
+            or (adapter is not None and not adapter.serves(tenant.id)):
         if pool is None and rt.dispatcher.fleet.unlearned():
             raise GatewayError(
                 503, f"no engine that has reported its models serves {clip(requested)!r}; "
@@ -91,14 +106,24 @@ def route(rt: Runtime, tenant: TenantState, requested: str) -> tuple[str, Pool, 
         raise GatewayError(503, f"no engine serving model {model!r} for tenant {tenant.id!r} "
                            "is available", reason="engine_unavailable",
                            code="engine_unavailable", headers=engine_retry_headers())
-    return model, pool, engine
+    return model, pool, engine, adapter
 
 
 def tenant_models(rt: Runtime, tenant: TenantState) -> list[str]:
     """The model names (served names and their aliases) the tenant may send, sorted."""
     names: list[str] = []
-    for model in rt.dispatcher.served_models():
+    served = rt.dispatcher.served_models()
+    for model in served:
         if tenant.config.may_use(model):
             names.append(model)
             names.extend(rt.config.aliases_of(model))
+    adapters = {a.name: a.base for a in rt.config.adapters if a.serves(tenant.id)}
+    for engine in rt.dispatcher.engines:
+        for name, base in engine.listed_adapters.items():
+            if rt.config.adapter(name) is None:
+                adapters.setdefault(name, base)
+    served_set = set(served)
+    names.extend(name for name, base in adapters.items()
+                 if base in served_set and name not in served_set
+                 and tenant.config.may_use(name))
     return sorted(names)

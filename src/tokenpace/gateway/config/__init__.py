@@ -20,6 +20,7 @@ from ._read import load_config
 from ._router_headers import MAX_ROUTER_HEADERS, ROUTER_HEADER_PLACEHOLDERS
 from ._values import (
     APPLICATION_SEPARATOR,
+    AdapterConfig,
     ApplicationConfig,
     BatchConfig,
     EngineConfig,
@@ -30,6 +31,7 @@ from ._values import (
 )
 
 __all__ = [
+    "AdapterConfig",
     "API_TENANT_WHERE",
     "application_digest",
     "parse_api_tenant",

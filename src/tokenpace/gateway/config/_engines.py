@@ -24,7 +24,8 @@ def _engine(value: Any, where: str) -> EngineConfig:
     m = _mapping(value, where)
     _known(m, where, ("url", "max_inflight", "scheduling_policy", "max_engine_waiting",
                       "max_kv_cache_usage", "max_num_seqs", "reserved_slots", "api_key",
-                      "api_key_env", "models", "model_path", "drain", "discovery", "headers"))
+                      "api_key_env", "models", "model_path", "drain", "discovery", "headers",
+                      "max_adapters"))
     url = m.get("url")
     if not isinstance(url, str):
         raise ConfigError(f"{where}.url: required, e.g. 'http://127.0.0.1:8001'")
@@ -65,6 +66,7 @@ def _engine(value: Any, where: str) -> EngineConfig:
         drain=_bool(m, "drain", where, False),
         discovery=discovery,
         headers=_router_headers(m.get("headers"), f"{where}.headers"),
+        max_adapters=_int(m, "max_adapters", where, None, minimum=1),
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ...fairness import CostModel
 from ..state import StateConfig
 from ._values import (
+    AdapterConfig,
     ApplicationConfig,
     BatchConfig,
     EngineConfig,
@@ -68,6 +69,13 @@ class GatewayConfig:
     # Where budgets live: in process (one replica) or shared in Redis (several).
     state: StateConfig = field(default_factory=StateConfig)
     models: tuple[ModelConfig, ...] = ()
+    # LoRA adapters (``adapter``): each served by its base's pool, loaded where it is sent.
+    adapters: tuple[AdapterConfig, ...] = ()
+    # An engine that holds a request's adapter keeps it while it has at most this many more
+    # in flight than the least loaded engine of the pool; beyond, the adapter is loaded on
+    # another (so a hot adapter spreads): a load costs a read of its weights and evicts
+    # another adapter where the engine holds its ``max_adapters``.
+    adapter_affinity: int = 4
     # "pool": one fair queue per model over every engine serving it, load-aware engine
     # choice; "pinned": every tenant on one engine per model (rendezvous hashing).
     routing: str = "pool"
@@ -130,8 +138,18 @@ class GatewayConfig:
         """The served name of ``model`` as a client sent it (an alias resolved)."""
         return self._aliases.get(model, model)
 
+    def adapter(self, name: str) -> AdapterConfig | None:
+        """The configured adapter named ``name`` (None: not one). A dict lookup."""
+        return self._adapters.get(name)
+
     def cost_of(self, model: str) -> CostModel:
-        """The cost coefficients of ``model`` (a served name): its own, else the top-level."""
+        """The cost coefficients of ``model`` (a served name or an adapter): its own, else
+        (an adapter's) its base's, else the top-level."""
+        adapter = self._adapters.get(model)
+        if adapter is not None:
+            if adapter.cost is not None:
+                return adapter.cost
+            model = adapter.base
         settings = self._model_settings.get(model)
         return settings.cost if settings is not None and settings.cost is not None else self.cost
 
@@ -142,6 +160,10 @@ class GatewayConfig:
     @functools.cached_property
     def _aliases(self) -> dict[str, str]:
         return {alias: m.name for m in self.models for alias in m.aliases}
+
+    @functools.cached_property
+    def _adapters(self) -> dict[str, AdapterConfig]:
+        return {a.name: a for a in self.adapters}
 
     @functools.cached_property
     def _model_settings(self) -> dict[str, ModelConfig]:

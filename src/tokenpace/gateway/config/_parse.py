@@ -27,6 +27,7 @@ from ._fields import (
     _mapping,
 )
 from ._gateway import DEFAULT_LEDGER, GatewayConfig
+from ._adapters import _adapters
 from ._models import _cost, _known_models, _models
 from ._tenants import _tenant
 from ._values import LaneConfig
@@ -49,7 +50,7 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
                       "max_conversation_homes_per_tenant",
                       "discovery_interval", "locality", "batch", "ledger_journal",
                       "ledger_journal_max_bytes", "on_ledger_full", "reconcile_interval",
-                      "reconcile_grace"))
+                      "reconcile_grace", "adapters", "adapter_affinity"))
     engines = tuple(_engine(e, f"engines[{i}]") for i, e in enumerate(_list(root, "engines", required=True)))
     if not engines:
         raise ConfigError("engines: at least one engine is needed")
@@ -63,8 +64,12 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
     cost = _cost(root.get("cost"))
     models = _models(_list(root, "models"), engines)
     aliases = {alias: m.name for m in models for alias in m.aliases}
+    adapters = _adapters(_list(root, "adapters"), models)
+    known = _known_models(models, engines)
+    if known is not None:
+        known |= {a.name for a in adapters}
     tenants = tuple(
-        _tenant(t, f"tenants[{i}]", lanes, aliases, _known_models(models, engines))
+        _tenant(t, f"tenants[{i}]", lanes, aliases, known)
         for i, t in enumerate(_list(root, "tenants", required=True))
     )
     if not tenants:
@@ -128,6 +133,8 @@ def parse_config(data: Any, base_dir: Path | None = None, source: Path | None = 
         prompt_count=_prompt_count(root.get("prompt_count", "bound")),
         state=_state(root.get("state"), root.get("on_state_failure")),
         models=models,
+        adapters=adapters,
+        adapter_affinity=_int(root, "adapter_affinity", "", 4, minimum=0) or 0,
         routing=_routing(root.get("routing", "pool")),
         pool_affinity=_int(root, "pool_affinity", "", 2, minimum=0) or 0,
         conversation_affinity=_int(root, "conversation_affinity", "", 8, minimum=0) or 0,

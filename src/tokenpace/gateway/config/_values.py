@@ -56,6 +56,10 @@ class EngineConfig:
     # (``engines.RouterHeaders``). Compared: a reload that changes them is a change, and
     # new requests carry the new ones (requests in flight sent theirs already).
     headers: tuple[tuple[str, str], ...] = ()
+    # The LoRA adapters the gateway keeps loaded on it at once (``adapters``): set to the
+    # engine's --max-loras, so every adapter it holds can run in one step. None: the
+    # ``max_lora`` its /metrics reports, else 1 (vLLM's default).
+    max_adapters: int | None = None
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for every call to this engine."""
@@ -71,6 +75,22 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()
     cost: CostModel | None = None  # None: the top-level cost
     batch_cost: float | None = None  # its batch lines' coefficient; None: ``batch.cost``
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A LoRA adapter over a base model: a model of its own for clients (allow-lists, cost,
+    the ledger), served by the engines of its base's pool, which load it through vLLM's
+    ``/v1/load_lora_adapter`` where the gateway places its requests."""
+
+    name: str
+    base: str  # the served name of the model it adapts
+    path: str | None  # as the engines see it; None: only where an engine lists it already
+    tenants: tuple[str, ...] | None = None  # None: any tenant that may use the name
+    cost: CostModel | None = None  # None: its base's
+
+    def serves(self, tenant_id: str) -> bool:
+        return self.tenants is None or tenant_id in self.tenants
 
 
 @dataclass(frozen=True)

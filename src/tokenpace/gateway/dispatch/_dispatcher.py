@@ -37,8 +37,8 @@ from typing import cast
 
 from ...fairness import FairQueue, LaneSpec
 from .. import metrics
-from ..config import GatewayConfig
-from ..fleet import EngineSlots, Fleet
+from ..config import AdapterConfig, GatewayConfig
+from ..fleet import EngineSlots, Fleet, place_adapter
 from ..state import Reservation
 from ..tenants import ApplicationState, TenantState, dispatched
 from ._homes import HomeTable
@@ -78,6 +78,8 @@ class Waiter:
     # The conversation it continues (``wire.conversation_key``): its engine is the one that
     # key hashes to, within the load bound (``Dispatcher.choose``). None: by tenant and load.
     affinity: bytes | None = None
+    # The LoRA adapter it asks for: placed where that is loaded (``fleet.place_adapter``).
+    adapter: AdapterConfig | None = None
 
 
 class Lease:
@@ -93,10 +95,10 @@ class Lease:
     def __init__(self, dispatcher: Dispatcher, tenant: TenantState, pool: Pool,
                  timeout_s: float, prompt_cost: float, estimate: float,
                  application: ApplicationState | None = None,
-                 affinity: bytes | None = None) -> None:
+                 affinity: bytes | None = None, adapter: AdapterConfig | None = None) -> None:
         self._dispatcher = dispatcher
         self.tenant, self.pool, self.application = tenant, pool, application
-        self.affinity = affinity
+        self.affinity, self.adapter = affinity, adapter
         self._wait = (timeout_s, prompt_cost, estimate)
         self.waiter: Waiter | None = None  # set once granted
 
@@ -112,7 +114,8 @@ class Lease:
         timeout_s, prompt_cost, estimate = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s,
                                                      prompt_cost, estimate, self.application,
-                                                     affinity=self.affinity)
+                                                     affinity=self.affinity,
+                                                     adapter=self.adapter)
         return self
 
     async def again(self) -> Lease:
@@ -126,7 +129,8 @@ class Lease:
         timeout_s, _, _ = self._wait
         self.waiter = await self._dispatcher.acquire(self.tenant, self.pool, timeout_s, 0.0, 0.0,
                                                      self.application, ahead=True,
-                                                     affinity=self.affinity)
+                                                     affinity=self.affinity,
+                                                     adapter=self.adapter)
         return self
 
     def charge(self, cost: float) -> None:
@@ -322,14 +326,16 @@ class Dispatcher:
         """Whether some engine the tenant may use in ``pool`` is up (else: refuse at once)."""
         return self.preferred(tenant, pool) is not None
 
-    def choose(self, tenant: TenantState, pool: Pool,
-               affinity: bytes | None = None) -> EngineSlots | None:
+    def choose(self, tenant: TenantState, pool: Pool, affinity: bytes | None = None,
+               adapter: AdapterConfig | None = None) -> EngineSlots | None:
         """The engine of ``pool`` the tenant's next request goes to now; None: none has room.
 
         ``affinity``: the conversation the request continues (``wire.conversation_key``),
         with ``locality: conversation``: see ``_conversation_engine``. Paced and pinned
         tenants keep their own order (one engine until it is full: a paced tenant's
-        conversations stay together where its rate split allows).
+        conversations stay together where its rate split allows). ``adapter``: the LoRA
+        adapter asked for, placed by ``fleet.place_adapter`` (a pinned tenant keeps its
+        engine, where the adapter is loaded for it).
 
         Cost: O(engines in the pool) comparisons on cached rendezvous ranks; with an
         affinity, one BLAKE2b per engine of the pool more (about 0.5 us each).
@@ -337,6 +343,10 @@ class Dispatcher:
         if self.pinned(tenant):
             engine = self.engine_for(tenant.id, pool)
             return engine if self._takes(engine, tenant.id) else None
+        if adapter is not None:
+            return place_adapter([e for e in pool.engines if self._takes(e, tenant.id)],
+                                 adapter.name, adapter.path is not None,
+                                 self._config.adapter_affinity)
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each
@@ -402,7 +412,10 @@ class Dispatcher:
 
     def _note_turn(self, waiter: Waiter) -> None:
         """A granted request that continues a conversation (placed by it): its engine is
-        the conversation's home now. Called once per grant, in process and shared."""
+        the conversation's home now; one for an adapter: the adapter is the engine's most
+        recently used. Called once per grant, in process and shared."""
+        if waiter.adapter is not None and waiter.engine is not None:
+            waiter.engine.adapters.used(waiter.adapter.name)
         if waiter.affinity is not None and waiter.engine is not None \
                 and self.by_conversation(waiter.tenant, waiter.pool):
             self._remember_home(waiter.tenant.id, waiter.affinity, waiter.engine)
@@ -445,15 +458,16 @@ class Dispatcher:
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
                       application: ApplicationState | None = None,
-                      ahead: bool = False, affinity: bytes | None = None) -> Waiter:
+                      ahead: bool = False, affinity: bytes | None = None,
+                      adapter: AdapterConfig | None = None) -> Waiter:
         """Wait for a slot; raise ``QueueFull`` at once or ``TimeoutError`` after ``timeout_s``.
         ``ahead``: a request sent back by a failed engine (``Lease.again``); ``affinity``:
-        the conversation it continues (``choose``).
+        the conversation it continues, ``adapter``: the LoRA adapter it asks for (``choose``).
 
         On cancellation the waiter leaves the queue, or gives its slot back if it was
         granted in the same instant, so nothing leaks.
         """
-        waiter = Waiter(tenant, pool, application, affinity=affinity)
+        waiter = Waiter(tenant, pool, application, affinity=affinity, adapter=adapter)
         self._states[tenant.id] = tenant
         self._declare(pool.queue, tenant)
         pool.queue.push(waiter, tenant.id, prompt_cost, estimate,
@@ -486,11 +500,12 @@ class Dispatcher:
     def lease(self, tenant: TenantState, pool: Pool, timeout_s: float,
               prompt_cost: float, estimate: float,
               application: ApplicationState | None = None,
-              affinity: bytes | None = None) -> Lease:
+              affinity: bytes | None = None, adapter: AdapterConfig | None = None) -> Lease:
         """A slot on an engine of ``pool`` for one request of ``tenant`` (and of its
-        ``application``, continuing conversation ``affinity``), not yet waited for."""
+        ``application``, continuing conversation ``affinity``, for LoRA ``adapter``), not
+        yet waited for."""
         return Lease(self, tenant, pool, timeout_s, prompt_cost, estimate, application,
-                     affinity)
+                     affinity, adapter)
 
     def charge(self, waiter: Waiter, cost: float) -> None:
         """Service a dispatched request received (output tokens as the stream reports them)."""
@@ -506,6 +521,8 @@ class Dispatcher:
         engine, tenant = waiter.engine, waiter.tenant
         assert engine is not None
         engine.released(tenant.id, waiter.in_reserve)
+        if waiter.adapter is not None:
+            engine.adapters.done(waiter.adapter.name)
         tenant.inflight -= 1
         if waiter.application is not None:
             waiter.application.inflight -= 1
@@ -560,10 +577,7 @@ class Dispatcher:
             if waiter is None:
                 break
             tenant = waiter.tenant
-            # The eligibility test placed the tenant by tenant and load; a turn of a
-            # conversation is placed again by its own key (O(engines)).
-            engine = (self.choose(tenant, pool, waiter.affinity) if waiter.affinity is not None
-                      else None) or placed.get(tenant.id) or self.choose(tenant, pool)
+            engine = self.engine_of(waiter, placed)
             assert engine is not None
             waiter.engine = engine
             waiter.granted = True
@@ -584,6 +598,17 @@ class Dispatcher:
             for engine in pool.engines:
                 if engine.inflight < engine.config.max_inflight and engine.saturated():
                     engine.held.set()  # a fresh reading: the one that closed the gate may be stale
+
+    def engine_of(self, waiter: Waiter, placed: dict[str, EngineSlots | None]) -> EngineSlots | None:
+        """The engine for ``waiter``, popped from the fair queue: the eligibility test
+        placed its tenant by tenant and load (``placed``); a request for an adapter, or a
+        turn of a conversation, is placed again by them (O(engines))."""
+        tenant, pool = waiter.tenant, waiter.pool
+        if waiter.adapter is not None or waiter.affinity is not None:
+            engine = self.choose(tenant, pool, waiter.affinity, waiter.adapter)
+            if engine is not None:
+                return engine
+        return placed.get(tenant.id) or self.choose(tenant, pool)
 
     def _may_dispatch(self, tenant_id: str) -> bool:
         state = self._states.get(tenant_id)

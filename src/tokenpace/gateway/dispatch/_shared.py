@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import anyio
 
 from .. import metrics
-from ..config import GatewayConfig
+from ..config import AdapterConfig, GatewayConfig
 from ..state import (
     Admission,
     StoreLease,
@@ -185,12 +185,13 @@ class SharedDispatcher(Dispatcher):
     async def acquire(self, tenant: TenantState, pool: Pool, timeout_s: float,
                       prompt_cost: float, estimate: float,
                       application: ApplicationState | None = None,
-                      ahead: bool = False, affinity: bytes | None = None) -> Waiter:
+                      ahead: bool = False, affinity: bytes | None = None,
+                      adapter: AdapterConfig | None = None) -> Waiter:
         """Wait for the global slots; raise ``QueueFull`` at once, ``TimeoutError`` after
         ``timeout_s``, ``StateUnavailable`` when the store does not answer (closed).
         ``ahead``: a request sent back by a failed engine (``Lease.again``): first in its
         tenant's order, and not held to ``max_queued`` (it was admitted)."""
-        waiter = SharedWaiter(tenant, pool, application, affinity=affinity,
+        waiter = SharedWaiter(tenant, pool, application, affinity=affinity, adapter=adapter,
                               prompt_cost=prompt_cost, estimate=estimate)
         app_id = None if application is None else application.id
         self._states[tenant.id] = tenant
@@ -198,7 +199,7 @@ class SharedDispatcher(Dispatcher):
         with anyio.fail_after(timeout_s):
             if affinity is not None and self.by_conversation(tenant, pool):
                 await self._read_home(tenant.id, pool, affinity)
-            engine = (self.choose(tenant, pool, affinity)
+            engine = (self.choose(tenant, pool, affinity, adapter)
                       if not len(pool.queue) and self._may_dispatch(tenant.id)
                       and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
                       else None)
@@ -311,6 +312,8 @@ class SharedDispatcher(Dispatcher):
         engine, tenant = waiter.engine, waiter.tenant
         assert engine is not None
         engine.released(tenant.id, waiter.in_reserve)
+        if waiter.adapter is not None:
+            engine.adapters.done(waiter.adapter.name)
         tenant.inflight -= 1
         if waiter.application is not None:
             waiter.application.inflight -= 1
@@ -423,8 +426,7 @@ class SharedDispatcher(Dispatcher):
                 break
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
             tenant = waiter.tenant
-            engine = (self.choose(tenant, pool, waiter.affinity) if waiter.affinity is not None
-                      else None) or placed.get(tenant.id) or self.choose(tenant, pool)
+            engine = self.engine_of(waiter, placed)
             assert engine is not None
             try:
                 result = await self.store.dispatch(

@@ -1,7 +1,8 @@
 """The engines' life in the gateway: who is in the fleet, which models each serves, its
 health, load, drain and shutdown, and the connections to it.
 
-- ``EngineSlots``: one engine as dispatch decisions read it (standing, capacity, load).
+- ``EngineSlots``: one engine as dispatch decisions read it (standing, capacity, load,
+  the LoRA adapters it holds: ``AdapterSet``; ``place_adapter`` and ``ensure_loaded``).
 - ``Fleet``: the engine list and every engine's standing; each change is applied at once
   and told to the dispatcher through ``Dispatch``.
 - ``Monitor``: the background work that feeds ``Fleet``: health probes on a
@@ -17,6 +18,8 @@ off a request's path, except ``Fleet.connect_failed`` and ``Fleet.set_stopping``
 request that saw the engine refuse or shut down) and ``EngineSlots.connect_ok``.
 """
 
+from ._adapter_set import AdapterSet
+from ._adapters import AdapterLoadFailed, ensure_loaded, place as place_adapter
 from ._connections import ENGINE_KEEPALIVE_S, Connections
 from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
 from ._fields import learn_request_fields, request_fields
@@ -35,7 +38,11 @@ from ._policy import UNKNOWN, policy_problem, reported_capacity, reported_policy
 from ._slots import EnginePool, EngineSlots
 
 __all__ = [
+    "AdapterLoadFailed",
+    "AdapterSet",
     "Connections",
+    "ensure_loaded",
+    "place_adapter",
     "Discovery",
     "Dispatch",
     "DOWN_AFTER_FAILURES",

@@ -176,7 +176,7 @@ class Monitor:
                 if ok:
                     self._note_policy(engine.config, reported_policy(headers))
                     engine.reported_capacity = reported_capacity(headers)
-                    if engine.config.models is None:
+                    if engine.config.models is None or self._config().adapters:
                         await self._learn_models(engine, HEALTH_TIMEOUT_S)
                     if engine.fields_wanted and not engine.fields_learned:
                         engine.fields_learned = True
@@ -230,8 +230,8 @@ class Monitor:
             status, _, content = await upstream.fetch("GET", "/v1/models", timeout_s)
         except (UpstreamError, TimeoutError):
             return
-        names = _model_ids(content) if status == 200 else None
-        if names is None:
+        listing = _model_ids(content) if status == 200 else None
+        if listing is None:
             # Once per engine and answer, not with every health check (every 2 s).
             if engine.models is None and self._models_problem.get(engine.url) != status:
                 self._models_problem[engine.url] = status
@@ -239,18 +239,31 @@ class Monitor:
                                "(HTTP %s); set engines[].models", engine.url, status)
             return
         self._models_problem.pop(engine.url, None)
-        if self._fleet.set_models(engine, names):
+        names, adapters = listing
+        engine.adapters.listed(adapters)
+        engine.listed_adapters = adapters
+        if engine.config.models is None and self._fleet.set_models(engine, names):
             logger.info("engine %s serves %s", engine.url, ", ".join(sorted(names)))
 
 
-def _model_ids(content: bytes) -> frozenset[str] | None:
-    """The ``id`` of every entry of an OpenAI ``/v1/models`` answer (None: not one)."""
+def _model_ids(content: bytes) -> tuple[frozenset[str], dict[str, str]] | None:
+    """The models of an OpenAI ``/v1/models`` answer: the ``id`` of every entry without a
+    ``parent``, and each LoRA adapter's (an entry with one, as vLLM lists them) -> its
+    parent. None: not such an answer, or no model in it."""
     try:
         data = json.loads(content).get("data")
     except (ValueError, AttributeError):
         return None
     if not isinstance(data, list):
         return None
-    ids = frozenset(entry["id"] for entry in data
-                    if isinstance(entry, dict) and isinstance(entry.get("id"), str))
-    return ids or None
+    names: set[str] = set()
+    adapters: dict[str, str] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        parent = entry.get("parent")
+        if isinstance(parent, str) and parent and parent != entry["id"]:
+            adapters[entry["id"]] = parent
+        else:
+            names.add(entry["id"])
+    return (frozenset(names), adapters) if names else None

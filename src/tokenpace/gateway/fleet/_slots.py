@@ -14,6 +14,7 @@ from typing import Protocol
 
 from .. import metrics
 from ..config import EngineConfig
+from ._adapter_set import AdapterSet
 
 
 class EnginePool(Protocol):
@@ -87,6 +88,10 @@ class EngineSlots:
         self.request_fields: dict[str, frozenset[str]] = {}
         self.fields_wanted = False
         self.fields_learned = False
+        # The LoRA adapters it holds (``_adapters``): learned from its /v1/models and kept
+        # by the loads the gateway makes.
+        self.adapters = AdapterSet()
+        self.listed_adapters: dict[str, str] = {}  # adapter -> base, as /v1/models lists them
         self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
         self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
         self._dispatched_since_reading = 0
@@ -145,6 +150,12 @@ class EngineSlots:
         self.engine_running, self.engine_waiting, self.kv_cache_usage = running, waiting, kv_usage
         self._fresh_at_reading = self._dispatched_since_reading
         self._dispatched_since_reading = 0
+
+    @property
+    def max_adapters(self) -> int:
+        """The adapters the gateway keeps loaded here: ``max_adapters`` configured, else the
+        ``max_lora`` the engine reports, else 1 (vLLM's default ``--max-loras``)."""
+        return self.config.max_adapters or self.adapters.reported_max or 1
 
     @property
     def slots(self) -> int:

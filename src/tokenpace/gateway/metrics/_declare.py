@@ -222,6 +222,21 @@ ENGINE_REFUSED = Counter(
     "refused (nothing was sent; each went to another engine or got a 503).",
     ["engine"], registry=REGISTRY,
 )
+ADAPTER_DISPATCHES = Counter(
+    "tokenpace_gateway_adapter_dispatches", "Requests for a LoRA adapter sent to an engine, "
+    "by whether the engine held the adapter (loaded=\"true\") or the gateway loaded it "
+    "there first.", ["adapter", "loaded"], registry=REGISTRY,
+)
+ADAPTER_LOADS = Counter(
+    "tokenpace_gateway_adapter_loads", "LoRA adapters the gateway loaded on an engine "
+    "(vLLM's /v1/load_lora_adapter), by outcome (ok, failed).",
+    ["engine", "outcome"], registry=REGISTRY,
+)
+ADAPTER_UNLOADS = Counter(
+    "tokenpace_gateway_adapter_unloads", "LoRA adapters the gateway unloaded from an engine "
+    "to make room for another (the least recently used one).",
+    ["engine"], registry=REGISTRY,
+)
 
 _LABELS: dict[Counter | Gauge | Histogram, tuple[str, ...]] = {
     REQUESTS: ("tenant", "lane", "outcome"),

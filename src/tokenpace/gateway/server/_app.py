@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import metrics
-from ..admission import authenticate, authorization_of, bearer_key, tenant_models
+from ..admission import adapter_of, authenticate, authorization_of, bearer_key, tenant_models
 from ..config import (
     ConfigError,
     EngineConfig,
@@ -454,7 +454,8 @@ class Gateway:
             return exc.response()
         data = []
         for name in tenant_models(rt, tenant):
-            served = rt.config.served_name(name)
+            adapter = adapter_of(rt, name)
+            served = rt.config.served_name(name) if adapter is None else adapter.base
             data.append({"id": name, "object": "model", "created": self._started,
                          "owned_by": "tokenpace", "root": served,
                          "parent": served if served != name else None})

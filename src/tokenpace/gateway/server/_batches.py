@@ -29,7 +29,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..admission import authorization_of, identify, read_body
+from ..admission import adapter_of, authorization_of, identify, read_body
 from ..batch import (
     ENDPOINTS,
     BatchRecord,
@@ -246,7 +246,9 @@ class BatchService:
 
     def room(self, model: str) -> int:
         rt = self.rt
-        pool = rt.dispatcher.pool_for(rt.config.served_name(model))
+        served = rt.config.served_name(model)
+        adapter = adapter_of(rt, served)
+        pool = rt.dispatcher.pool_for(served if adapter is None else adapter.base)
         if pool is None:
             return 1  # unknown model: the line fails at once with the route's 404
         return rt.dispatcher.spare(pool, rt.config.batch.headroom)

@@ -36,10 +36,11 @@ from ..admission import (
     route,
     state_unavailable,
 )
+from ..config import AdapterConfig
 from ..dispatch import Lease, Pool, QueueFull
 from ..engines import SplitFailed, engine_body, for_request, paces_end_users
 from ..exchange import Exchange, Outcome, Runtime
-from ..fleet import EngineSlots, engine_retry_headers
+from ..fleet import AdapterLoadFailed, EngineSlots, engine_retry_headers, ensure_loaded
 from ..ledger import INTERRUPTED, UsageRecord
 from ..relay import ClientWatch, NotReached, call, open_stream
 from ..state import StateUnavailable
@@ -115,14 +116,18 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
             max_prompts=rt.config.max_prompts_per_request)
         ex.model = req.model
         watch = ClientWatch(receive)
-        model, pool, counting = route(rt, tenant, req.model)
-        req.model = ex.model = model  # an alias resolved: what the engine serves
+        model, pool, counting, adapter = route(rt, tenant, req.model)
+        # An alias resolved: what the engine serves. An adapter's prompt is counted by its
+        # base (the counting engine need not hold the adapter); it is sent as itself.
+        req.model = model if adapter is None else adapter.base
+        ex.model = model
         ex.routed = True
         ex.cost = (rt.config.cost_of(model) if line is None
                    else rt.config.batch_cost_of(model, tenant.config))
         app = application.config if application is not None else None
         end_user = end_user_of(req) if paces_end_users(tenant.config, app) else None
         admission = await admit(rt, ex, req, rt.clients[counting.url], counting.url)
+        req.model = model
         admitted = rt.clock()
         # The conversation's key (only where it can decide an engine: a pool of several,
         # an unpaced tenant; see wire.conversation_key for its cost).
@@ -131,7 +136,8 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
                     and kind not in POOLING_KINDS
                     and rt.config.routing == "pool"
                     and tenant.config.output_tokens_per_second is None else None)
-        ex.lease = await _wait_for_slot(ex, pool, admission, watch, affinity=affinity)
+        ex.lease = await _wait_for_slot(ex, pool, admission, watch, affinity=affinity,
+                                        adapter=adapter)
         if ex.lease is None:
             ex.charge_usage = False
             ex.finish(Outcome.CANCELLED)
@@ -158,6 +164,11 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
             try:
                 if upstream is None:  # it left the configuration as the request went to it
                     raise NotReached()
+                if adapter is not None and not await _load_adapter(ex, engine, adapter, watch):
+                    ex.charge_usage = False  # nothing was sent
+                    ex.finish(Outcome.CLIENT_DISCONNECTED)
+                    watch.stop()
+                    return Response(status_code=499)
                 router = upstream.router_headers  # None: an engine without ``headers``
                 headers = None if router is None else router.render(
                     tenant.id, app.id if app is not None else None, tenant.config.lane, model,
@@ -205,6 +216,29 @@ async def handle(rt: Runtime, kind: Kind, scope: Scope, receive: Receive,
         if watch is not None:
             watch.stop()
         raise
+
+
+async def _load_adapter(ex: Exchange, engine: EngineSlots, adapter: AdapterConfig,
+                        watch: ClientWatch) -> bool:
+    """Make ``engine`` hold ``adapter`` before the request goes there (the request holds
+    its slot meanwhile; ``fleet.ensure_loaded`` bounds the wait); False: the client left
+    meanwhile. An adapter the engine only lists cannot be loaded: placement sent it where
+    it is listed. A failed load is the engine's failure: 502, nothing charged."""
+    held = adapter.name in engine.adapters.held and adapter.name not in engine.adapters.loading
+    if not held and adapter.path is not None:
+        try:
+            async with watch.guard() as guard:
+                await ensure_loaded(engine, ex.rt.clients[engine.url], adapter.name,
+                                    adapter.path)
+            if guard.cancelled_caught:
+                return False
+        except AdapterLoadFailed as exc:
+            logger.warning("request %s: %s", ex.id, exc)
+            raise GatewayError(502, f"the engine could not load adapter {adapter.name!r}; "
+                               "retry", reason="engine_error", code="adapter_load_failed",
+                               headers={"retry-after": "1"}) from None
+    metrics.ADAPTER_DISPATCHES.labels(adapter.name, "true" if held else "false").inc()
+    return True
 
 
 def _fields_read(engine: EngineSlots, kind: Kind) -> frozenset[str] | None:
@@ -322,7 +356,8 @@ def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
 
 async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
                          watch: ClientWatch, again: bool = False,
-                         affinity: bytes | None = None) -> Lease | None:
+                         affinity: bytes | None = None,
+                         adapter: AdapterConfig | None = None) -> Lease | None:
     """A granted slot on an engine of ``pool``, or None when the client left while waiting;
     a full queue or the queue timeout is a ``GatewayError``. ``again``: the request's
     engine refused it; the slot is given back and one on another engine waited for, first
@@ -335,7 +370,7 @@ async def _wait_for_slot(ex: Exchange, pool: Pool, admission: Admission,
         acquire = rt.dispatcher.lease(
             tenant, pool, tenant.config.queue_timeout_s,
             prompt_cost=ex.cost.prompt * admission.prompt_tokens, estimate=admission.reserved,
-            application=ex.application, affinity=affinity).acquire
+            application=ex.application, affinity=affinity, adapter=adapter).acquire
     async with watch.guard():
         try:
             return await acquire()

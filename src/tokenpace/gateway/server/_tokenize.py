@@ -113,8 +113,8 @@ async def _forward(rt: Runtime, request: Request, tenant: TenantState) -> httpx.
         raise GatewayError(400, "'model' must be a string", reason="bad_request",
                            code="invalid_value", param="model")
     check_model_name(requested, rt.config.max_model_name_chars)
-    model, _, engine = route(rt, tenant, requested)
-    body["model"] = model
+    model, _, engine, adapter = route(rt, tenant, requested)
+    body["model"] = model if adapter is None else adapter.base  # its base's tokenizer
     try:
         return await rt.clients[engine.url].post(request.url.path, json=body,
                                                  timeout=TIMEOUT_S)

@@ -1,0 +1,70 @@
+"""The LoRA adapters one engine holds, as this replica knows them (``_adapters`` places
+requests by them and loads adapters)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class AdapterSet:
+    """The adapters one engine holds as this replica knows them: least recently used first,
+    with this replica's requests in flight on each and the loads under way.
+
+    Cost per adapter request: a dict lookup and an ordered-dict move at dispatch, a dict
+    update at release. Memory: one entry per adapter held (at most ``max_adapters``, plus
+    those another replica or the engine's own flags loaded).
+    """
+
+    def __init__(self) -> None:
+        self.held: OrderedDict[str, None] = OrderedDict()
+        self.inflight: dict[str, int] = {}
+        self.loading: dict[str, asyncio.Task[None]] = {}
+        self.reported_max: int | None = None  # vLLM's ``max_lora`` from its /metrics
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.held
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def used(self, name: str) -> None:
+        """A request for ``name`` was given a slot here."""
+        if name in self.held:
+            self.held.move_to_end(name)
+        self.inflight[name] = self.inflight.get(name, 0) + 1
+
+    def done(self, name: str) -> None:
+        """That request gave its slot back."""
+        left = self.inflight.get(name, 0) - 1
+        if left > 0:
+            self.inflight[name] = left
+        else:
+            self.inflight.pop(name, None)
+
+    def listed(self, names: Iterable[str]) -> None:
+        """The adapters the engine's ``/v1/models`` lists now: new ones are held (as least
+        recently used), ones it no longer lists are not (another replica unloaded them, or
+        the engine restarted), except those this replica is loading."""
+        names = set(names)
+        for name in list(self.held):
+            if name not in names and name not in self.loading:
+                del self.held[name]
+        for name in names:
+            if name not in self.held:
+                self.held[name] = None
+                self.held.move_to_end(name, last=False)
+
+    def victim(self, keep: str) -> str | None:
+        """The adapter to unload for another: the least recently used one without requests
+        in flight here, else the least recently used one (never ``keep`` or one loading)."""
+        fallback = None
+        for name in self.held:
+            if name == keep or name in self.loading:
+                continue
+            if not self.inflight.get(name):
+                return name
+            if fallback is None:
+                fallback = name
+        return fallback
