@@ -22,12 +22,14 @@ import torch
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -66,6 +68,7 @@ class Sim:
     step_ns: int
     is_async: bool
     users: dict[str, str] = field(default_factory=dict)  # request id -> user
+    loras: dict[str, int] = field(default_factory=dict)  # request id -> LoRA adapter id
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # delivered
     finished: dict[str, str] = field(default_factory=dict)  # request id -> reason
     dispatched: list[tuple[int, int, str, str]] = field(default_factory=list)
@@ -91,10 +94,13 @@ class Sim:
     def add(self, rid: str, user: str | None, *, prompt_len: int = 8, max_tokens: int = 50,
             priority: int = 0, arrival: float | None = None,
             xargs: dict[str, Any] | None = None,
-            images: tuple[tuple[int, int], ...] = ()) -> None:
+            images: tuple[tuple[int, int], ...] = (),
+            lora: int | None = None) -> None:
         """Add a request; ``xargs`` are further ``vllm_xargs`` (e.g. a gateway's rate);
         ``images``: (offset, length) of each encoder input's placeholder in the prompt
-        (the scheduler budgets and caches them; see ``Sim.set_encoder_budget``)."""
+        (the scheduler budgets and caches them; see ``Sim.set_encoder_budget``);
+        ``lora``: the id (>= 1) of the LoRA adapter the request runs with (needs
+        ``make_sim(max_loras=...)``; only the scheduler sees it, nothing is loaded)."""
         extra = {"output_rate_user": user} if user is not None else {}
         extra.update(xargs or {})
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
@@ -106,10 +112,15 @@ class Sim:
                                   identifier=f"{rid}-image{j}", modality="image")
             for j, (offset, length) in enumerate(images)
         ]
+        adapter = LoRARequest(lora_name=f"adapter{lora}", lora_int_id=lora,
+                              lora_path=f"/nonexistent/adapter{lora}") if lora is not None else None
         req = Request(rid, prompt, params, None,
                       arrival_time=arrival if arrival is not None else float(len(self.users)),
-                      priority=priority, block_hasher=_HASHER, mm_features=features or None)
+                      priority=priority, block_hasher=_HASHER, mm_features=features or None,
+                      lora_request=adapter)
         self.users[rid] = user or "__anonymous__"
+        if lora is not None:
+            self.loras[rid] = lora
         self.scheduler.add_request(req)
 
     def set_encoder_budget(self, compute_tokens: int, cache_tokens: int) -> None:
@@ -228,7 +239,11 @@ def make_sim(
     accept: float = 0.7,
     pipeline_parallel: int = 1,
     kv_transfer: dict[str, Any] | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int = 8,
 ) -> Sim:
+    """``max_loras``: enable LoRA (vLLM's ``LoRAConfig``), at most that many distinct
+    adapters in one step; None: no LoRA."""
     model_config = ModelConfig(model=str(model), max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -257,6 +272,8 @@ def make_sim(
         speculative_config=speculative,
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel),
         kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
+        lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank)
+        if max_loras is not None else None,
         additional_config=additional,
     )
     kv_cache_config = KVCacheConfig(
