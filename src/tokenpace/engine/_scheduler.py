@@ -195,6 +195,8 @@ class _PacingMixin:
         self._lanes = self._planner.lanes = self._lanes_in_force(config)
         if self.vllm_config.speculative_config is not None:
             self._drafts = DraftBook(self._planner.limiter, self._planner.inner)
+        lora = getattr(self, "lora_config", None)
+        self._max_loras: int | None = lora.max_loras if lora is not None else None
         if config.limits_file is not None:
             self._watcher = LimitsFileWatcher(
                 config.limits_file, config.limits.default, self._planner.limiter.now_ns
@@ -543,6 +545,8 @@ class _PacingMixin:
         skip_step = self.current_step + 2  # schedule() increments current_step first
         throttled = [requests[k] for k in plan.throttled]
         skipped = throttled + [requests[k] for k in plan.deferred] if plan.deferred else throttled
+        if self._max_loras is not None:  # LoRA only: O(running) more, see _lora_misfits
+            skipped = skipped + _lora_misfits(self.running, skipped, self._max_loras)
         saved_eligible = [r.next_decode_eligible_step for r in skipped]
         for r in skipped:
             r.next_decode_eligible_step = skip_step
@@ -834,6 +838,36 @@ class _PacingMixin:
         self._planner.limiter.cleanup_idle_users()
         self._planner.inner.cleanup_idle_users()
         self._planner.forget(self.requests.__contains__)
+
+
+def _lora_misfits(running: list[Request], skipped: list[Request],
+                  max_loras: int) -> list[Request]:
+    """The running requests, not ``skipped`` already, whose LoRA adapter does not fit in
+    this step: vLLM schedules every running request it does not skip without checking
+    adapters, and asserts that they use at most ``max_loras`` (``Scheduler.schedule``),
+    while a request skipped for its rate lets a waiting request of another adapter start.
+    The adapters of the earliest requests in vLLM's own order (priority, then arrival) fit;
+    the others' requests wait a step, so a throttled request that is ready again gets its
+    adapter's place back from one that started while it waited, and neither is starved.
+
+    Cost per step: one pass over the running requests (an attribute read and a set test
+    each) and a sort of the distinct adapters that are ready; only with LoRA enabled."""
+    out: set[Request] = set(skipped)
+    first: dict[int, tuple[int, float]] = {}  # adapter -> its earliest ready request's place
+    for req in running:
+        lora = req.lora_request
+        if lora is None or lora.lora_int_id <= 0 or req in out:
+            continue
+        place = (req.priority, req.arrival_time)
+        seen = first.get(lora.lora_int_id)
+        if seen is None or place < seen:
+            first[lora.lora_int_id] = place
+    if len(first) <= max_loras:
+        return []
+    fits = set(sorted(first, key=first.__getitem__)[:max_loras])
+    return [req for req in running
+            if req.lora_request is not None and req.lora_request.lora_int_id > 0
+            and req.lora_request.lora_int_id not in fits and req not in out]
 
 
 def _default_text(default: float | None) -> str:

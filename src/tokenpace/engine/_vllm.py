@@ -79,6 +79,7 @@ REQUEST_ATTRIBUTES = (
     "_all_token_ids",  # its length is num_tokens_with_spec without drafts (read per step)
     "num_output_placeholders",
     "next_decode_eligible_step",
+    "lora_request",  # its adapter: at most max_loras adapters per step (_lora_misfits)
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
     "_output_token_ids",  # its length, before and after a step's results: tokens delivered
     # An ended request's counts, kept for the gateway (_aborted): the tokens generated
