@@ -22,6 +22,10 @@ class AdapterSet:
         self.inflight: dict[str, int] = {}
         self.loading: dict[str, asyncio.Task[None]] = {}
         self.reported_max: int | None = None  # vLLM's ``max_lora`` from its /metrics
+        # Loaded and unloaded here since the last listing: a listing fetched before the
+        # call ended may not show it yet (``listed`` trusts this replica's call once).
+        self.loaded_since: set[str] = set()
+        self.unloaded_since: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
         return name in self.held
@@ -46,15 +50,31 @@ class AdapterSet:
     def listed(self, names: Iterable[str]) -> None:
         """The adapters the engine's ``/v1/models`` lists now: new ones are held (as least
         recently used), ones it no longer lists are not (another replica unloaded them, or
-        the engine restarted), except those this replica is loading."""
+        the engine restarted), except those this replica is loading. What this replica
+        loaded or unloaded since the last listing stands over this one."""
         names = set(names)
+        kept, gone = self.loaded_since, self.unloaded_since
+        self.loaded_since, self.unloaded_since = set(), set()
         for name in list(self.held):
-            if name not in names and name not in self.loading:
+            if name not in names and name not in self.loading and name not in kept:
                 del self.held[name]
         for name in names:
-            if name not in self.held:
+            if name not in self.held and name not in gone:
                 self.held[name] = None
                 self.held.move_to_end(name, last=False)
+
+    def loaded(self, name: str) -> None:
+        """This replica loaded ``name`` here: the most recently used."""
+        self.held[name] = None
+        self.held.move_to_end(name)
+        self.loaded_since.add(name)
+        self.unloaded_since.discard(name)
+
+    def unloaded(self, name: str) -> None:
+        """This replica unloads ``name`` here."""
+        self.held.pop(name, None)
+        self.unloaded_since.add(name)
+        self.loaded_since.discard(name)
 
     def victim(self, keep: str) -> str | None:
         """The adapter to unload for another: the least recently used one without requests

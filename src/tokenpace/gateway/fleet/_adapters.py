@@ -108,11 +108,10 @@ async def _load_here(engine: EngineSlots, client: httpx.AsyncClient, name: str,
         victim = adapters.victim(keep=name)
         if victim is None:
             break
-        del adapters.held[victim]
+        adapters.unloaded(victim)
         await _unload(engine, client, victim)
     await _load(engine, client, name, path)
-    adapters.held[name] = None
-    adapters.held.move_to_end(name)
+    adapters.loaded(name)
 
 
 async def _load(engine: EngineSlots, client: httpx.AsyncClient, name: str, path: str) -> None:

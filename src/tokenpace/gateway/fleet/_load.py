@@ -22,8 +22,12 @@ _GAUGES = re.compile(
     rb"^vllm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc)"
     rb"(?:\{[^\n]*\})? (\S+)(?: -?\d+)?$", re.MULTILINE)
 """The three gauges' samples in Prometheus' text format (any labels; an optional timestamp)."""
+_MAX_LORA = re.compile(rb'^vllm:lora_requests_info\{[^\n]*max_lora="(\d+)"', re.MULTILINE)
+"""vLLM's ``--max-loras`` in the labels of its LoRA gauge (there once a LoRA engine ran a
+request)."""
 _GAUGES_PATH = ("/metrics?name%5B%5D=vllm:num_requests_waiting"
-                "&name%5B%5D=vllm:num_requests_running&name%5B%5D=vllm:kv_cache_usage_perc")
+                "&name%5B%5D=vllm:num_requests_running&name%5B%5D=vllm:kv_cache_usage_perc"
+                "&name%5B%5D=vllm:lora_requests_info")
 """Prometheus's ``name[]`` filter naming the three gauges: a tokenpace engine then leaves
 its own ``tokenpace_engine_*`` series out (and does not ask its engine core for them);
 vLLM's own page ignores the filter."""
@@ -42,10 +46,12 @@ def reread_delay(read_at: float, now: float, soon: float = LOAD_SOON_S) -> float
     return max(0.0, read_at + soon - now)
 
 
-async def engine_load(upstream: Upstream) -> tuple[float | None, float | None, float | None]:
+async def engine_load(upstream: Upstream, engine: EngineSlots | None = None,
+                      ) -> tuple[float | None, float | None, float | None]:
     """vLLM's waiting-request count, KV-cache use and running-request count from its
     /metrics (None: not there; several engines behind one server: counts summed, the
-    fullest KV cache).
+    fullest KV cache). With ``engine``, the ``max_lora`` its LoRA gauge names is kept as
+    its ``adapters.reported_max`` (``EngineSlots.max_adapters``).
 
     Cost: one GET of the three gauges (vLLM's own page, ~50 KB, where it ignores the
     filter) and one regular-expression scan of the answer; at most 2 s.
@@ -68,6 +74,10 @@ async def engine_load(upstream: Upstream) -> tuple[float | None, float | None, f
             running = (running or 0.0) + number
         else:
             kv = max(kv or 0.0, number)
+    if engine is not None and b"lora_requests_info" in content:
+        found = _MAX_LORA.search(content)
+        if found:
+            engine.adapters.reported_max = int(found.group(1))
     return waiting, kv, running
 
 
@@ -80,7 +90,7 @@ async def read_load(fleet: Fleet, engine: EngineSlots, upstream: Upstream) -> No
     read_at = -math.inf
     while True:
         if engine.healthy:
-            fleet.set_load(engine, *await engine_load(upstream))
+            fleet.set_load(engine, *await engine_load(upstream, engine))
             read_at = loop.time()
         if engine.held.is_set():
             engine.held.clear()
