@@ -18,6 +18,11 @@ from tests.e2e._timing import expect
 pytestmark = pytest.mark.vllm
 
 
+COMMANDS = {"adapters": ("fleet", "--workload", "adapters")}
+"""Tests named for a workload of another bench: the command they run (default: the name)."""
+BENCHMARKS = {"adapters": "fleet-adapters"}
+"""The ``benchmark`` each such bench writes in its JSON (default: the name)."""
+
 EXCLUSIVE = {"pacing", "overhead"}
 """Benches that bound timings seen at the client: they run with no other bench beside them
 (the others run two at a time, ``_bench_runs``)."""
@@ -62,7 +67,8 @@ def benches(request: pytest.FixtureRequest, tiny_model: Path,
             continue
         out = tmp_path_factory.mktemp(f"bench-{name}")
         plot = name != "metering"
-        argv = [sys.executable, "-m", "tokenpace.cli", "bench", name, *args,
+        argv = [sys.executable, "-m", "tokenpace.cli", "bench", *COMMANDS.get(name, (name,)),
+                *args,
                 "--model", str(tiny_model), "--json", str(out / f"{name}.json"),
                 *(("--plot", str(out / f"{name}.png")) if plot else ())]
         runs.add(name, argv, out, exclusive=name in EXCLUSIVE)
@@ -83,7 +89,8 @@ def _bench(benches: dict[str, object], name: str) -> tuple[dict, Path]:
                                   + done.stdout[-3000:] + done.stderr[-3000:])
     assert not plot or (out / f"{name}.png").stat().st_size > 10_000
     result = json.loads((out / f"{name}.json").read_text())
-    assert result["benchmark"] == name and result["vllm"].startswith("0.32.")
+    assert result["benchmark"] == BENCHMARKS.get(name, name)
+    assert result["vllm"].startswith("0.32.")
     return result, out
 
 
@@ -326,6 +333,26 @@ def test_bench_mix_quick(benches: dict[str, object]) -> None:
     assert arms["vtc_weighted"]["tenants"]["short"]["weight_share"] == 0.4
     assert set(result["goals"][0]) >= {"vtc_shares_met", "throughput_vtc_over_fcfs",
                                        "prefix_hit_vtc_on_fcfs_mix_over_fcfs"}
+
+
+def test_bench_adapters_quick(benches: dict[str, object]) -> None:
+    """``bench fleet --workload adapters --quick``: six LoRA adapters over two real
+    engines, three arms each serving every tenant; the gateway's own placement loaded the
+    adapters it was sent (nothing was loaded before its arm). No figure is bounded by
+    timing: the goals (loaded-hit >= 0.95, tokens/s against pinned) are the full run's
+    (docs/benchmarks/adapters.md)."""
+    result, _ = _bench(benches, "adapters")
+    arms = result["arms"]
+    assert set(arms) == {"any", "pinned", "placed"}
+    for name, [run] in arms.items():
+        assert run["requests"] > 0 and run["output_tokens_per_s"] > 0, name
+        assert run["error_count"] == 0, (name, run["errors"])
+        assert abs(sum(run["shares"].values()) - 1) < 0.01, name
+        assert all(share > 0 for share in run["shares"].values()), name
+    [placed] = arms["placed"]
+    assert 0 <= placed["loaded_hit"] <= 1 and placed["loads_per_minute"] > 0
+    assert set(result["goals"]) >= {"loaded_hit_met", "shares_met",
+                                    "throughput_placed_over_pinned_met"}
 
 
 @pytest.mark.postgres

@@ -50,12 +50,15 @@ def test_adapters_section_parses_and_costs_fall_back_to_the_base() -> None:
 @pytest.mark.parametrize("adapters, message", [
     ([{"base": "base", "path": "/p"}], "adapters[0].name: required"),
     ([{"name": "x", "path": "/p"}], "adapters[0].base: required"),
-    ([{"name": "b", "base": "base"}], "already a model, an alias or an adapter"),
-    ([{"name": "x", "base": "base"}, {"name": "x", "base": "base"}], "adapters[1].name"),
-    ([{"name": "x", "base": "base"}, {"name": "y", "base": "x"}], "adapters[1].base"),
-    ([{"name": "x", "base": "base", "tenants": "t"}], "adapters[0].tenants"),
+    ([{"name": "x", "base": "base"}], "adapters[0].path: required"),
     ([{"name": "x", "base": "base", "path": 3}], "adapters[0].path"),
-    ([{"name": "x", "base": "base", "rank": 3}], "rank"),
+    ([{"name": "b", "base": "base", "path": "/p"}], "already a model, an alias or an adapter"),
+    ([{"name": "x", "base": "base", "path": "/p"}, {"name": "x", "base": "base", "path": "/q"}],
+     "adapters[1].name"),
+    ([{"name": "x", "base": "base", "path": "/p"}, {"name": "y", "base": "x", "path": "/q"}],
+     "adapters[1].base"),
+    ([{"name": "x", "base": "base", "path": "/p", "tenants": "t"}], "adapters[0].tenants"),
+    ([{"name": "x", "base": "base", "path": "/p", "rank": 3}], "rank"),
 ])
 def test_bad_adapters_are_refused_with_their_place(adapters: list[Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -64,7 +67,7 @@ def test_bad_adapters_are_refused_with_their_place(adapters: list[Any], message:
 
 def test_a_tenant_allow_list_may_name_an_adapter_but_not_an_unknown_model() -> None:
     with pytest.raises(ConfigError):
-        _config([{"name": "other", "base": "base"}])  # the tenant lists "mine": unknown
+        _config([{"name": "other", "base": "base", "path": "/p"}])  # "mine" is unknown
 
 
 def test_models_listing_tells_adapters_from_models() -> None:
@@ -110,21 +113,20 @@ def _engine(url: str, inflight: int, holds: tuple[str, ...] = (), max_adapters: 
 
 def test_placement_keeps_an_adapter_where_it_is_within_the_bound() -> None:
     e1, e2 = _engine("http://e1", 5, ("a",)), _engine("http://e2", 2)
-    assert place_adapter([e1, e2], "a", True, 4) is e1  # 5 <= 2 + 4: stays
+    assert place_adapter([e1, e2], "a", 4) is e1  # 5 <= 2 + 4: stays
     e1.inflight = 7
-    assert place_adapter([e1, e2], "a", True, 4) is e2  # too busy: spreads to e2
-    assert place_adapter([e1, e2], "a", False, 4) is e1  # not loadable: only where listed
-    assert place_adapter([e2], "a", False, 4) is None
+    assert place_adapter([e1, e2], "a", 4) is e2  # too busy: spreads to e2
+    assert place_adapter([e2], "a", 4) is e2  # nowhere held: loaded there
 
 
 def test_placement_of_a_new_adapter_prefers_an_engine_with_room() -> None:
     full = _engine("http://full", 1, ("x", "y"))
     room = _engine("http://room", 3, ("z",))
     # Loading on ``full`` evicts one: counted as adapter_affinity (4) busier, 5 > 3.
-    assert place_adapter([full, room], "new", True, 4) is room
+    assert place_adapter([full, room], "new", 4) is room
     room.inflight = 6
-    assert place_adapter([full, room], "new", True, 4) is full
-    assert place_adapter([], "new", True, 4) is None
+    assert place_adapter([full, room], "new", 4) is full
+    assert place_adapter([], "new", 4) is None
 
 
 class _FakeVllm:
@@ -205,3 +207,14 @@ def test_loads_are_shared_evict_the_lru_idle_adapter_and_failures_raise() -> Non
             await task
 
     asyncio.run(main())
+
+
+def test_bench_popularity_and_shares() -> None:
+    from tokenpace.bench.adapters import shares, zipf_weights
+
+    weights = zipf_weights(6, 1.0)
+    assert sum(weights) == pytest.approx(1.0)
+    assert weights == sorted(weights, reverse=True)
+    assert weights[0] / weights[-1] == pytest.approx(6.0)
+    assert shares({"a": 3, "b": 1}) == {"a": 0.75, "b": 0.25}
+    assert shares({"a": 0}) == {"a": 0.0}

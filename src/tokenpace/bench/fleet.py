@@ -546,16 +546,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the paced tenant's output_tokens_per_second (default 80)")
     parser.add_argument("--paced-seconds", type=positive_float, default=10.0,
                         help="about how long each paced scenario's streams run (default 10)")
-    parser.add_argument("--workload", choices=("streams", "conversations"), default="streams",
+    parser.add_argument("--workload", choices=("streams", "conversations", "adapters"),
+                        default="streams",
                         help="streams: the measurements above (default); conversations: "
                         "multi-turn conversations over 2 engines with prefix caching, each "
                         "sent straight to one engine against the gateway's locality: tenant "
                         "and locality: conversation (prefix-cache hit rate, TTFT, turns/s), "
-                        "two tenants' shares, the choice's cost per request")
+                        "two tenants' shares, the choice's cost per request; adapters: six "
+                        "LoRA adapters (Zipf popularity) over 2 engines of --max-loras 2, "
+                        "loaded on both or pinned to one against the gateway's placement "
+                        "(tokens/s, TTFT, loaded-hit share, loads per minute, shares)")
 
 
 def main(args: argparse.Namespace) -> int:
-    """``--workload conversations`` runs :mod:`.conversations` instead."""
+    """``--workload conversations`` runs :mod:`.conversations` instead, ``adapters``
+    :mod:`.adapters`."""
+    if args.workload == "adapters":
+        from . import adapters
+
+        return write_outputs(args, adapters.main(args, bench_model(args)), adapters.plot)
     if args.workload == "conversations":
         from . import conversations
 

@@ -69,14 +69,10 @@ def identify(rt: Runtime, authorization: str | None,
 
 
 def adapter_of(rt: Runtime, model: str) -> AdapterConfig | None:
-    """The LoRA adapter ``model`` (a served name) names: configured, else one an engine's
-    ``/v1/models`` lists (no path: it is not loaded anywhere else); None: a model. A dict
-    lookup, and a scan of the engines' listings for a name no pool serves."""
-    adapter = rt.config.adapter(model)
-    if adapter is not None or rt.dispatcher.pool_for(model) is not None:
-        return adapter
-    base = rt.dispatcher.fleet.listed_adapter(model)
-    return None if base is None else AdapterConfig(model, base, None)
+    """The configured LoRA adapter ``model`` (a served name) names; None: a model (an
+    adapter an engine lists without an ``adapters`` entry is one: its own pool of the
+    engines that list it). A dict lookup."""
+    return rt.config.adapter(model)
 
 
 def route(rt: Runtime, tenant: TenantState, requested: str,
@@ -111,19 +107,13 @@ def route(rt: Runtime, tenant: TenantState, requested: str,
 
 def tenant_models(rt: Runtime, tenant: TenantState) -> list[str]:
     """The model names (served names and their aliases) the tenant may send, sorted."""
-    names: list[str] = []
+    names: set[str] = set()
     served = rt.dispatcher.served_models()
     for model in served:
-        if tenant.config.may_use(model):
-            names.append(model)
-            names.extend(rt.config.aliases_of(model))
-    adapters = {a.name: a.base for a in rt.config.adapters if a.serves(tenant.id)}
-    for engine in rt.dispatcher.engines:
-        for name, base in engine.listed_adapters.items():
-            if rt.config.adapter(name) is None:
-                adapters.setdefault(name, base)
+        if tenant.config.may_use(model) and rt.config.adapter(model) is None:
+            names.add(model)
+            names.update(rt.config.aliases_of(model))
     served_set = set(served)
-    names.extend(name for name, base in adapters.items()
-                 if base in served_set and name not in served_set
-                 and tenant.config.may_use(name))
+    names.update(a.name for a in rt.config.adapters
+                 if a.base in served_set and a.serves(tenant.id) and tenant.config.may_use(a.name))
     return sorted(names)

@@ -25,9 +25,10 @@ def _adapters(items: list[Any], models: tuple[ModelConfig, ...]) -> tuple[Adapte
         if not isinstance(base, str) or not base:
             raise ConfigError(f"{where}.base: required, the served name of the model it "
                               "adapts (an engine's --served-model-name)")
-        if path is not None and (not isinstance(path, str) or not path):
-            raise ConfigError(f"{where}.path: expected the adapter's folder as the engines "
-                              "see it (what vLLM's /v1/load_lora_adapter loads), or null")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.path: required, the adapter's folder as the engines "
+                              "see it (what vLLM's /v1/load_lora_adapter loads); an adapter "
+                              "an engine lists already needs no entry")
         if name in taken:
             raise ConfigError(f"{where}.name: {name!r} is already a model, an alias or an "
                               "adapter")

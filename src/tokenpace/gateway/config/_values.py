@@ -85,7 +85,7 @@ class AdapterConfig:
 
     name: str
     base: str  # the served name of the model it adapts
-    path: str | None  # as the engines see it; None: only where an engine lists it already
+    path: str  # as the engines see it (what vLLM's /v1/load_lora_adapter loads)
     tenants: tuple[str, ...] | None = None  # None: any tenant that may use the name
     cost: CostModel | None = None  # None: its base's
 

@@ -345,8 +345,7 @@ class Dispatcher:
             return engine if self._takes(engine, tenant.id) else None
         if adapter is not None:
             return place_adapter([e for e in pool.engines if self._takes(e, tenant.id)],
-                                 adapter.name, adapter.path is not None,
-                                 self._config.adapter_affinity)
+                                 adapter.name, self._config.adapter_affinity)
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each

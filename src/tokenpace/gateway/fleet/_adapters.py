@@ -19,8 +19,8 @@ Placement (``place``), among the engines of the base's pool that take the reques
   least recently used adapter that has no request in flight, else the least recently
   used one: vLLM finishes the requests it already runs).
 
-An adapter that only an engine lists (no ``path`` in the configuration) cannot be loaded
-elsewhere: it goes to the least loaded engine that lists it, or waits.
+An adapter an engine lists without an ``adapters`` entry is a model of its own to the
+gateway: a pool of the engines that list it (``Monitor``), nothing loaded elsewhere.
 
 Several replicas learn what each engine holds from its ``/v1/models`` (every health check,
 ``AdapterSet.listed``): a load by one is seen by the others within a health interval, and
@@ -49,20 +49,17 @@ class AdapterLoadFailed(Exception):
     """The engine did not load the adapter (its answer, or why no answer came)."""
 
 
-def place(engines: Sequence[EngineSlots], adapter: str, loadable: bool,
-          affinity: int) -> EngineSlots | None:
+def place(engines: Sequence[EngineSlots], adapter: str, affinity: int) -> EngineSlots | None:
     """The engine a request for ``adapter`` goes to, among ``engines`` (those of the base's
-    pool that take it now; see the module). None: none may serve it now. O(engines)."""
+    pool that take it now; see the module). None: no engine. O(engines)."""
     if not engines:
         return None
     least = min(engines, key=lambda e: e.inflight)
     holders = [e for e in engines if adapter in e.adapters]
     if holders:
         best = min(holders, key=lambda e: e.inflight)
-        if not loadable or best.inflight <= least.inflight + affinity:
+        if best.inflight <= least.inflight + affinity:
             return best
-    elif not loadable:
-        return None
     return min(engines, key=lambda e: e.inflight
                + (affinity if len(e.adapters) >= e.max_adapters else 0))
 

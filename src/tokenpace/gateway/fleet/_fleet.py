@@ -137,15 +137,6 @@ class Fleet:
         self._dispatch.pump(engine)
         return True
 
-    def listed_adapter(self, name: str) -> str | None:
-        """The base model of adapter ``name`` as some engine's ``/v1/models`` lists it (an
-        adapter the configuration does not name); None: no engine lists it. O(engines)."""
-        for engine in self.engines:
-            base = engine.listed_adapters.get(name)
-            if base is not None:
-                return base
-        return None
-
     def unlearned(self) -> list[EngineSlots]:
         """Engines whose model names are not known yet (they have not answered /v1/models)."""
         return [engine for engine in self.engines if engine.models is None]

@@ -241,7 +241,10 @@ class Monitor:
         self._models_problem.pop(engine.url, None)
         names, adapters = listing
         engine.adapters.listed(adapters)
-        engine.listed_adapters = adapters
+        # An adapter it lists is a model of its own too: a pool of the engines that list
+        # it, for requests that name it without an ``adapters`` entry (those with one go
+        # to their base's pool, ``admission.route``).
+        names = names | adapters.keys()
         if engine.config.models is None and self._fleet.set_models(engine, names):
             logger.info("engine %s serves %s", engine.url, ", ".join(sorted(names)))
 

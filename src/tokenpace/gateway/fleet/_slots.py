@@ -91,7 +91,6 @@ class EngineSlots:
         # The LoRA adapters it holds (``_adapters``): learned from its /v1/models and kept
         # by the loads the gateway makes.
         self.adapters = AdapterSet()
-        self.listed_adapters: dict[str, str] = {}  # adapter -> base, as /v1/models lists them
         self.held = asyncio.Event()  # set while the gate holds requests: poll sooner
         self.inflight_gauge = metrics.ENGINE_INFLIGHT.labels(config.url)  # bound once
         self._dispatched_since_reading = 0

@@ -222,10 +222,9 @@ async def _load_adapter(ex: Exchange, engine: EngineSlots, adapter: AdapterConfi
                         watch: ClientWatch) -> bool:
     """Make ``engine`` hold ``adapter`` before the request goes there (the request holds
     its slot meanwhile; ``fleet.ensure_loaded`` bounds the wait); False: the client left
-    meanwhile. An adapter the engine only lists cannot be loaded: placement sent it where
-    it is listed. A failed load is the engine's failure: 502, nothing charged."""
+    meanwhile. A failed load is the engine's failure: 502, nothing charged."""
     held = adapter.name in engine.adapters.held and adapter.name not in engine.adapters.loading
-    if not held and adapter.path is not None:
+    if not held:
         try:
             async with watch.guard() as guard:
                 await ensure_loaded(engine, ex.rt.clients[engine.url], adapter.name,
