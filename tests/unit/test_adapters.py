@@ -95,10 +95,10 @@ def test_adapter_set_keeps_lru_order_and_picks_an_idle_victim() -> None:
     assert list(held.held)[-1] == "a"
     assert held.victim(keep="x") in {"b", "c"}
     held.used("b"), held.used("c")
-    assert held.victim(keep="x") == "a", "all busy: the least recently used"
+    assert held.victim(keep="x") is None, "all busy: none (a request not sent yet would 404)"
     held.done("b")
     assert held.victim(keep="x") == "b", "the least recently used idle one"
-    assert held.victim(keep="b") == "a"
+    assert held.victim(keep="b") is None
     held.listed(["b"])  # another replica unloaded a and c
     assert list(held.held) == ["b"]
 
@@ -115,7 +115,9 @@ def test_placement_keeps_an_adapter_where_it_is_within_the_bound() -> None:
     e1, e2 = _engine("http://e1", 5, ("a",)), _engine("http://e2", 2)
     assert place_adapter([e1, e2], "a", 4) is e1  # 5 <= 2 + 4: stays
     e1.inflight = 7
-    assert place_adapter([e1, e2], "a", 4) is e2  # too busy: spreads to e2
+    assert place_adapter([e1, e2], "a", 4) is e2  # too busy: spreads to e2's free place
+    full = _engine("http://e3", 2, ("x", "y"))
+    assert place_adapter([e1, full], "a", 4) is e1  # no free place: evicts nothing
     assert place_adapter([e2], "a", 4) is e2  # nowhere held: loaded there
 
 
@@ -127,6 +129,13 @@ def test_placement_of_a_new_adapter_prefers_an_engine_with_room() -> None:
     room.inflight = 6
     assert place_adapter([full, room], "new", 4) is full
     assert place_adapter([], "new", 4) is None
+    # Held only on an engine that is full now, and every engine with room would evict:
+    # wait for the holder (None), unless the holder does not accept requests.
+    busy = _engine("http://busy", 8, ("new",))
+    assert place_adapter([full], "new", 4, [full, busy]) is None
+    busy.draining = True
+    assert place_adapter([full], "new", 4, [full, busy]) is full
+    assert place_adapter([room], "new", 4, [room, busy]) is room  # a free place: load
 
 
 class _FakeVllm:

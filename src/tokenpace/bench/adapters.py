@@ -52,8 +52,7 @@ from ._paired import pair_order, ratio_summary
 ARMS = ("any", "pinned", "placed")
 ADAPTERS = tuple(f"ad{i}" for i in range(6))
 TENANTS = ("t0", "t1", "t2")
-LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-              "--max-cpu-loras", "2")
+MAX_LORAS = 2
 PROMPT = "the lamp in the window of the house by the river"
 
 
@@ -163,6 +162,7 @@ async def _arm(url: str, duration: float, warmup: float, streams: int, max_token
 
 def run(model: Path, duration: float = 30.0, warmup: float = 5.0, rounds: int = 2,
         streams: int = 8, max_inflight: int = 8, max_tokens: int = 32, zipf: float = 1.0,
+        max_adapters: int = MAX_LORAS, cpu_loras: int = 3,
         workdir: Path | None = None) -> dict[str, Any]:
     if warmup >= duration:
         raise ValueError("the warm-up must be shorter than the run")
@@ -171,8 +171,10 @@ def run(model: Path, duration: float = 30.0, warmup: float = 5.0, rounds: int = 
         write_tiny_adapter(home / name, seed=i)
     ports = [free_port() for _ in range(2)]
     binds = cpu_binds(2, sorted(os.sched_getaffinity(0)), cpu_vllm=True, environ={})
+    flags = ("--enable-lora", "--max-loras", str(MAX_LORAS), "--max-lora-rank", "8",
+             "--max-cpu-loras", str(max(cpu_loras, MAX_LORAS)))
     engines = [Server(tokenpace_serve_argv(model, port, "--max-num-seqs", str(max_inflight),
-                                           *LORA_FLAGS),
+                                           *flags),
                       port, home / f"engine-{port}.log",
                       env={CPU_BIND_ENV: bind or "", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
                for port, bind in zip(ports, binds)]
@@ -183,7 +185,8 @@ def run(model: Path, duration: float = 30.0, warmup: float = 5.0, rounds: int = 
         placed = arm == "placed"
         config = home / f"gateway-{arm}.yaml"
         config.write_text(gateway_yaml(
-            [engine_entry(u, max_inflight, max_adapters=2 if placed else None) for u in urls],
+            [engine_entry(u, max_inflight, max_adapters=max_adapters if placed else None)
+             for u in urls],
             tenants, home / f"usage-{arm}.db", metrics_cache=0,
             **({"adapters": [{"name": a, "base": "tiny", "path": str(home / a)}
                              for a in ADAPTERS]} if placed else {})))
@@ -228,7 +231,9 @@ def run(model: Path, duration: float = 30.0, warmup: float = 5.0, rounds: int = 
                        "streams_per_tenant": streams, "max_inflight_per_engine": max_inflight,
                        "max_tokens": max_tokens, "zipf": zipf,
                        "popularity": [round(w, 4) for w in weights],
-                       "engines": "2 x tiny, --max-loras 2 --max-cpu-loras 2",
+                       "engines": f"2 x tiny, --max-loras {MAX_LORAS} --max-cpu-loras "
+                                  f"{max(cpu_loras, MAX_LORAS)}",
+                       "max_adapters": max_adapters,
                        "adapters": list(ADAPTERS), "tenants": list(TENANTS)},
         "arms": runs,
         "placed_over_pinned": {
@@ -285,8 +290,8 @@ def main(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     short round)."""
     if args.quick:
         return run(model, duration=10.0, warmup=2.0, rounds=1, streams=4,
-                   max_inflight=args.max_inflight)
+                   max_inflight=args.max_inflight, max_adapters=args.max_adapters)
     if args.warmup >= args.duration:
         raise SystemExit("tokenpace bench fleet: error: --warmup must be below --duration")
     return run(model, args.duration, args.warmup, args.rounds, args.streams // 2 or 1,
-               args.max_inflight)
+               args.max_inflight, max_adapters=args.max_adapters)

@@ -546,6 +546,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the paced tenant's output_tokens_per_second (default 80)")
     parser.add_argument("--paced-seconds", type=positive_float, default=10.0,
                         help="about how long each paced scenario's streams run (default 10)")
+    parser.add_argument("--max-adapters", type=positive_int, default=2,
+                        help="--workload adapters: the gateway's max_adapters per engine in "
+                        "its placement arm (default 2, the engines' --max-loras; their "
+                        "--max-cpu-loras is 3)")
     parser.add_argument("--workload", choices=("streams", "conversations", "adapters"),
                         default="streams",
                         help="streams: the measurements above (default); conversations: "

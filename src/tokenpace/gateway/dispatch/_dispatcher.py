@@ -345,7 +345,7 @@ class Dispatcher:
             return engine if self._takes(engine, tenant.id) else None
         if adapter is not None:
             return place_adapter([e for e in pool.engines if self._takes(e, tenant.id)],
-                                 adapter.name, self._config.adapter_affinity)
+                                 adapter.name, self._config.adapter_affinity, pool.engines)
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each
@@ -545,16 +545,21 @@ class Dispatcher:
         return self.choose(state, pool)
 
     def _eligibility(self, pool: Pool) -> tuple[Callable[[str], bool],
-                                                dict[str, EngineSlots | None]]:
-        """The fair queue's ``eligible`` test for ``pool``, and the engine choices it makes
-        on the way (the chosen tenant's engine is then read, not chosen again)."""
+                                                dict[str, EngineSlots | None], set[str]]:
+        """The fair queue's ``eligible`` test for one dispatch round of ``pool``, the engine
+        choices it makes on the way (the chosen tenant's engine is then read, not chosen
+        again), and the round's tenants to skip: those whose next request waits for its
+        adapter's engine sit the round out."""
         placed: dict[str, EngineSlots | None] = {}
+        skip: set[str] = set()
 
         def eligible(tenant_id: str) -> bool:
+            if tenant_id in skip:
+                return False
             engine = placed[tenant_id] = self._placeable(tenant_id, pool)
             return engine is not None
 
-        return eligible, placed
+        return eligible, placed, skip
 
     def _may_dispatch_application(self, tenant_id: str, application_id: str) -> bool:
         """Whether a waiting request of this application may go now (below its
@@ -569,15 +574,18 @@ class Dispatcher:
         Cost per dispatch: the fair queue's choice (O(tenants waiting)), each candidate
         tenant's engine choice (O(engines in the pool)), a few counters and gauges.
         """
-        eligible, placed = self._eligibility(pool)
+        eligible, placed, skip = self._eligibility(pool)
         while len(pool.queue) and any(e.accepts and self._open(e) for e in pool.engines):
             placed.clear()
-            waiter = pool.queue.pop(eligible, self._may_dispatch_application)
+            waiter = pool.queue.peek(eligible, self._may_dispatch_application)
             if waiter is None:
                 break
             tenant = waiter.tenant
             engine = self.engine_of(waiter, placed)
-            assert engine is not None
+            if engine is None:  # waits for its adapter's engine: its tenant sits this round out
+                skip.add(tenant.id)
+                continue
+            pool.queue.take(waiter)
             waiter.engine = engine
             waiter.granted = True
             self._note_turn(waiter)
@@ -599,11 +607,14 @@ class Dispatcher:
                     engine.held.set()  # a fresh reading: the one that closed the gate may be stale
 
     def engine_of(self, waiter: Waiter, placed: dict[str, EngineSlots | None]) -> EngineSlots | None:
-        """The engine for ``waiter``, popped from the fair queue: the eligibility test
-        placed its tenant by tenant and load (``placed``); a request for an adapter, or a
-        turn of a conversation, is placed again by them (O(engines))."""
+        """The engine for ``waiter``, the fair queue's choice: the eligibility test placed
+        its tenant by tenant and load (``placed``); a request for an adapter, or a turn of
+        a conversation, is placed again by them (O(engines)). None: a request for an
+        adapter that waits for an engine holding it (``fleet.place_adapter``)."""
         tenant, pool = waiter.tenant, waiter.pool
-        if waiter.adapter is not None or waiter.affinity is not None:
+        if waiter.adapter is not None:
+            return self.choose(tenant, pool, waiter.affinity, waiter.adapter)
+        if waiter.affinity is not None:
             engine = self.choose(tenant, pool, waiter.affinity, waiter.adapter)
             if engine is not None:
                 return engine

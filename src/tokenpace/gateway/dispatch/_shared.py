@@ -416,7 +416,7 @@ class SharedDispatcher(Dispatcher):
 
     async def _round(self, pool: Pool) -> None:
         """Dispatch the fair queue's choices while the store grants their slots."""
-        eligible, placed = self._eligibility(pool)
+        eligible, placed, skip = self._eligibility(pool)
         while any(e.accepts and self._open(e) for e in pool.engines):
             if self._stale(pool):
                 await self._refresh()
@@ -427,7 +427,9 @@ class SharedDispatcher(Dispatcher):
             assert isinstance(waiter, SharedWaiter) and waiter.queued is not None
             tenant = waiter.tenant
             engine = self.engine_of(waiter, placed)
-            assert engine is not None
+            if engine is None:  # waits for its adapter's engine: its tenant sits this round out
+                skip.add(tenant.id)
+                continue
             try:
                 result = await self.store.dispatch(
                     self._claims(tenant, engine, waiter.application), waiter.queued,

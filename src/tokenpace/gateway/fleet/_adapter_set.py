@@ -28,10 +28,12 @@ class AdapterSet:
         self.unloaded_since: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
-        return name in self.held
+        """Held, or being loaded (a request placed now finds it there)."""
+        return name in self.held or name in self.loading
 
     def __len__(self) -> int:
-        return len(self.held)
+        """The places taken: held or being loaded."""
+        return len(self.held) + sum(1 for name in self.loading if name not in self.held)
 
     def used(self, name: str) -> None:
         """A request for ``name`` was given a slot here."""
@@ -78,13 +80,10 @@ class AdapterSet:
 
     def victim(self, keep: str) -> str | None:
         """The adapter to unload for another: the least recently used one without requests
-        in flight here, else the least recently used one (never ``keep`` or one loading)."""
-        fallback = None
+        of this replica in flight here (granted, being sent, or running: an unload would
+        make vLLM refuse one not sent yet), never ``keep`` or one loading; None: every
+        one is busy."""
         for name in self.held:
-            if name == keep or name in self.loading:
-                continue
-            if not self.inflight.get(name):
+            if name != keep and name not in self.loading and not self.inflight.get(name):
                 return name
-            if fallback is None:
-                fallback = name
-        return fallback
+        return None

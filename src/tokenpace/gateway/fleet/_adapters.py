@@ -12,12 +12,20 @@ Placement (``place``), among the engines of the base's pool that take the reques
 - an engine that holds the adapter, the least loaded of them, while it has at most
   ``adapter_affinity`` more of the gateway's requests in flight than the least loaded
   engine of the pool: the adapter's requests stay where its weights are;
-- otherwise (no engine holds it, or every one that does is that much busier) the engine
-  where loading it costs least: the least loaded, counting an engine that must first evict
-  another adapter as ``adapter_affinity`` busier. So a hot adapter spreads over more
-  engines as its load grows, and a rare one is always served (it is loaded, evicting the
-  least recently used adapter that has no request in flight, else the least recently
-  used one: vLLM finishes the requests it already runs).
+- where every engine that holds it is that much busier: the least loaded engine with a
+  free place, if it is less loaded, else still the holder (evicting another adapter for
+  an adapter that is only busier would cost that adapter a load, and churn);
+- where no engine that takes the request now holds it, but one that is full does, and
+  every engine with room would have to evict an adapter: none, the request waits for the
+  holder's next free slot (``Dispatcher`` tries it again at every dispatch round of the
+  pool, other tenants' requests going meanwhile);
+- otherwise, where no engine that takes the request now holds it: the engine where loading it costs
+  least, the least loaded, counting an engine that must first evict another adapter as
+  ``adapter_affinity`` busier. So a hot adapter spreads over more engines as its load
+  grows (to free places, and wherever its engines are full), and a rare one is always
+  served (it is loaded, evicting the
+  least recently used adapter that has no request in flight; where every one has, none:
+  the engine holds one more until one is idle at a later load).
 
 An adapter an engine lists without an ``adapters`` entry is a model of its own to the
 gateway: a pool of the engines that list it (``Monitor``), nothing loaded elsewhere.
@@ -49,9 +57,12 @@ class AdapterLoadFailed(Exception):
     """The engine did not load the adapter (its answer, or why no answer came)."""
 
 
-def place(engines: Sequence[EngineSlots], adapter: str, affinity: int) -> EngineSlots | None:
+def place(engines: Sequence[EngineSlots], adapter: str, affinity: int,
+          pool: Sequence[EngineSlots] = ()) -> EngineSlots | None:
     """The engine a request for ``adapter`` goes to, among ``engines`` (those of the base's
-    pool that take it now; see the module). None: no engine. O(engines)."""
+    pool that take it now; see the module); None: none now (``engines`` is empty, or the
+    request waits for an engine of ``pool`` that holds the adapter to have room). O(engines
+    of the pool)."""
     if not engines:
         return None
     least = min(engines, key=lambda e: e.inflight)
@@ -60,6 +71,17 @@ def place(engines: Sequence[EngineSlots], adapter: str, affinity: int) -> Engine
         best = min(holders, key=lambda e: e.inflight)
         if best.inflight <= least.inflight + affinity:
             return best
+        # Spread to an engine with a free place; evicting another adapter for one that is
+        # only busier costs that adapter's next request a load (and churn under Zipf).
+        roomy = [e for e in engines if len(e.adapters) < e.max_adapters]
+        spare = min(roomy, key=lambda e: e.inflight, default=None)
+        return spare if spare is not None and spare.inflight < best.inflight else best
+    if all(len(e.adapters) >= e.max_adapters for e in engines) \
+            and any(adapter in e.adapters and e.accepts for e in pool):
+        # Every engine with room would evict an adapter for it, while one without room now
+        # holds it: wait for that one's next free slot (a request ends there) rather than
+        # evict an adapter that its own next request would load back.
+        return None
     return min(engines, key=lambda e: e.inflight
                + (affinity if len(e.adapters) >= e.max_adapters else 0))
 
@@ -96,9 +118,9 @@ def _loaded(adapters: AdapterSet, name: str) -> Callable[[asyncio.Task[None]], N
 
 async def _load_here(engine: EngineSlots, client: httpx.AsyncClient, name: str,
                      path: str) -> None:
-    """Unload adapters while the engine holds its ``max_adapters`` (``AdapterSet.victim``;
-    a failed unload is logged and the load goes on: vLLM then holds one more), then load
-    ``name``."""
+    """Unload adapters while the engine holds its ``max_adapters`` and one is idle
+    (``AdapterSet.victim``; a failed unload is logged and the load goes on: vLLM then
+    holds one more), then load ``name``."""
     adapters = engine.adapters
     # Held or being loaded here, this one left out: at most ``max_adapters`` after it.
     while len(adapters.held.keys() | adapters.loading.keys()) - 1 >= engine.max_adapters:
