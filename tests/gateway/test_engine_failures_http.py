@@ -238,7 +238,11 @@ def test_every_replica_leaves_a_dead_engine_on_its_own(tmp_path: Path) -> None:
             assert [a.status_code for a in answers] == [200] * 24, [
                 a.text for a in answers if a.status_code != 200]
             assert engine_health(gw)[dead.url] is False
-            assert "refused a connection" in gw.log()
+            # Its own finding: a refused connection, or its own health probe where that
+            # came first (the second replica's burst starts a second or two after the
+            # kill, its probe interval is 2 s); nothing is told through the store.
+            log = gw.log()
+            assert "refused a connection" in log or f"{dead.url} is DOWN" in log, log
             rows = gw.rows(32)
             assert len(rows) == 32 and {r.finish_reason for r in rows} == {"length"}
         assert len(dead.engine.requests) == seen
