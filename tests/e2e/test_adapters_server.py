@@ -12,7 +12,6 @@ prompt of a capped tenant is counted by its base on an engine that does not hold
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,16 +85,6 @@ def complete(gw: GatewayProcess, key: str, model: str) -> openai.types.Completio
                                   max_tokens=4)
 
 
-def row_of(gw: GatewayProcess, request_id: str) -> Any:
-    deadline = time.monotonic() + 10
-    while True:
-        rows = [r for r in gw.rows(0, timeout_s=0) if r.request_id == request_id]
-        if rows or time.monotonic() > deadline:
-            assert rows, f"no ledger row for {request_id}"
-            return rows[0]
-        time.sleep(0.05)
-
-
 def test_an_adapter_is_loaded_where_its_request_goes_and_charged_as_its_base(
         engines: tuple[list[Server], Path], gateway: GatewayProcess) -> None:
     servers, _ = engines
@@ -107,7 +96,7 @@ def test_an_adapter_is_loaded_where_its_request_goes_and_charged_as_its_base(
     assert out.model == "ad0" and out.usage.completion_tokens == 4
     holders = [s for s in servers if "ad0" in listed(s)]
     assert len(holders) == 1, "loaded on the engine the request went to, only there"
-    row = row_of(gateway, raw.headers["x-request-id"])
+    row = gateway.row(raw.headers["x-request-id"])
     assert (row.tenant, row.model, row.served) == ("owner", "ad0", True)
     assert row.cost == pytest.approx(0.5 * out.usage.prompt_tokens + 2.0 * 4)
     # The owner's tenant was counted before dispatch (max_input_tokens): by its base,

@@ -67,16 +67,6 @@ def direct(engine: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return resp.json()
 
 
-def row_of(gw: GatewayProcess, request_id: str) -> Any:
-    deadline = time.monotonic() + 10
-    while True:
-        rows = [r for r in gw.rows(0, timeout_s=0) if r.request_id == request_id]
-        if rows or time.monotonic() > deadline:
-            assert rows, f"no ledger row for {request_id}"
-            return rows[0]
-        time.sleep(0.05)
-
-
 def test_the_sdk_embeds_through_the_gateway_charged_as_vllm_counts(
         engine: Server, gateway: GatewayProcess) -> None:
     texts = ["the river runs to the sea", "a lamp in the window"]
@@ -89,7 +79,7 @@ def test_the_sdk_embeds_through_the_gateway_charged_as_vllm_counts(
     # The same vectors as vLLM's own answer (the tenant's cache salt changes no number).
     assert out.data[1].embedding == pytest.approx(own["data"][1]["embedding"], abs=1e-5)
     assert out.usage.prompt_tokens == own["usage"]["prompt_tokens"]
-    row = row_of(gateway, raw.headers["x-request-id"])
+    row = gateway.row(raw.headers["x-request-id"])
     assert (row.tenant, row.route, row.model) == ("embedder", "/v1/embeddings", "tiny")
     assert (row.prompt_tokens, row.completion_tokens) == (own["usage"]["prompt_tokens"], 0)
     assert row.cost == pytest.approx(0.25 * own["usage"]["prompt_tokens"])
@@ -123,7 +113,7 @@ def test_rerank_score_and_pooling_are_charged_the_engines_usage(
                       headers={"authorization": f"Bearer {KEY}"})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"]
-    row = row_of(gateway, resp.headers["x-request-id"])
+    row = gateway.row(resp.headers["x-request-id"])
     assert row.prompt_tokens == own["usage"]["prompt_tokens"] and row.completion_tokens == 0
     assert row.route == {"/v1/rerank": "/rerank", "/v1/score": "/score"}.get(path, path)
 

@@ -109,6 +109,17 @@ class GatewayProcess:
         finally:
             ledger.close()
 
+    def row(self, request_id: str, timeout_s: float = 10.0) -> UsageRecord:
+        """The ledger row of request ``request_id`` once it is written (fails after
+        ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = [r for r in self.rows(0, timeout_s=0) if r.request_id == request_id]
+            if rows or time.monotonic() > deadline:
+                assert rows, f"no ledger row for {request_id}"
+                return rows[0]
+            time.sleep(0.05)
+
     def rows_since(self, t0: float, expected: int, timeout_s: float = 10.0) -> list[UsageRecord]:
         """Ledger rows of requests that started at or after ``t0`` (wall clock)."""
         deadline = time.monotonic() + timeout_s

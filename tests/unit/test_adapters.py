@@ -227,3 +227,13 @@ def test_bench_popularity_and_shares() -> None:
     assert weights[0] / weights[-1] == pytest.approx(6.0)
     assert shares({"a": 3, "b": 1}) == {"a": 0.75, "b": 0.25}
     assert shares({"a": 0}) == {"a": 0.0}
+
+
+def test_an_engines_404_for_an_adapter_is_not_an_answer() -> None:
+    from tokenpace.gateway.relay import not_taken
+
+    missing = b'{"error":{"message":"The model `ad1` does not exist.","code":404}}'
+    assert not_taken(404, missing, adapter=True) == (True, False)
+    assert not_taken(404, missing) == (False, False), "a model's 404 is the client's answer"
+    assert not_taken(404, b"other", adapter=True) == (False, False)
+    assert not_taken(200, b"", adapter=True) == (False, False)

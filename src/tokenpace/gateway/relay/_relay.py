@@ -134,10 +134,17 @@ shutdown", its executors are closed) while its ``/health`` still answers 200 and
 requests in flight finish. Measured on vLLM 0.32 (docs/gateway/failures.md, When engines fail)."""
 
 
-def not_taken(status: int, content: bytes) -> tuple[bool, bool]:
+ADAPTER_MISSING = b"does not exist"
+"""In vLLM's 404 for a model it does not serve: for a LoRA adapter the gateway believed the
+engine held (another replica, or an operator, unloaded it since the gateway's last look),
+the request was not taken, and goes again once the adapter is loaded."""
+
+
+def not_taken(status: int, content: bytes, adapter: bool = False) -> tuple[bool, bool]:
     """Whether an engine's answer says it did not take the request (so it may go to another
-    engine), and whether the engine is shutting down. One comparison on a 200."""
-    if status == UNAVAILABLE:
+    engine, or again: ``adapter``, a request for a LoRA adapter the engine does not hold),
+    and whether the engine is shutting down. One comparison on a 200."""
+    if status == UNAVAILABLE or (adapter and status == 404 and ADAPTER_MISSING in content):
         return True, False
     if status == 500 and SHUTTING_DOWN in content:
         return True, True
@@ -190,7 +197,8 @@ async def call(ex: Exchange, upstream: Upstream, body: bytes, watch: ClientWatch
             outcome = Outcome.TIMEOUT
             return _timeout_response(ex)
         assert resp is not None
-        taken_not, stopping = not_taken(resp.status, content)
+        taken_not, stopping = not_taken(resp.status, content,
+                                        ex.rt.config.adapter(ex.model) is not None)
         if taken_not:
             reached, outcome = False, Outcome.UPSTREAM_ERROR  # read whole: the connection is kept
             raise NotReached(resp.status, stopping)
@@ -288,7 +296,8 @@ async def open_stream(ex: Exchange, upstream: Upstream, req: ParsedRequest, body
                 except UpstreamError:
                     content = b""
                 resp.release()
-                taken_not, stopping = not_taken(resp.status, content)
+                taken_not, stopping = not_taken(resp.status, content,
+                                                ex.rt.config.adapter(ex.model) is not None)
                 if taken_not:
                     raise NotReached(resp.status, stopping)
                 ex.charge_usage = False

@@ -326,16 +326,24 @@ async def _rate_share(ex: Exchange, pool: Pool, url: str) -> tuple[float | None,
 
 def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
                  why: NotReached) -> None:
-    """The request's engine did not take it (a refused connection, a 503, or an answer that
-    it is shutting down: see ``relay.NotReached``): undo what was set up for that engine (its
-    share of a split rate) and take it out of dispatch (``connect_failed``; a shutting-down
-    engine is drained instead, ``set_stopping``), or raise the 503 when the request may not
+    """The request's engine did not take it (a refused connection, a 503, an answer that
+    it is shutting down, or a 404 for an adapter it does not hold: see
+    ``relay.NotReached``): undo what was set up for that engine (its share of a split
+    rate) and take it out of dispatch (``connect_failed``; a shutting-down engine is
+    drained instead, ``set_stopping``; one without the adapter stays: the adapter is
+    loaded next), or raise the 503 when the request may not
     go again: after ``MAX_DISPATCHES``, or with no engine of its pool up for its tenant."""
     rt, tenant = ex.rt, ex.tenant
     if ex.split_on is not None and rt.rate_split is not None:
         rt.rate_split.end(tenant.id, tenant.config.output_tokens_per_second, ex.split_on)
         ex.split_on = None
-    if why.stopping:
+    if why.answered == 404:
+        # A LoRA adapter the engine no longer holds (``relay.not_taken``): the engine is
+        # fine; the adapter is loaded before the request goes again.
+        engine.adapters.held.pop(ex.model, None)
+        logger.info("engine %s did not hold adapter %r (request %s): loading it again",
+                    engine.url, ex.model, ex.id)
+    elif why.stopping:
         if rt.dispatcher.fleet.set_stopping(engine):
             logger.warning("engine %s is shutting down (request %s): drained until it is gone "
                            "and back", engine.url, ex.id)
