@@ -179,9 +179,9 @@ def choice_cost(opening_words: int, engines: int) -> float:
     def once() -> None:
         key = conversation_key(req, "t")
         assert key is not None
-        engine = dispatcher._conversation_engine(pool, key)
+        engine = dispatcher._conversation_engine("t", pool, key)
         assert engine is not None
-        dispatcher._remember_home(key, engine)
+        dispatcher._remember_home("t", key, engine)
 
     runs = 2000
     return min(timeit.repeat(once, number=runs, repeat=5)) / runs * 1e6
