@@ -13,8 +13,10 @@ import pytest
 
 from tokenpace.gateway import parse_config
 from tokenpace.gateway.config import ConfigError, EngineConfig
+from tokenpace.gateway.dispatch._adapter_share import AdapterShare
 from tokenpace.gateway.fleet import (
     AdapterLoadFailed,
+    AdapterNote,
     AdapterSet,
     EngineSlots,
     ensure_loaded,
@@ -101,6 +103,73 @@ def test_adapter_set_keeps_lru_order_and_picks_an_idle_victim() -> None:
     assert held.victim(keep="b") is None
     held.listed(["b"])  # another replica unloaded a and c
     assert list(held.held) == ["b"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_changes_say_what_this_replica_did_and_beat_for_requests_in_flight() -> None:
+    clock = _Clock()
+    held = AdapterSet(clock)
+    held.loaded("a")
+    held.used("a")
+    clock.now = 101.0
+    held.used("b")
+    held.done("b")
+    held.unloaded("c")
+    assert held.changes() == {"a": AdapterNote("busy", 101.0), "b": AdapterNote("idle", 101.0),
+                              "c": AdapterNote("gone", 101.0)}
+    clock.now = 102.0
+    assert held.changes() == {"a": AdapterNote("busy", 102.0)}, "a heartbeat, nothing else"
+    held.done("a")
+    assert held.changes() == {"a": AdapterNote("idle", 102.0)}
+    assert held.changes() == {}
+
+
+def test_other_replicas_words_add_protect_and_remove_adapters() -> None:
+    clock = _Clock()
+    held = AdapterSet(clock)
+    held.listed(["a", "b"])
+    clock.now = 110.0
+    held.used("a")
+    held.done("a")
+    # Another replica loaded c and has requests in flight for it; it used b after a.
+    held.shared([("c", AdapterNote("busy", 110.5)), ("b", AdapterNote("idle", 110.5))],
+                now=111.0, busy_s=1.0)
+    assert set(held.held) == {"a", "b", "c"}
+    assert held.busy_elsewhere == {"c"}
+    assert held.victim(keep="x") == "a", "b was used later (elsewhere), c is busy there"
+    # Its heartbeat for c stops (it died): c is no longer protected after busy_s.
+    held.shared([("c", AdapterNote("busy", 110.5))], now=111.6, busy_s=1.0)
+    assert held.busy_elsewhere == set()
+    # It unloads a after this replica's last use: a is not held any more; a "gone" older
+    # than this replica's own use, or than the engine's last listing, changes nothing.
+    held.shared([("a", AdapterNote("gone", 112.0)), ("b", AdapterNote("gone", 105.0))],
+                now=112.5, busy_s=1.0)
+    assert "a" not in held and "b" in held
+    clock.now = 113.0
+    held.listed(["a", "b", "c"])  # the engine lists a again (a restart with its flags)
+    held.shared([("a", AdapterNote("gone", 112.0))], now=113.5, busy_s=1.0)
+    assert "a" in held
+    # This replica's own unload stands over older words that it is used.
+    held.unloaded("c")
+    held.shared([("c", AdapterNote("idle", 112.9))], now=114.0, busy_s=1.0)
+    assert "c" not in held
+    held.shared([("c", AdapterNote("busy", 113.9))], now=114.0, busy_s=1.0)
+    assert "c" in held, "used elsewhere after this replica unloaded it: loaded again there"
+
+
+def test_share_words_decode_without_the_replicas_own() -> None:
+    share = AdapterShare(store=None, replica="me")  # type: ignore[arg-type]
+    fields = {"a|other": "busy:1000500", "a|me": "gone:1000600", "b|x|other": "idle:1000000",
+              "bad": "busy:1", "c|other": "sleepy:1", "d|other": "busy:x"}
+    assert share.decode(fields, offset=900.0) == [
+        ("a", AdapterNote("busy", 100.5)), ("b|x", AdapterNote("idle", 100.0))]
 
 
 def _engine(url: str, inflight: int, holds: tuple[str, ...] = (), max_adapters: int = 2,

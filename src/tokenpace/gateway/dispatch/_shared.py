@@ -75,6 +75,7 @@ from ..state import (
 )
 from ..tenants import ApplicationState, TenantState, dispatched
 from ..fleet import EngineSlots
+from ._adapter_share import AdapterShare
 from ._dispatcher import Dispatcher, Pool, QueueFull, Waiter
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -111,6 +112,7 @@ class SharedDispatcher(Dispatcher):
     def __init__(self, config: GatewayConfig, clock: Callable[[], float],
                  store: StateStore) -> None:
         self.store = store
+        self.adapter_share = AdapterShare(store)
         self._lane_names: list[str] = []
         self._share_window_s = config.lane_share_window_s
         super().__init__(config, clock)
@@ -199,6 +201,10 @@ class SharedDispatcher(Dispatcher):
         with anyio.fail_after(timeout_s):
             if affinity is not None and self.by_conversation(tenant, pool):
                 await self._read_home(tenant.id, pool, affinity)
+            if adapter is not None and not self.adapter_share.ready.is_set():
+                # The first adapter request: what the other replicas said first (once).
+                self.adapter_share.start(self._adapter_engines)
+                await self.adapter_share.ready.wait()
             engine = (self.choose(tenant, pool, affinity, adapter)
                       if not len(pool.queue) and self._may_dispatch(tenant.id)
                       and (app_id is None or self._may_dispatch_application(tenant.id, app_id))
@@ -248,6 +254,12 @@ class SharedDispatcher(Dispatcher):
         if url is not None and url != self._homes.get(tenant, affinity) \
                 and any(e.url == url for e in pool.engines):
             self._homes.put(tenant, affinity, url)
+
+    def _adapter_engines(self) -> list[EngineSlots]:
+        """The engines of the pools that serve adapters (their bases')."""
+        bases = {a.base for a in self._config.adapters}
+        return [e for model, pool in self.pools.items() if model in bases
+                for e in pool.engines]
 
     def _remember_home(self, tenant: str, affinity: bytes, engine: EngineSlots) -> str | None:
         """As in process; a home that is new or moved goes to the store for every replica
@@ -360,8 +372,9 @@ class SharedDispatcher(Dispatcher):
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        """Stop polls and background rounds (the store's leases expire with its lease time
-        if their releases did not go out)."""
+        """Stop polls, background rounds and the adapter share (the store's leases expire
+        with its lease time if their releases did not go out)."""
+        await self.adapter_share.close()
         for handle in self._polls.values():
             handle.cancel()
         self._polls.clear()

@@ -18,7 +18,7 @@ off a request's path, except ``Fleet.connect_failed`` and ``Fleet.set_stopping``
 request that saw the engine refuse or shut down) and ``EngineSlots.connect_ok``.
 """
 
-from ._adapter_set import AdapterSet
+from ._adapter_set import AdapterNote, AdapterSet, AdapterState
 from ._adapters import AdapterLoadFailed, ensure_loaded, place as place_adapter
 from ._connections import ENGINE_KEEPALIVE_S, Connections
 from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
@@ -39,7 +39,9 @@ from ._slots import EnginePool, EngineSlots
 
 __all__ = [
     "AdapterLoadFailed",
+    "AdapterNote",
     "AdapterSet",
+    "AdapterState",
     "Connections",
     "ensure_loaded",
     "place_adapter",

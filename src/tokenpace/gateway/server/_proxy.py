@@ -340,7 +340,7 @@ def _not_reached(ex: Exchange, pool: Pool, engine: EngineSlots, dispatches: int,
     if why.answered == 404:
         # A LoRA adapter the engine no longer holds (``relay.not_taken``): the engine is
         # fine; the adapter is loaded before the request goes again.
-        engine.adapters.held.pop(ex.model, None)
+        engine.adapters.missing(ex.model)
         logger.info("engine %s did not hold adapter %r (request %s): loading it again",
                     engine.url, ex.model, ex.id)
     elif why.stopping:

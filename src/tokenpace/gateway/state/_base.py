@@ -243,6 +243,18 @@ class StateStore(ABC):
         (sent with the store's next flush: no round trip of its own). In process:
         nothing to share."""
 
+    # -- LoRA adapters on engines (``dispatch``'s adapter share) -------------------------
+
+    def adapter_note(self, url: str, field: str, value: str) -> None:
+        """Set ``field`` of engine ``url``'s adapter notes to ``value`` for every replica
+        (sent with the store's next flush: no round trip of its own; the notes of an
+        engine nobody wrote for a day expire). In process: nothing to share."""
+
+    async def adapters_read(self, urls: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Every replica's adapter notes on each of ``urls`` (one round trip). In
+        process: none."""
+        return {}
+
     # -- a paced tenant's rate split over engines (shared stores only) -----------------
 
     async def split_read(self, tenant: str, replica: str, token: str,

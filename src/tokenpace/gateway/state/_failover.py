@@ -126,6 +126,13 @@ class FailoverStore(StateStore):
     def home_write(self, key: str, url: str, ttl_s: float) -> None:
         self.primary.home_write(key, url, ttl_s)
 
+    def adapter_note(self, url: str, field: str, value: str) -> None:
+        self.primary.adapter_note(url, field, value)
+
+    async def adapters_read(self, urls: Sequence[str]) -> dict[str, dict[str, str]]:
+        # No fallback: each replica goes by what it knows itself while Redis is away.
+        return await self.primary.adapters_read(urls)
+
     async def counters(self, lane: str, tenants: Sequence[str]) -> dict[str, float]:
         return await self._decide("counters", lambda: self.primary.counters(lane, tenants),
                                   lambda: self.fallback.counters(lane, tenants))

@@ -73,6 +73,10 @@ async def _keeping_cancel(call: Callable[[], Awaitable[T]]) -> T:
 
 HOMES_PENDING = 100_000
 """Conversation homes kept for the next flush at most (a few MB while Redis is away)."""
+ADAPTER_NOTES_PENDING = 100_000
+"""Adapter notes kept for the next flush at most (one per engine, adapter and replica)."""
+ADAPTER_KEEP_S = 86_400
+"""An engine's adapter notes expire this long after the last one was written."""
 
 
 class RedisStore(StateStore):
@@ -116,6 +120,7 @@ class RedisStore(StateStore):
         self._charges: dict[tuple[str, str], float] = {}
         self._dispatches: dict[str, float] = {}  # lane share key -> cost not yet sent
         self._homes: dict[str, tuple[str, int]] = {}  # conversation -> (url, ttl) not yet sent
+        self._adapter_notes: dict[tuple[str, str], str] = {}  # (engine url, field) -> value
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._last_renew = 0.0
@@ -282,14 +287,34 @@ class RedisStore(StateStore):
         # else: Redis has been away for a while; a home not shared is a hint lost (the
         # replica's own table still has it).
 
+    def adapter_note(self, url: str, field: str, value: str) -> None:
+        key = (url, field)
+        if len(self._adapter_notes) < ADAPTER_NOTES_PENDING or key in self._adapter_notes:
+            self._adapter_notes[key] = value
+
+    async def adapters_read(self, urls: Sequence[str]) -> dict[str, dict[str, str]]:
+        async def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for url in urls:
+                pipe.hgetall(self._k("a", url))
+            return await pipe.execute()
+        if not urls:
+            return {}
+        return dict(zip(urls, await self._run(read)))
+
     async def flush(self) -> None:
-        """Send the charges, dispatch costs and conversation homes collected since the
-        last flush (one pipeline)."""
-        if not self._charges and not self._dispatches and not self._homes:
+        """Send the charges, dispatch costs, conversation homes and adapter notes
+        collected since the last flush (one pipeline)."""
+        if not self._charges and not self._dispatches and not self._homes \
+                and not self._adapter_notes:
             return
         charges, self._charges = self._charges, {}
         dispatches, self._dispatches = self._dispatches, {}
         homes, self._homes = self._homes, {}
+        notes, self._adapter_notes = self._adapter_notes, {}
+        by_engine: dict[str, dict[str, str]] = {}
+        for (url, field), value in notes.items():
+            by_engine.setdefault(url, {})[field] = value
 
         by_lane: dict[str, list[str]] = {}
         for (lane, tenant), amount in charges.items():
@@ -299,12 +324,15 @@ class RedisStore(StateStore):
             pipe = self._redis.pipeline(transaction=False)
             for key, (url, ttl) in homes.items():  # a lost one is a hint lost: no check
                 pipe.set(self._k("h", key), url, ex=ttl)
+            for url, fields in by_engine.items():  # likewise: the next heartbeat says it again
+                pipe.hset(self._k("a", url), mapping=fields)
+                pipe.expire(self._k("a", url), ADAPTER_KEEP_S)
             for lane, args in by_lane.items():  # by hash: see _lanes
                 pipe.evalsha(self._scripts["CHARGES"].sha, 2, self._k("v", lane),
                              self._k("m", lane), *args)
             if dispatches:
                 self._lanes(pipe, list(dispatches), [LANE_KEEP_S, *map(repr, dispatches.values())])
-            return (await pipe.execute(raise_on_error=False))[len(homes):]
+            return (await pipe.execute(raise_on_error=False))[len(homes) + 2 * len(by_engine):]
 
         try:
             out = await self._run(send)
@@ -313,6 +341,7 @@ class RedisStore(StateStore):
                 self._charges[key] = self._charges.get(key, 0.0) + amount
             self._keep_dispatches(dispatches)
             self._homes = {**homes, **self._homes}  # newer homes win
+            self._adapter_notes = {**notes, **self._adapter_notes}  # newer notes win
             raise
         for (lane, args), result in zip(by_lane.items(), out[:len(by_lane)]):
             if isinstance(result, NoScriptError):  # Redis restarted: run it once, loading it
