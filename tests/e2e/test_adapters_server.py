@@ -7,11 +7,13 @@ What only real engines show: the gateway loads an adapter through vLLM's
 lists it; a sixth adapter over two engines of two places each makes the gateway unload
 the least recently used one (the engines never list more than two); a tenant's own adapter
 is a 404 for others; the ledger row names the adapter, charged at its base's cost; the
-prompt of a capped tenant is counted by its base on an engine that does not hold it.
+prompt of a capped tenant is counted by its base on an engine that does not hold it; two
+replicas sharing Redis send an adapter one of them loaded to where it is loaded, at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import openai
 import pytest
 
 from tests._engine_pool import ModuleEngines
+from tests._redis import RedisServer
 from tests._servers import Server, free_port, tokenpace_serve_argv
 from tests.gateway.conftest import GatewayProcess
 from tokenpace.tiny_model import write_tiny_adapter
@@ -50,12 +53,9 @@ def engines(module_engines: ModuleEngines) -> tuple[list[Server], Path]:
     return module_engines.servers, module_engines.home
 
 
-@pytest.fixture(scope="module")
-def gateway(engines: tuple[list[Server], Path],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def gateway_config(engines: tuple[list[Server], Path], home: Path) -> dict[str, Any]:
     servers, adapters_home = engines
-    home = tmp_path_factory.mktemp("lora-gateway")
-    config: dict[str, Any] = {
+    return {
         "engines": [{"url": s.base_url, "max_inflight": 8, "max_adapters": 2}
                     for s in servers],
         "models": [{"name": "tiny", "cost": {"prompt": 0.5, "completion": 2.0}}],
@@ -67,7 +67,13 @@ def gateway(engines: tuple[list[Server], Path],
                      "budgets": [{"tokens": 100000, "per": "1d"}]},
                     {"id": "other", "api_keys": [OTHER]}],
     }
-    gw = GatewayProcess(home, config).start()
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: tuple[list[Server], Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    home = tmp_path_factory.mktemp("lora-gateway")
+    gw = GatewayProcess(home, gateway_config(engines, home)).start()
     try:
         yield gw
     finally:
@@ -139,3 +145,52 @@ def test_more_adapters_than_places_evict_the_least_recently_used(
     assert complete(gateway, OWNER, gone).model == gone
     assert any(gone in listed(s) for s in servers)
     assert not gateway.metric("tokenpace_gateway_adapter_loads_total", outcome="failed")
+
+
+def wait_word(redis: RedisServer, url: str, adapter: str) -> None:
+    """Until some replica's word on ``adapter`` at engine ``url`` is in Redis (its share
+    sends one every 0.25 s; bounded at 30 s for a loaded host)."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis.url, decode_responses=True)
+    deadline = time.monotonic() + 30
+    while not any(f.startswith(f"{adapter}|") for f in client.hgetall(f"tokenpace:a:{url}")):
+        assert time.monotonic() < deadline, "no replica's word on the adapter reached Redis"
+        time.sleep(0.05)
+    client.close()
+
+
+def test_replicas_send_an_adapter_one_loaded_to_where_it_is(
+        engines: tuple[list[Server], Path], gateway: GatewayProcess, tmp_path: Path) -> None:
+    """Two more replicas over the same engines, sharing a ``redis-server``: an adapter
+    that neither engine holds is loaded by one replica; the other's requests for it, sent
+    at once (well before its next health check could list it), go to that engine: no
+    second load, and only one engine lists it."""
+    servers, _ = engines
+    redis = RedisServer(tmp_path / "redis").start()
+    replicas: list[GatewayProcess] = []
+    try:
+        for n in range(2):
+            home = tmp_path / f"replica-{n}"
+            home.mkdir()
+            config = gateway_config(engines, home)
+            config["state"] = {"url": redis.url, "timeout": "1s"}
+            replicas.append(GatewayProcess(home, config).start())
+        r0, r1 = replicas
+        held = set().union(*(listed(s) for s in servers))
+        name = next(n for n in ADAPTERS[1:] if n not in held)
+        assert complete(r0, OWNER, name).model == name
+        assert r0.metric("tokenpace_gateway_adapter_loads_total", outcome="ok") == 1
+        holders = [s for s in servers if name in listed(s)]
+        assert len(holders) == 1
+        wait_word(redis, holders[0].base_url, name)  # r0's word, at the source
+        for _ in range(3):
+            assert complete(r1, OWNER, name).model == name
+        assert not r1.metric("tokenpace_gateway_adapter_loads_total", outcome="ok")
+        assert r1.metric("tokenpace_gateway_adapter_dispatches_total", adapter=name,
+                         loaded="true") == 3
+        assert [s for s in servers if name in listed(s)] == holders
+    finally:
+        for gw in replicas:
+            gw.stop()
+        redis.stop()
