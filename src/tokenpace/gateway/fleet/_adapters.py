@@ -31,8 +31,9 @@ An adapter an engine lists without an ``adapters`` entry is a model of its own t
 gateway: a pool of the engines that list it (``Monitor``), nothing loaded elsewhere.
 
 Several replicas learn what each engine holds from its ``/v1/models`` (every health check,
-``AdapterSet.listed``): a load by one is seen by the others within a health interval, and
-a load of an adapter already there counts as done (vLLM answers that it is loaded).
+``AdapterSet.listed``) and, sharing a state store, from each other's words
+(``AdapterSet.shared``, sent and read by ``dispatch``); a load of an adapter already
+there counts as done (vLLM answers that it is loaded).
 """
 
 from __future__ import annotations
