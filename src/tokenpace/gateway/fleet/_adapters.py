@@ -80,17 +80,17 @@ def place(engines: Sequence[EngineSlots], adapter: str, affinity: int,
             return best
         # Spread to an engine with a free place; evicting another adapter for one that is
         # only busier costs that adapter's next request a load (and churn under Zipf).
-        roomy = [e for e in engines if len(e.adapters) < e.max_adapters]
+        roomy = [e for e in engines if not e.adapters_full]
         spare = min(roomy, key=lambda e: e.inflight, default=None)
         return spare if spare is not None and spare.inflight < best.inflight else best
-    if wait and all(len(e.adapters) >= e.max_adapters for e in engines) \
+    if wait and all(e.adapters_full for e in engines) \
             and any(adapter in e.adapters and e.accepts for e in pool):
         # Every engine with room would evict an adapter for it, while one without room now
         # holds it: wait for that one's next free slot (a request ends there) rather than
         # evict an adapter that its own next request would load back.
         return None
     return min(engines, key=lambda e: e.inflight
-               + (affinity if len(e.adapters) >= e.max_adapters else 0))
+               + (affinity if e.adapters_full else 0))
 
 
 def wait_bound(pool: Sequence[EngineSlots]) -> float:

@@ -157,6 +157,11 @@ class EngineSlots:
         return self.config.max_adapters or self.adapters.reported_max or 1
 
     @property
+    def adapters_full(self) -> bool:
+        """Loading another adapter here would first unload one (``max_adapters`` taken)."""
+        return len(self.adapters) >= self.max_adapters
+
+    @property
     def slots(self) -> int:
         """The requests it runs at once as far as the gateway knows: its capacity where
         known, at most ``max_inflight``."""
