@@ -589,3 +589,42 @@ def test_close_returns_when_a_cancellation_is_absorbed_inside_a_call() -> None:
             await closing
         assert done, "close() still waiting for the background loop after 5 s"
     asyncio.run(body())
+
+
+def test_adapter_notes_go_with_the_flush_and_wait_out_an_outage(
+        redis_server: RedisServer) -> None:
+    """``adapter_note`` costs no round trip (it goes with the next flush, newer values
+    winning); while Redis is down the notes wait for the flush after it is back; a read
+    while it is down is a StateUnavailable, not a wait."""
+    async def body() -> None:
+        store = RedisStore(redis_server.url, timeout_s=TIMEOUT_S, probe_s=0.1)
+        try:
+            store.adapter_note("http://e1", "a|r1", "busy:1000")
+            store.adapter_note("http://e1", "a|r1", "idle:2000")
+            store.adapter_note("http://e2", "b|r1", "gone:3000")
+            assert await store.adapters_read(["http://e1"]) == {"http://e1": {}}
+            await store.flush()
+            assert await store.adapters_read(["http://e1", "http://e2", "http://e3"]) == {
+                "http://e1": {"a|r1": "idle:2000"}, "http://e2": {"b|r1": "gone:3000"},
+                "http://e3": {}}
+            redis_server.kill()
+            store.adapter_note("http://e1", "c|r1", "busy:4000")
+            with pytest.raises(StateUnavailable):
+                await store.flush()
+            with pytest.raises(StateUnavailable):
+                await store.adapters_read(["http://e1"])
+            redis_server.start()
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    await store.flush()
+                    break
+                except StateUnavailable:
+                    assert time.monotonic() < deadline, "the store did not recover within 5 s"
+                    await asyncio.sleep(0.05)
+            assert (await store.adapters_read(["http://e1"]))["http://e1"] == {
+                "a|r1": "idle:2000", "c|r1": "busy:4000"}
+        finally:
+            await store.close()
+
+    run(body)
