@@ -39,7 +39,14 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from ..ledger import LedgerError, import_psycopg, parse_ledger_url, write_transaction
+from ..ledger import (
+    LedgerError,
+    connect_postgres,
+    import_psycopg,
+    parse_ledger_url,
+    usable,
+    write_transaction,
+)
 from ._objects import (
     STAMPS,
     UNFINISHED,
@@ -52,14 +59,6 @@ from ._objects import (
 )
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
-
-_PG_CONNECT_TIMEOUT_S = 10
-"""Bound on connecting to Postgres (a few round trips on a live server)."""
-
-_PG_KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10",
-                  "keepalives_count": "3"}
-"""libpq's TCP keepalives (as the ledger's): a peer gone without a FIN is found about a
-minute into an idle connection instead of the kernel's two hours."""
 
 _PG_STATEMENT_TIMEOUT_MS = 60_000
 """Server-side bound on one statement, one lock wait and an idle transaction: well above
@@ -172,37 +171,13 @@ class BatchStore:
         return self._conn.execute(sql, tuple(params))
 
     def _connect(self) -> Any:
-        """A new Postgres connection: autocommit (a read leaves no transaction open),
-        bounded in time to connect, keepalives to notice a peer gone without a FIN, and
-        server-side bounds on a statement, a lock wait and an idle transaction, so a call
-        under the store's lock does not wait on a lock or a stuck statement for ever.
-        What the URL (or ``PGOPTIONS`` / ``PGCONNECT_TIMEOUT``) sets itself wins."""
-        from psycopg.conninfo import conninfo_to_dict
-
-        params = conninfo_to_dict(self._where)
-        given = str(params.get("options") or os.environ.get("PGOPTIONS", ""))
-        ours = " ".join(f"-c {name}={_PG_STATEMENT_TIMEOUT_MS}" for name in (
-            "statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"))
-        extra: dict[str, Any] = {k: v for k, v in _PG_KEEPALIVES.items() if k not in params}
-        if "connect_timeout" not in params and "PGCONNECT_TIMEOUT" not in os.environ:
-            extra["connect_timeout"] = _PG_CONNECT_TIMEOUT_S
-        # The server applies the last setting of a name: the URL's own come after ours.
-        return self._psycopg.connect(self._where, autocommit=True,
-                                     options=f"{ours} {given}".strip(), **extra)
+        return connect_postgres(self._psycopg, self._where, _PG_STATEMENT_TIMEOUT_MS)
 
     def _ready(self) -> None:
-        """Under the lock: a Postgres connection that broke (the server restarted, the
-        network dropped it) is replaced before the next statement, as the ledger's
-        backend does; the failed call itself raised psycopg's ``OperationalError``.
-        SQLite's file connection never needs it."""
-        if self._mark == "?":
-            return
-        conn = self._conn
-        if conn is None or conn.closed or getattr(conn, "broken", False):
-            if conn is not None:
-                conn.close()
-            self._conn = None
-            self._conn = self._connect()
+        """Under the lock: a Postgres connection that broke is replaced before the next
+        statement (``ledger.usable``). SQLite's file connection never needs it."""
+        if self._mark != "?":
+            self._conn = usable(self._conn, self._connect)
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock:

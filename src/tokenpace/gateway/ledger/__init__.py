@@ -31,7 +31,7 @@ from ._cli import format_table, main as usage_main, parse_since
 from ._open import default_journal, open_ledger
 from ._records import BudgetState, LedgerError, UsageRecord, UsageTotal
 from ._schema import RECORD_COLUMNS, record_from_row
-from ._transaction import import_psycopg, write_transaction
+from ._transaction import connect_postgres, import_psycopg, usable, write_transaction
 from ._url import parse_ledger_url, redact, resolve_ledger_url
 from ._writer import DEFAULT_JOURNAL_BYTES, INTERRUPTED, ON_FULL, Ledger
 
@@ -41,6 +41,7 @@ __all__ = [
     "RECORD_COLUMNS",
     "ON_FULL",
     "BudgetState",
+    "connect_postgres",
     "Ledger",
     "LedgerError",
     "UsageRecord",
@@ -54,6 +55,7 @@ __all__ = [
     "record_from_row",
     "parse_ledger_url",
     "resolve_ledger_url",
+    "usable",
     "usage_main",
     "write_transaction",
 ]

@@ -18,7 +18,6 @@ worker thread. ``touch`` writes ``last_used_at`` of many keys in one transaction
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,11 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..ledger import LedgerError, import_psycopg, parse_ledger_url, write_transaction
+from ..ledger import (
+    LedgerError,
+    connect_postgres,
+    import_psycopg,
+    parse_ledger_url,
+    usable,
+    write_transaction,
+)
 from ._records import ApiKey, ApiTenant, AuditRow, RegistryConflict
 
 _SQLITE_BUSY_TIMEOUT_S = 5.0
-_PG_CONNECT_TIMEOUT_S = 10
 _PG_STATEMENT_TIMEOUT_MS = 10_000
 """Server-side bound on one statement, a lock wait and an idle transaction: a change is a
 few single-row statements; the start-up read of every key the largest read."""
@@ -118,20 +123,11 @@ class RegistryStore:
         return self._conn.execute(sql, tuple(params))
 
     def _ready(self) -> None:
-        """Under the lock: a Postgres connection made, or made again once broken."""
-        if self._sqlite:
-            return
-        conn = self._conn
-        if conn is None or conn.closed or getattr(conn, "broken", False):
-            if conn is not None:
-                conn.close()
-            self._conn = None
-            options = " ".join(f"-c {name}={_PG_STATEMENT_TIMEOUT_MS}" for name in (
-                "statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"))
-            given = os.environ.get("PGOPTIONS", "")
-            self._conn = self._psycopg.connect(
-                self._where, autocommit=True, options=f"{options} {given}".strip(),
-                connect_timeout=_PG_CONNECT_TIMEOUT_S)
+        """Under the lock: a Postgres connection made, or made again once broken
+        (``ledger.usable``: bounded in time, keepalives, the URL's own settings win)."""
+        if not self._sqlite:
+            self._conn = usable(self._conn, lambda: connect_postgres(
+                self._psycopg, self._where, _PG_STATEMENT_TIMEOUT_MS))
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
