@@ -323,3 +323,39 @@ def test_a_stopped_server_fails_a_write_within_its_bound(pg_url: str) -> None:
         assert reader.rows() == [record(i) for i in range(4)]
     finally:
         reader.close()
+
+
+def test_the_stores_beside_the_ledger_connect_bounded_and_again_when_broken(
+        pg_url: str) -> None:
+    """``connect_postgres`` (the batch store's and the admin registry's sessions): time
+    limits and keepalives unless the URL sets its own; ``usable`` keeps a good connection
+    and replaces a closed one."""
+    import psycopg
+
+    from tokenpace.gateway.ledger import connect_postgres, usable
+
+    def show(conn: Any, name: str) -> str:
+        return conn.execute(f"SHOW {name}").fetchone()[0]
+
+    conn = connect_postgres(psycopg, pg_url, 2500)
+    try:
+        assert [show(conn, n) for n in ("statement_timeout", "lock_timeout",
+                                        "idle_in_transaction_session_timeout")] == ["2500ms"] * 3
+        params = conn.info.get_parameters()
+        assert (params["keepalives"], params["keepalives_idle"], params["connect_timeout"]) \
+            == ("1", "30", "10")
+        assert usable(conn, lambda: pytest.fail("a good connection is kept")) is conn
+    finally:
+        conn.close()
+    again = usable(conn, lambda: connect_postgres(psycopg, pg_url, 2500))
+    try:
+        assert again is not conn and show(again, "statement_timeout") == "2500ms"
+    finally:
+        again.close()
+    own = connect_postgres(
+        psycopg, pg_url + "?options=-c%20statement_timeout%3D1234&keepalives_idle=7", 2500)
+    try:
+        assert show(own, "statement_timeout") == "1234ms" and show(own, "lock_timeout") == "2500ms"
+        assert own.info.get_parameters()["keepalives_idle"] == "7"
+    finally:
+        own.close()

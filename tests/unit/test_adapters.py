@@ -207,45 +207,6 @@ def test_placement_of_a_new_adapter_prefers_an_engine_with_room() -> None:
     assert place_adapter([room], "new", 4, [room, busy]) is room  # a free place: load
 
 
-def test_a_request_waits_for_its_adapters_engine_at_most_twice_a_load() -> None:
-    """The engine holding ``a`` is full, the other has room but holds ``b`` (its one
-    place): the request for ``a`` waits for the holder, and is sent to the other (where
-    ``a`` will be loaded over ``b``) once it waited twice the measured load time."""
-    from tokenpace.gateway.dispatch import Dispatcher
-    from tokenpace.gateway.fleet import adapter_wait_bound
-    from tokenpace.gateway.tenants import Tenants
-
-    async def main() -> None:
-        config = parse_config({
-            "engines": [{"url": u, "max_inflight": 1, "models": ["base"], "max_adapters": 1}
-                        for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")],
-            "adapters": [{"name": n, "base": "base", "path": f"/p/{n}"} for n in "ab"],
-            "tenants": [{"id": "u", "api_keys": ["k"]}],
-            "ledger": "sqlite:///unused.db",
-        })
-        clock = asyncio.get_running_loop().time
-        dispatcher, tenants = Dispatcher(config, clock), Tenants(config, clock)
-        pool = dispatcher.pools["base"]
-        holder, other = pool.engines
-        holder.adapters.loaded("a")
-        other.adapters.loaded("b")
-        holder.adapters.timed_load(0.05)
-        assert adapter_wait_bound(pool.engines) == pytest.approx(0.1)
-        first = await dispatcher.acquire(tenants.get("u"), pool, 10.0, 1.0, 1.0,
-                                         adapter=config.adapter("a"))
-        assert first.engine is holder
-        started = clock()
-        second = asyncio.ensure_future(dispatcher.acquire(
-            tenants.get("u"), pool, 10.0, 1.0, 1.0, adapter=config.adapter("a")))
-        await asyncio.sleep(0.05)
-        assert not second.done(), "waits for the holder while that costs less than a load"
-        waiter = await asyncio.wait_for(second, 5.0)
-        assert waiter.engine is other and clock() - started >= 0.1
-        dispatcher.release(first)
-        dispatcher.release(waiter)
-    asyncio.run(main())
-
-
 class _FakeVllm:
     """A real HTTP server (uvicorn over a socket) that answers the two LoRA routes as
     vLLM does: 200, or 400 "already been loaded", and counts the calls."""

@@ -38,7 +38,7 @@ from typing import cast
 from ...fairness import FairQueue, LaneSpec
 from .. import metrics
 from ..config import AdapterConfig, GatewayConfig
-from ..fleet import EngineSlots, Fleet, adapter_wait_bound, place_adapter
+from ..fleet import EngineSlots, Fleet, place_adapter
 from ..state import Reservation
 from ..tenants import ApplicationState, TenantState, dispatched
 from ._homes import HomeTable
@@ -80,8 +80,6 @@ class Waiter:
     affinity: bytes | None = None
     # The LoRA adapter it asks for: placed where that is loaded (``fleet.place_adapter``).
     adapter: AdapterConfig | None = None
-    # Since when it waits for the engine that holds its adapter (``engine_of``).
-    adapter_wait_since: float | None = None
 
 
 class Lease:
@@ -329,7 +327,7 @@ class Dispatcher:
         return self.preferred(tenant, pool) is not None
 
     def choose(self, tenant: TenantState, pool: Pool, affinity: bytes | None = None,
-               adapter: AdapterConfig | None = None, wait: bool = True) -> EngineSlots | None:
+               adapter: AdapterConfig | None = None) -> EngineSlots | None:
         """The engine of ``pool`` the tenant's next request goes to now; None: none has room.
 
         ``affinity``: the conversation the request continues (``wire.conversation_key``),
@@ -337,8 +335,7 @@ class Dispatcher:
         tenants keep their own order (one engine until it is full: a paced tenant's
         conversations stay together where its rate split allows). ``adapter``: the LoRA
         adapter asked for, placed by ``fleet.place_adapter`` (a pinned tenant keeps its
-        engine, where the adapter is loaded for it); ``wait``: it may wait for the engine
-        that holds it.
+        engine, where the adapter is loaded for it).
 
         Cost: O(engines in the pool) comparisons on cached rendezvous ranks; with an
         affinity, one BLAKE2b per engine of the pool more (about 0.5 us each).
@@ -348,8 +345,7 @@ class Dispatcher:
             return engine if self._takes(engine, tenant.id) else None
         if adapter is not None:
             return place_adapter([e for e in pool.engines if self._takes(e, tenant.id)],
-                                 adapter.name, self._config.adapter_affinity, pool.engines,
-                                 wait)
+                                 adapter.name, self._config.adapter_affinity, pool.engines)
         if tenant.config.output_tokens_per_second is not None:
             # A paced tenant fills its first engine in rendezvous order and spills to the
             # next only when that one is full: its rate, not an engine, bounds it, and each
@@ -614,18 +610,10 @@ class Dispatcher:
         """The engine for ``waiter``, the fair queue's choice: the eligibility test placed
         its tenant by tenant and load (``placed``); a request for an adapter, or a turn of
         a conversation, is placed again by them (O(engines)). None: a request for an
-        adapter that waits for an engine holding it (``fleet.place_adapter``), at most
-        ``fleet.adapter_wait_bound`` (a dispatch round of the pool runs when it is over)."""
+        adapter that waits for an engine holding it (``fleet.place_adapter``)."""
         tenant, pool = waiter.tenant, waiter.pool
         if waiter.adapter is not None:
-            since = waiter.adapter_wait_since
-            bound = adapter_wait_bound(pool.engines)
-            wait = since is None or self._clock() - since < bound
-            engine = self.choose(tenant, pool, waiter.affinity, waiter.adapter, wait)
-            if engine is None and since is None:
-                waiter.adapter_wait_since = self._clock()
-                asyncio.get_running_loop().call_later(bound, self._pump, pool)
-            return engine
+            return self.choose(tenant, pool, waiter.affinity, waiter.adapter)
         if waiter.affinity is not None:
             engine = self.choose(tenant, pool, waiter.affinity, waiter.adapter)
             if engine is not None:

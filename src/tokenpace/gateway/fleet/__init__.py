@@ -19,12 +19,7 @@ request that saw the engine refuse or shut down) and ``EngineSlots.connect_ok``.
 """
 
 from ._adapter_set import AdapterNote, AdapterSet, AdapterState
-from ._adapters import (
-    AdapterLoadFailed,
-    ensure_loaded,
-    place as place_adapter,
-    wait_bound as adapter_wait_bound,
-)
+from ._adapters import AdapterLoadFailed, ensure_loaded, place as place_adapter
 from ._connections import ENGINE_KEEPALIVE_S, Connections
 from ._discovery import Discovery, Resolve, engine_at, resolve_addresses
 from ._fields import learn_request_fields, request_fields
@@ -47,7 +42,6 @@ __all__ = [
     "AdapterNote",
     "AdapterSet",
     "AdapterState",
-    "adapter_wait_bound",
     "Connections",
     "ensure_loaded",
     "place_adapter",

@@ -41,9 +41,6 @@ class AdapterSet:
         self.inflight: dict[str, int] = {}
         self.loading: dict[str, asyncio.Task[None]] = {}
         self.reported_max: int | None = None  # vLLM's ``max_lora`` from its /metrics
-        self.load_s: float | None = None
-        """How long a load takes here: a moving average of this replica's loads (None:
-        none measured yet). What a request waiting for another engine's slot may wait."""
         # Loaded and unloaded here since the last listing: a listing fetched before the
         # call ended may not show it yet (``listed`` trusts this replica's call once).
         self.loaded_since: set[str] = set()
@@ -113,10 +110,6 @@ class AdapterSet:
         self._gone_at.pop(name, None)
         if name not in self._changes:
             self._changes[name] = AdapterNote("idle", now)
-
-    def timed_load(self, seconds: float) -> None:
-        """A load here took ``seconds`` (its unloads first included)."""
-        self.load_s = seconds if self.load_s is None else 0.75 * self.load_s + 0.25 * seconds
 
     def unloaded(self, name: str) -> None:
         """This replica unloads ``name`` here."""

@@ -18,9 +18,7 @@ Placement (``place``), among the engines of the base's pool that take the reques
 - where no engine that takes the request now holds it, but one that is full does, and
   every engine with room would have to evict an adapter: none, the request waits for the
   holder's next free slot (``Dispatcher`` tries it again at every dispatch round of the
-  pool, other tenants' requests going meanwhile), at most ``wait_bound`` (twice what a
-  load takes in the pool, as measured: waiting longer costs more than loading it
-  elsewhere would; then ``place`` is asked with ``wait=False``);
+  pool, other tenants' requests going meanwhile);
 - otherwise, where no engine that takes the request now holds it: the engine where loading it costs
   least, the least loaded, counting an engine that must first evict another adapter as
   ``adapter_affinity`` busier. So a hot adapter spreads over more engines as its load
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 import httpx
 
@@ -55,9 +52,6 @@ logger = logging.getLogger("tokenpace.gateway")
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 LOAD_TIMEOUT_S = 60.0
-UNMEASURED_LOAD_S = 0.5
-"""What a load is taken to cost in a pool where this replica has not timed one (its
-adapters came with the engines' flags, or from another replica)."""
 
 
 class AdapterLoadFailed(Exception):
@@ -65,11 +59,11 @@ class AdapterLoadFailed(Exception):
 
 
 def place(engines: Sequence[EngineSlots], adapter: str, affinity: int,
-          pool: Sequence[EngineSlots] = (), wait: bool = True) -> EngineSlots | None:
+          pool: Sequence[EngineSlots] = ()) -> EngineSlots | None:
     """The engine a request for ``adapter`` goes to, among ``engines`` (those of the base's
-    pool that take it now; see the module); None: none now (``engines`` is empty, or, with
-    ``wait``, the request waits for an engine of ``pool`` that holds the adapter to have
-    room). O(engines of the pool)."""
+    pool that take it now; see the module); None: none now (``engines`` is empty, or the
+    request waits for an engine of ``pool`` that holds the adapter to have room). O(engines
+    of the pool)."""
     if not engines:
         return None
     least = min(engines, key=lambda e: e.inflight)
@@ -83,7 +77,7 @@ def place(engines: Sequence[EngineSlots], adapter: str, affinity: int,
         roomy = [e for e in engines if not e.adapters_full]
         spare = min(roomy, key=lambda e: e.inflight, default=None)
         return spare if spare is not None and spare.inflight < best.inflight else best
-    if wait and all(e.adapters_full for e in engines) \
+    if all(e.adapters_full for e in engines) \
             and any(adapter in e.adapters and e.accepts for e in pool):
         # Every engine with room would evict an adapter for it, while one without room now
         # holds it: wait for that one's next free slot (a request ends there) rather than
@@ -91,16 +85,6 @@ def place(engines: Sequence[EngineSlots], adapter: str, affinity: int,
         return None
     return min(engines, key=lambda e: e.inflight
                + (affinity if e.adapters_full else 0))
-
-
-def wait_bound(pool: Sequence[EngineSlots]) -> float:
-    """How long a request may wait for the engine of ``pool`` that holds its adapter
-    (``place``'s wait): twice the longest load time measured on the pool's engines
-    (``UNMEASURED_LOAD_S`` where none is). Waiting as long as a load would take, then
-    loading, costs at most twice the better of the two choices made in hindsight; the
-    second load counts the eviction's (the evicted adapter's next load)."""
-    measured = [e.adapters.load_s for e in pool if e.adapters.load_s is not None]
-    return 2 * (max(measured) if measured else UNMEASURED_LOAD_S)
 
 
 async def ensure_loaded(engine: EngineSlots, client: httpx.AsyncClient, name: str,
@@ -139,7 +123,6 @@ async def _load_here(engine: EngineSlots, client: httpx.AsyncClient, name: str,
     (``AdapterSet.victim``; a failed unload is logged and the load goes on: vLLM then
     holds one more), then load ``name``."""
     adapters = engine.adapters
-    started = time.monotonic()
     # Held or being loaded here, this one left out: at most ``max_adapters`` after it.
     while len(adapters.held.keys() | adapters.loading.keys()) - 1 >= engine.max_adapters:
         victim = adapters.victim(keep=name)
@@ -149,7 +132,6 @@ async def _load_here(engine: EngineSlots, client: httpx.AsyncClient, name: str,
         await _unload(engine, client, victim)
     await _load(engine, client, name, path)
     adapters.loaded(name)
-    adapters.timed_load(time.monotonic() - started)
 
 
 async def _load(engine: EngineSlots, client: httpx.AsyncClient, name: str, path: str) -> None:
