@@ -25,14 +25,16 @@ class Book:
 
     def __init__(self, ended: dict[str, tuple[int, int]], running: tuple[str, ...] = (),
                  later: dict[str, tuple[int, int]] | None = None, after: int = 0,
-                 with_prompts: bool = True) -> None:
+                 with_prompts: bool = True, exchanges_ended: tuple[str, ...] = ()) -> None:
         self.ended, self.running = dict(ended), set(running)
         self.later, self.after, self.with_prompts = later or {}, after, with_prompts
+        self.exchanges_ended = set(exchanges_ended)
         self.calls: list[list[str]] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         assert request.url.path == ABORTED_PATH
-        ids = json.loads(request.content)["request_ids"]
+        asked = json.loads(request.content)
+        ids = asked["request_ids"]
         assert 0 < len(ids) <= MAX_IDS_PER_CALL
         self.calls.append(ids)
         if len(self.calls) > self.after:
@@ -43,15 +45,19 @@ class Book:
                                 "running": [r for r in ids if r in self.running]}
         if self.with_prompts:
             body["prompt_tokens"] = {r: p for r, (p, _) in found.items()}
+        if "exchange" in asked:
+            body["exchange_ended"] = asked["exchange"] in self.exchanges_ended
         return httpx.Response(200, json=body)
 
 
 def ask(handler: Callable[[httpx.Request], httpx.Response], kind: str, request_id: str = "g",
-        wait_s: float = 1.0, **shape: int) -> tuple[int | None, int] | None:
+        wait_s: float = 1.0, exchange: bool = False,
+        **shape: int) -> tuple[int | None, int] | None:
     async def go() -> tuple[int | None, int] | None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
                                      base_url="http://engine") as client:
-            return await ask_engine_counts(client, kind, request_id, wait_s, **shape)
+            return await ask_engine_counts(client, kind, request_id, wait_s,
+                                           exchange=exchange, **shape)
     return asyncio.run(go())
 
 
@@ -169,3 +175,21 @@ def test_an_engine_that_does_not_answer_is_none() -> None:
         raise httpx.ConnectError("refused", request=request)
 
     assert ask(down, "responses") is None
+
+
+@pytest.mark.parametrize("shape", [{"n": 1, "prompts": 1}, {}])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_an_exchange_that_ended_before_reaching_the_scheduler_generated_nothing(
+        kind: str, shape: dict[str, int]) -> None:
+    """The engine's API server ended the request's exchange (the client left while it was
+    still reading or rendering it) and its scheduler knows none of its ids: nothing was
+    generated, said at once, not the reservation after the whole wait."""
+    book = Book({}, exchanges_ended=("g",))
+    assert ask(book.handle, kind, wait_s=5.0, exchange=True, **shape) == (None, 0)
+    assert len(book.calls) <= 3  # the shape's pages when not known, then the ids
+    # The exchange still open there (or another API server asked): as before.
+    assert ask(Book({}).handle, kind, wait_s=0.05, exchange=True, **shape) is None
+    # Known to the scheduler: its counts, whatever the exchange.
+    known = Book({"chatcmpl-g" if kind == "chat" else "cmpl-g-0": (21, 7)},
+                 exchanges_ended=("g",))
+    assert ask(known.handle, kind, exchange=True, **shape) == (21, 7)

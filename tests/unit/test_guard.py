@@ -148,3 +148,77 @@ def test_malformed_rate_gets_a_400_naming_the_field(raw: bytes) -> None:
 def test_other_methods_pass() -> None:
     resp = _post(b"", method="GET")
     assert resp.status_code == 200
+
+
+def test_the_guard_notes_each_ended_exchange_and_the_route_tells_it() -> None:
+    """Each JSON POST's ``x-request-id`` is noted once its exchange ended (answered, or
+    cancelled as a client that leaves cancels it); ``/tokenpace/v1/aborted`` with an
+    ``exchange`` says whether it had ended before the scheduler was asked."""
+    from types import SimpleNamespace
+
+    from tokenpace.engine._aborted import ABORTED_PATH, ENDED_EXCHANGES
+
+    asked_when: list[bool] = []
+
+    class Core:
+        async def call_utility_async(self, method: str, ids: list[str]) -> dict:
+            asked_when.append("gw-left" in ENDED_EXCHANGES)
+            return {"output_tokens": {}, "prompt_tokens": {}, "running": []}
+
+    class Slow:
+        async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+            await receive()
+            await asyncio.sleep(30)  # still rendering the prompt when the client leaves
+
+    app_state = SimpleNamespace(state=SimpleNamespace(
+        engine_client=SimpleNamespace(engine_core=Core())))
+
+    async def go() -> None:
+        answered = RequestGuard(_Echo())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=answered),
+                                     base_url="http://engine") as client:
+            await client.post("/v1/completions", content=b'{"prompt": "x"}',
+                              headers={"content-type": "application/json",
+                                       "x-request-id": "gw-answered"})
+        assert "gw-answered" in ENDED_EXCHANGES
+        slow = RequestGuard(Slow())
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"x-request-id", b"gw-left")]}
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+
+        async def send(message: dict) -> None:
+            pass
+
+        task = asyncio.ensure_future(slow(scope, receive, send))
+        await asyncio.sleep(0.05)
+        assert "gw-left" not in ENDED_EXCHANGES, "still being served"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert "gw-left" in ENDED_EXCHANGES
+        route = RequestGuard(_Echo())
+        for exchange, expected in (("gw-left", True), ("gw-never", False), (None, None)):
+            body: dict[str, Any] = {"request_ids": ["cmpl-gw-left-0"]}
+            if exchange is not None:
+                body["exchange"] = exchange
+            sent: list[dict] = []
+            route_scope = {"type": "http", "method": "POST", "path": ABORTED_PATH,
+                           "headers": [(b"content-type", b"application/json")],
+                           "app": app_state}
+
+            async def route_receive(body: dict = body) -> dict:
+                return {"type": "http.request", "body": json.dumps(body).encode(),
+                        "more_body": False}
+
+            async def route_send(message: dict) -> None:
+                sent.append(message)
+
+            await route(route_scope, route_receive, route_send)
+            assert sent[0]["status"] == 200
+            answer = json.loads(sent[1]["body"])
+            assert answer.get("exchange_ended") == expected, (exchange, answer)
+        assert asked_when[0] is True, "noted before the scheduler was asked"
+
+    asyncio.run(go())

@@ -15,7 +15,16 @@ them (the path names its first use: aborted requests; finished ones are answered
 
 ``running`` lists the ids asked for that the scheduler still holds (not ended yet: ask
 again). An id in none of the three is unknown here: not arrived yet, never sent, or ended
-so long ago that it was forgotten (``KEEP``). Ids are the API server's: vLLM appends ``-``
+so long ago that it was forgotten (``KEEP``).
+
+A caller may add ``"exchange": "<x-request-id>"``, the request's id as it sent it in that
+header; the answer then says ``"exchange_ended": true`` when this API server's HTTP
+exchange of that request had ended (answered, or the connection closed) before the
+scheduler was asked. The scheduler takes requests and these questions from the API
+server in order, so an exchange that ended with none of its ids known to the scheduler
+never reached it: the engine generated nothing for it (the client left while the API
+server was still reading or rendering it). With several API servers
+(``--api-server-count``) the one asked may not be the one that served it: false. Ids are the API server's: vLLM appends ``-``
 and 8 random characters to the id of each request it sends to the engine (and a request
 with ``n`` > 1 becomes ``n`` requests named ``{i}_`` and that id); both forms are answered,
 with and without the random part.
@@ -54,6 +63,38 @@ requests in order (``_ended``): about 420 bytes, some 27 MB when full (the ring'
 about 110 bytes a request, 7 MB)."""
 MAX_IDS_PER_CALL = 1024
 MAX_BODY_BYTES = 1 << 20
+EXCHANGE_HEADER = b"x-request-id"
+
+
+class EndedExchanges:
+    """The ``x-request-id`` of the last ``keep`` POST exchanges this API server ended
+    (``RequestGuard`` notes each one that carried the header, however it ended). Cost per
+    exchange: an ordered-dict insert, and a pop once full; memory about 100 bytes each."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self._ended: OrderedDict[str, None] = OrderedDict()
+
+    def note(self, exchange: str) -> None:
+        self._ended[exchange] = None
+        if len(self._ended) > self.keep:
+            self._ended.popitem(last=False)
+
+    def __contains__(self, exchange: object) -> bool:
+        return exchange in self._ended
+
+
+ENDED_EXCHANGES = EndedExchanges()
+"""This API server process's ended exchanges (one per process: the guard and the route
+run in it)."""
+
+
+def exchange_of(scope: Scope) -> str | None:
+    """The request's ``x-request-id`` header, if it has one (a gateway sends its id)."""
+    for name, value in scope.get("headers", ()):
+        if name == EXCHANGE_HEADER:
+            return value.decode("latin-1")
+    return None
 
 
 def _api_id(request_id: str) -> str | None:
@@ -222,7 +263,11 @@ async def handle_aborted(scope: Scope, receive: Receive, send: Send) -> None:
         if not message.get("more_body", False):
             break
     try:
-        ids = parse_ids(json.loads(b"".join(body)))
+        parsed = json.loads(b"".join(body))
+        ids = parse_ids(parsed)
+        exchange = parsed.get("exchange")
+        if exchange is not None and not isinstance(exchange, str):
+            raise ValueError('"exchange" is the request\'s x-request-id, a string')
     except (ValueError, RecursionError) as exc:
         await refuse(400, str(exc) if not isinstance(exc, json.JSONDecodeError)
                      else "the body is not JSON", "BadRequestError")
@@ -232,6 +277,8 @@ async def handle_aborted(scope: Scope, receive: Receive, send: Send) -> None:
     if client is None:
         await refuse(503, "the engine is not running", "ServiceUnavailable")
         return
+    # Read before the scheduler is asked (see the module: the order is what makes it exact).
+    ended = exchange is not None and exchange in ENDED_EXCHANGES
     # One answer per data-parallel rank (the request ran on one of them), merged.
     every = getattr(client, "call_utility_all_async", None)
     results = (await every(UTILITY_METHOD, ids) if every is not None
@@ -247,5 +294,8 @@ async def handle_aborted(scope: Scope, receive: Receive, send: Send) -> None:
         prompt.update(result.get("prompt_tokens", {}))
         running.update(result.get("running", ()))
     # A request ended on one rank is not running on another: ended wins.
-    await send_json(send, 200, {"output_tokens": output, "prompt_tokens": prompt,
-                                "running": [r for r in ids if r in running and r not in output]})
+    answer: dict[str, Any] = {"output_tokens": output, "prompt_tokens": prompt,
+                              "running": [r for r in ids if r in running and r not in output]}
+    if exchange is not None:
+        answer["exchange_ended"] = ended
+    await send_json(send, 200, answer)

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..pacing import LimitsError, validate_rate, validate_rate_version, validate_user_id
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, error_payload, send_json
-from ._aborted import ABORTED_PATH, handle_aborted
+from ._aborted import ABORTED_PATH, ENDED_EXCHANGES, exchange_of, handle_aborted
 from ._auth import carries_key, keys_of
 from ._ended import ENDED_PATH, handle_ended
 from ._config import PacingConfig
@@ -180,6 +180,15 @@ class RequestGuard:
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)
             return
+        exchange = exchange_of(scope)
+        try:
+            await self._checked(scope, receive, send)
+        finally:  # answered, refused, failed or cancelled (the client left): ended here
+            if exchange is not None:
+                ENDED_EXCHANGES.note(exchange)
+
+    async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A JSON POST: its body read whole and checked, then replayed downstream."""
         chunks: list[bytes] = []
         while True:
             message = await receive()

@@ -69,6 +69,9 @@ class _Answer:
     output: dict[str, int] = field(default_factory=dict)
     prompt: dict[str, int] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
+    exchange_ended: bool = False
+    """The engine's API server had ended the request's HTTP exchange before its scheduler
+    was asked (``engine._aborted``): ids it does not know never reached it."""
 
     def knows(self, request_id: str) -> bool:
         return request_id in self.output or request_id in self.running
@@ -77,8 +80,10 @@ class _Answer:
 class _Engine:
     """Asks one engine, within one deadline."""
 
-    def __init__(self, client: httpx.AsyncClient, wait_s: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, wait_s: float,
+                 exchange: str | None = None) -> None:
         self.client = client
+        self.exchange = exchange
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + wait_s
 
@@ -95,9 +100,10 @@ class _Engine:
         for at in range(0, len(ids), MAX_IDS_PER_CALL):
             timeout = max(self.deadline - self.loop.time(), ASK_EVERY_S)
             try:
-                resp = await self.client.post(
-                    ABORTED_PATH, json={"request_ids": ids[at:at + MAX_IDS_PER_CALL]},
-                    timeout=timeout)
+                asked: dict[str, object] = {"request_ids": ids[at:at + MAX_IDS_PER_CALL]}
+                if self.exchange is not None:
+                    asked["exchange"] = self.exchange
+                resp = await self.client.post(ABORTED_PATH, json=asked, timeout=timeout)
                 body = resp.json() if resp.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return None
@@ -113,12 +119,15 @@ class _Engine:
             running = body.get("running")
             if isinstance(running, list):
                 answer.running.update(r for r in running if isinstance(r, str))
+            if body.get("exchange_ended") is True:  # absent from older tokenpace engines
+                answer.exchange_ended = True
         return answer
 
 
 async def ask_engine_counts(client: httpx.AsyncClient, kind: str, request_id: str,
                             wait_s: float, *, n: int | None = None,
-                            prompts: int | None = None) -> tuple[int | None, int] | None:
+                            prompts: int | None = None,
+                            exchange: bool = False) -> tuple[int | None, int] | None:
     """(prompt tokens, output tokens) the engine behind ``client`` counted for gateway
     request ``request_id`` of route kind ``kind`` ("chat", "completion", "responses",
     "messages"), summed over its engine requests; None where the engine cannot tell:
@@ -135,12 +144,17 @@ async def ask_engine_counts(client: httpx.AsyncClient, kind: str, request_id: st
     knows it; otherwise the engine's answers tell it (one or more calls more: ids of up to
     ``CHILDREN_ASKED`` choices, then of the further prompts, a page at a time).
 
+    ``exchange``: ``request_id`` was this request's ``x-request-id`` at the engine (the
+    gateway's own requests): where the engine's API server says that exchange had ended
+    and it knows none of the ids, the request never reached its scheduler and generated
+    nothing: ``(None, 0)`` at once (the prompt stays what the gateway counted).
+
     Cost: one call to the engine per ``ASK_EVERY_S`` while it has not answered; in the
     engine, two dict lookups per id (``engine._aborted``).
     """
     if kind not in ("chat", "completion", "responses", "messages"):
         raise ValueError(f"unknown route kind {kind!r}")
-    engine = _Engine(client, wait_s)
+    engine = _Engine(client, wait_s, request_id if exchange else None)
     if kind in ("chat", "completion") and (n is None or prompts is None):
         shape = await _discover(engine, kind, request_id, n)
         if shape is None:
@@ -152,6 +166,8 @@ async def ask_engine_counts(client: httpx.AsyncClient, kind: str, request_id: st
         answer = await engine.ask(ids)
         if answer is None:
             return None
+        if answer.exchange_ended and not any(answer.knows(r) for r in ids):
+            return None, 0  # it never reached the scheduler: nothing was generated
         ended = _ended(kind, groups, answer)
         if ended is not None or engine.expired():
             break
@@ -213,6 +229,9 @@ async def _discover(engine: _Engine, kind: str, request_id: str,
                 continue
             if asked:
                 n = asked
+                break
+            if answer.exchange_ended:  # never reached the scheduler: the caller finds so
+                n = 1
                 break
             if engine.expired():
                 return None
