@@ -848,3 +848,64 @@ def test_a_batch_survives_the_gateway_killed_with_sigkill(gateway: GatewayProces
     time.sleep(0.5)  # the engine writes its event log every 200 ms
     sent = len(engine_requests(events, {"slow"}, since))
     assert 8 <= sent <= 16 - at_kill, (sent, at_kill)
+
+
+def test_the_engine_tells_an_exchange_that_ended_before_its_scheduler_had_it(
+        engine: Server) -> None:
+    """``exchange`` in the aborted question, on the real server: an exchange answered is
+    ended and its id known; an id never sent is not ended. Requests cut at once by their
+    client (a few milliseconds after sending, often before vLLM hands them to the
+    scheduler): each is either known to the scheduler or ended and unknown, and one that
+    is ended and unknown stays unknown (it never reached the scheduler: nothing later
+    makes it run)."""
+    def aborted(exchange: str, ids: list[str]) -> dict[str, Any]:
+        return httpx.post(f"{engine.base_url}/tokenpace/v1/aborted", timeout=10,
+                          json={"request_ids": ids, "exchange": exchange}).json()
+
+    done = httpx.post(f"{engine.base_url}/v1/completions", timeout=60,
+                      headers={"x-request-id": "tpg-exchange-done"},
+                      json={"model": "tiny", "prompt": "Hello world", "max_tokens": 3})
+    assert done.status_code == 200
+    answer = aborted("tpg-exchange-done", ["cmpl-tpg-exchange-done-0"])
+    assert answer["exchange_ended"] is True
+    assert answer["output_tokens"] == {"cmpl-tpg-exchange-done-0": 3}
+    assert aborted("tpg-exchange-never", ["cmpl-tpg-exchange-never-0"]) == {
+        "output_tokens": {}, "prompt_tokens": {}, "running": [], "exchange_ended": False}
+
+    async def cut(i: int) -> str:
+        """The whole request written on a socket, closed 0-8 ms later."""
+        rid = f"tpg-exchange-cut-{i}"
+        body = json.dumps({"model": "tiny", "prompt": "Hello world " * 200,
+                           "max_tokens": 64}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", engine.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: engine\r\n"
+                     b"content-type: application/json\r\n"
+                     + f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        await writer.drain()
+        await asyncio.sleep(0.002 * (i % 5))
+        writer.close()
+        await writer.wait_closed()
+        return rid
+
+    async def cut_all() -> list[str]:
+        return [await cut(i) for i in range(20)]
+
+    never = []
+    for rid in asyncio.run(cut_all()):
+        ids = [f"cmpl-{rid}-0"]
+        deadline = time.monotonic() + 10
+        while True:  # the exchange ends once the server saw the client go
+            answer = aborted(rid, ids)
+            known = ids[0] in answer["output_tokens"] or ids[0] in answer["running"]
+            if known or answer["exchange_ended"]:
+                break
+            assert time.monotonic() < deadline, f"{rid}: neither known nor ended in 10 s"
+            time.sleep(0.05)
+        if not known:
+            never.append(rid)
+    time.sleep(1.0)
+    for rid in never:
+        answer = aborted(rid, [f"cmpl-{rid}-0"])
+        assert answer["output_tokens"] == {} and answer["running"] == [], (rid, answer)
+    print(f"cut at once: {len(never)} of 20 never reached the scheduler")
