@@ -222,3 +222,21 @@ def test_the_guard_notes_each_ended_exchange_and_the_route_tells_it() -> None:
         assert asked_when[0] is True, "noted before the scheduler was asked"
 
     asyncio.run(go())
+
+
+def test_an_id_sent_again_is_not_ended_while_its_second_exchange_is_under_way() -> None:
+    from tokenpace.engine._aborted import EndedExchanges
+
+    book = EndedExchanges(keep=2)
+    book.begin("a")
+    assert "a" not in book
+    book.end("a")
+    assert "a" in book
+    book.begin("a")  # the same id again (a retry to the same engine)
+    assert "a" not in book
+    book.end("a")
+    assert "a" in book
+    for other in ("b", "c"):
+        book.begin(other)
+        book.end(other)
+    assert "a" not in book and "b" in book and "c" in book  # the oldest forgotten

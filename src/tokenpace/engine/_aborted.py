@@ -67,21 +67,32 @@ EXCHANGE_HEADER = b"x-request-id"
 
 
 class EndedExchanges:
-    """The ``x-request-id`` of the last ``keep`` POST exchanges this API server ended
-    (``RequestGuard`` notes each one that carried the header, however it ended). Cost per
-    exchange: an ordered-dict insert, and a pop once full; memory about 100 bytes each."""
+    """The ``x-request-id`` of the last ``keep`` POST exchanges this API server ended, and
+    of those under way (``RequestGuard`` calls ``begin`` and ``end`` around each one that
+    carries the header, however it ends). An id is ended while no exchange of it is under
+    way (a caller that sent one id twice, the second still being read, is not told the
+    first one ended). Cost per exchange: two dict updates, an ordered-dict insert and a
+    pop once full; memory about 100 bytes per ended one."""
 
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self._open: dict[str, int] = {}
 
-    def note(self, exchange: str) -> None:
+    def begin(self, exchange: str) -> None:
+        self._open[exchange] = self._open.get(exchange, 0) + 1
+
+    def end(self, exchange: str) -> None:
+        left = self._open.pop(exchange, 1) - 1
+        if left > 0:
+            self._open[exchange] = left
         self._ended[exchange] = None
+        self._ended.move_to_end(exchange)
         if len(self._ended) > self.keep:
             self._ended.popitem(last=False)
 
     def __contains__(self, exchange: object) -> bool:
-        return exchange in self._ended
+        return exchange in self._ended and exchange not in self._open
 
 
 ENDED_EXCHANGES = EndedExchanges()

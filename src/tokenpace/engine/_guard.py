@@ -181,11 +181,13 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         exchange = exchange_of(scope)
+        if exchange is not None:
+            ENDED_EXCHANGES.begin(exchange)
         try:
             await self._checked(scope, receive, send)
         finally:  # answered, refused, failed or cancelled (the client left): ended here
             if exchange is not None:
-                ENDED_EXCHANGES.note(exchange)
+                ENDED_EXCHANGES.end(exchange)
 
     async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A JSON POST: its body read whole and checked, then replayed downstream."""
