@@ -916,3 +916,67 @@ def test_the_engine_tells_an_exchange_that_ended_before_its_scheduler_had_it(
         answer = aborted(rid, [f"cmpl-{rid}-0"])
         assert answer["output_tokens"] == {} and answer["running"] == [], (rid, answer)
     print(f"cut at once: {len(never)} of 20 never reached the scheduler")
+
+
+def test_recovery_charges_an_exchange_the_engine_ended_unscheduled_for_nothing_generated(
+        engine: Server) -> None:
+    """The restarted gateway's recovery (``server._recovery``) of two requests its killed
+    predecessor had sent: one whose connection closed while the engine was still reading
+    its body (the exchange began and ended, the scheduler never had it) is recorded with
+    nothing generated and its admitted prompt, exact, not its reservation as an estimate;
+    one the engine answered is recorded with the engine's counts."""
+    from types import SimpleNamespace
+
+    from tokenpace.gateway.server._recovery import recover_in_flight
+
+    cut, done = "tpg-recover-cut", "tpg-recover-done"
+
+    async def half_sent() -> None:
+        body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 64}).encode()
+        _, writer = await asyncio.open_connection("127.0.0.1", engine.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: engine\r\n"
+                     b"content-type: application/json\r\n"
+                     + f"x-request-id: {cut}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                     + body[:len(body) // 2])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the engine's guard has begun the exchange
+        writer.close()
+        await writer.wait_closed()
+
+    asyncio.run(half_sent())
+    answered = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=60,
+                          headers={"x-request-id": done},
+                          json={"model": "tiny", "messages": CHAT, "max_tokens": 5,
+                                "ignore_eos": True})
+    assert answered.status_code == 200
+
+    def orphan(request_id: str) -> dict[str, Any]:
+        """A journal's open entry: prompt 20 and max_tokens 64 reserved, 148 at 1 and 2."""
+        return {"open": {"request_id": request_id, "tenant": "acme", "model": "tiny",
+                         "lane": "default", "prompt_tokens": 20, "completion_tokens": 64,
+                         "cost": 148.0, "queue_ms": None, "ttft_ms": None, "e2e_ms": 1.0,
+                         "finish_reason": "interrupted", "started_at": time.time(),
+                         "ended_at": time.time(), "served": 1,
+                         "route": "/v1/chat/completions", "application": "",
+                         "cached_prompt_tokens": 0, "batch_id": "", "estimated": 1},
+                "engine": engine.base_url, "kind": "chat", "cost": [1.0, 2.0, 1.0],
+                "prompt_bound": False, "holders": [], "reserved_at": time.time()}
+
+    rows: list[Any] = []
+
+    async def recover() -> None:
+        async with httpx.AsyncClient(base_url=engine.base_url) as client:
+            rt = SimpleNamespace(clients={engine.base_url: client}, tenants={}, store=None,
+                                 ledger=SimpleNamespace(record=rows.append), clock=time.time)
+            await recover_in_flight(rt, [orphan(cut), orphan(done)])  # type: ignore[arg-type]
+
+    asyncio.run(recover())
+    by_id = {row.request_id: row for row in rows}
+    assert set(by_id) == {cut, done}
+    never = by_id[cut]
+    assert (never.completion_tokens, never.prompt_tokens, never.cost, never.estimated,
+            never.finish_reason) == (0, 20, 20.0, False, "interrupted"), never
+    usage = answered.json()["usage"]
+    finished = by_id[done]
+    assert (finished.completion_tokens, finished.prompt_tokens, finished.estimated) == (
+        5, usage["prompt_tokens"], False), finished

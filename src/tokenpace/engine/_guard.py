@@ -26,8 +26,10 @@ request's user), it reads them from every request, refuses a repeated, malformed
 the engine's side of the API server for the request's handling (``_header_identity``).
 
 It only looks inside JSON bodies of POST requests (a body without a content type is
-read as JSON, as FastAPI reads it) and passes everything else through untouched; a body that is not valid JSON is left to vLLM, which answers it with its own
-400. The scheduler does not trust this layer: a malformed identity that still arrives
+read as JSON, as FastAPI reads it) and passes everything else through untouched; a body
+that is not valid JSON is left to vLLM, which answers it with its own 400. Each JSON
+POST's ``x-request-id`` is noted as an exchange under way until it is answered or its
+client leaves (``_aborted.EndedExchanges``). The scheduler does not trust this layer: a malformed identity that still arrives
 (for example through the Python API) is paced as anonymous, never a crash.
 """
 
@@ -57,8 +59,6 @@ from ._xargs import (
     RATE_VERSION_EXTRA_ARG,
     USER_EXTRA_ARG,
 )
-
-
 
 
 # The pacing fields of ``vllm_xargs`` and how each is checked (its param is its path).

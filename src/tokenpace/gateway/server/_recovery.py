@@ -6,10 +6,12 @@ was killed after its grace period). Each is asked of its engine: tokenpace's eng
 what its last ended requests generated (``/tokenpace/v1/aborted``; the engine aborted them
 when the gateway's connections closed), and the row is written with the engine's counts,
 priced at the coefficients the request was admitted with, ``finish_reason:
-interrupted``. Where the engine cannot tell (plain vLLM, an engine that restarted or left,
-or a request it forgot: it keeps its last 65,536), the row journaled at dispatch is
-written as it is: the reservation (prompt and ``max_tokens``) as the charge, marked
-``estimated``.
+interrupted``; a request whose HTTP exchange the engine ended before its scheduler had
+it (the connection closed while the engine read or tokenized it) generated nothing and is
+charged its prompt as admitted. Where the engine cannot tell (plain vLLM, an engine that
+restarted or left, or a request it forgot: it keeps its last 65,536), the row journaled at
+dispatch is written as it is: the reservation (prompt and ``max_tokens``) as the charge,
+marked ``estimated``.
 
 Budgets. The tenant's levels were restored from the last snapshot the earlier process
 journaled (every second) or wrote; a request's reservation and settlement are in it or not
@@ -180,7 +182,10 @@ async def _recover(rt: Runtime, entry: dict[str, Any], snapshots: dict[str, floa
     if client is not None:
         deadline = time.monotonic() + ASK_FOR_S
         while True:
-            answer = await ask_engine_counts(client, kind, rec.request_id, ASK_EVERY_S)
+            # The request id was the exchange's x-request-id at the engine: an exchange
+            # the engine ended before its scheduler had the request generated nothing.
+            answer = await ask_engine_counts(client, kind, rec.request_id, ASK_EVERY_S,
+                                             exchange=True)
             if answer is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(ASK_EVERY_S)
