@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from tokenpace.gateway.engines import PromptBounds
-from tokenpace.gateway.engines._prompt_bound import bound
+from tokenpace.gateway.engines._prompt_bound import bound as prompt_bound
 from tokenpace.gateway.wire import parse_request
 
 from tests._engine_pool import ModuleEngines
@@ -241,7 +241,7 @@ def test_the_byte_bound_is_never_below_the_engines_count(engine: Server) -> None
         ]
         for kind, body in bodies:
             learned = chat if kind == "chat" else plain
-            claimed = bound(parse_request(kind, {**body, "max_tokens": 1}),
+            claimed = prompt_bound(parse_request(kind, {**body, "max_tokens": 1}),
                             learned.overhead)  # type: ignore[attr-defined]
             path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             usage = httpx.post(f"{engine.base_url}{path}", timeout=60,
