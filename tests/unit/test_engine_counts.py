@@ -51,13 +51,11 @@ class Book:
 
 
 def ask(handler: Callable[[httpx.Request], httpx.Response], kind: str, request_id: str = "g",
-        wait_s: float = 1.0, exchange: bool = False,
-        **shape: int) -> tuple[int | None, int] | None:
+        wait_s: float = 1.0, **shape: int) -> tuple[int | None, int] | None:
     async def go() -> tuple[int | None, int] | None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
                                      base_url="http://engine") as client:
-            return await ask_engine_counts(client, kind, request_id, wait_s,
-                                           exchange=exchange, **shape)
+            return await ask_engine_counts(client, kind, request_id, wait_s, **shape)
     return asyncio.run(go())
 
 
@@ -185,11 +183,11 @@ def test_an_exchange_that_ended_before_reaching_the_scheduler_generated_nothing(
     still reading or rendering it) and its scheduler knows none of its ids: nothing was
     generated, said at once, not the reservation after the whole wait."""
     book = Book({}, exchanges_ended=("g",))
-    assert ask(book.handle, kind, wait_s=5.0, exchange=True, **shape) == (None, 0)
+    assert ask(book.handle, kind, wait_s=5.0, **shape) == (None, 0)
     assert len(book.calls) <= 3  # the shape's pages when not known, then the ids
     # The exchange still open there (or another API server asked): as before.
-    assert ask(Book({}).handle, kind, wait_s=0.05, exchange=True, **shape) is None
+    assert ask(Book({}).handle, kind, wait_s=0.05, **shape) is None
     # Known to the scheduler: its counts, whatever the exchange.
     known = Book({"chatcmpl-g" if kind == "chat" else "cmpl-g-0": (21, 7)},
                  exchanges_ended=("g",))
-    assert ask(known.handle, kind, exchange=True, **shape) == (21, 7)
+    assert ask(known.handle, kind, **shape) == (21, 7)

@@ -24,10 +24,11 @@ scheduler was asked. The scheduler takes requests and these questions from the A
 server in order, so an exchange that ended with none of its ids known to the scheduler
 never reached it: the engine generated nothing for it (the client left while the API
 server was still reading or rendering it). With several API servers
-(``--api-server-count``) the one asked may not be the one that served it: false. Ids are the API server's: vLLM appends ``-``
-and 8 random characters to the id of each request it sends to the engine (and a request
-with ``n`` > 1 becomes ``n`` requests named ``{i}_`` and that id); both forms are answered,
-with and without the random part.
+(``--api-server-count``) the one asked may not be the one that served it: false.
+
+Ids are the API server's: vLLM appends ``-`` and 8 random characters to the id of each
+request it sends to the engine (and a request with ``n`` > 1 becomes ``n`` requests named
+``{i}_`` and that id); both forms are answered, with and without the random part.
 
 The same book lists its entries in the order they ended, with each request's pacing
 user and end time, for a gateway reconciling its ledger (``GET /tokenpace/v1/ended``,

@@ -29,8 +29,9 @@ It only looks inside JSON bodies of POST requests (a body without a content type
 read as JSON, as FastAPI reads it) and passes everything else through untouched; a body
 that is not valid JSON is left to vLLM, which answers it with its own 400. Each JSON
 POST's ``x-request-id`` is noted as an exchange under way until it is answered or its
-client leaves (``_aborted.EndedExchanges``). The scheduler does not trust this layer: a malformed identity that still arrives
-(for example through the Python API) is paced as anonymous, never a crash.
+client leaves (``_aborted.EndedExchanges``). The scheduler does not trust this layer: a
+malformed identity that still arrives (for example through the Python API) is paced as
+anonymous, never a crash.
 """
 
 from __future__ import annotations

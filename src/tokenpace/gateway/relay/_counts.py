@@ -80,8 +80,7 @@ class _Answer:
 class _Engine:
     """Asks one engine, within one deadline."""
 
-    def __init__(self, client: httpx.AsyncClient, wait_s: float,
-                 exchange: str | None = None) -> None:
+    def __init__(self, client: httpx.AsyncClient, wait_s: float, exchange: str) -> None:
         self.client = client
         self.exchange = exchange
         self.loop = asyncio.get_running_loop()
@@ -100,9 +99,8 @@ class _Engine:
         for at in range(0, len(ids), MAX_IDS_PER_CALL):
             timeout = max(self.deadline - self.loop.time(), ASK_EVERY_S)
             try:
-                asked: dict[str, object] = {"request_ids": ids[at:at + MAX_IDS_PER_CALL]}
-                if self.exchange is not None:
-                    asked["exchange"] = self.exchange
+                asked = {"request_ids": ids[at:at + MAX_IDS_PER_CALL],
+                         "exchange": self.exchange}
                 resp = await self.client.post(ABORTED_PATH, json=asked, timeout=timeout)
                 body = resp.json() if resp.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
@@ -126,8 +124,7 @@ class _Engine:
 
 async def ask_engine_counts(client: httpx.AsyncClient, kind: str, request_id: str,
                             wait_s: float, *, n: int | None = None,
-                            prompts: int | None = None,
-                            exchange: bool = False) -> tuple[int | None, int] | None:
+                            prompts: int | None = None) -> tuple[int | None, int] | None:
     """(prompt tokens, output tokens) the engine behind ``client`` counted for gateway
     request ``request_id`` of route kind ``kind`` ("chat", "completion", "responses",
     "messages"), summed over its engine requests; None where the engine cannot tell:
@@ -144,17 +141,17 @@ async def ask_engine_counts(client: httpx.AsyncClient, kind: str, request_id: st
     knows it; otherwise the engine's answers tell it (one or more calls more: ids of up to
     ``CHILDREN_ASKED`` choices, then of the further prompts, a page at a time).
 
-    ``exchange``: ``request_id`` was this request's ``x-request-id`` at the engine (the
-    gateway's own requests): where the engine's API server says that exchange had ended
-    and it knows none of the ids, the request never reached its scheduler and generated
-    nothing: ``(None, 0)`` at once (the prompt stays what the gateway counted).
+    ``request_id`` is also the request's ``x-request-id`` at the engine (the gateway sends
+    its id so): where the engine's API server says that exchange had ended and it knows
+    none of the ids, the request never reached its scheduler and generated nothing:
+    ``(None, 0)`` at once (the prompt stays what the gateway counted).
 
     Cost: one call to the engine per ``ASK_EVERY_S`` while it has not answered; in the
     engine, two dict lookups per id (``engine._aborted``).
     """
     if kind not in ("chat", "completion", "responses", "messages"):
         raise ValueError(f"unknown route kind {kind!r}")
-    engine = _Engine(client, wait_s, request_id if exchange else None)
+    engine = _Engine(client, wait_s, request_id)
     if kind in ("chat", "completion") and (n is None or prompts is None):
         shape = await _discover(engine, kind, request_id, n)
         if shape is None:

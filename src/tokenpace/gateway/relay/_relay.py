@@ -61,7 +61,7 @@ async def engine_output_count(ex: Exchange, n: int | None = 1,
     if client is None:  # the engine left the configuration meanwhile
         return None
     counts = await ask_engine_counts(client, ex.kind, ex.id, ABORT_WAIT_S, n=n,
-                                     prompts=prompts, exchange=True)
+                                     prompts=prompts)
     if counts is None:
         return None
     prompt, output = counts

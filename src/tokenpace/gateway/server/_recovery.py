@@ -182,10 +182,7 @@ async def _recover(rt: Runtime, entry: dict[str, Any], snapshots: dict[str, floa
     if client is not None:
         deadline = time.monotonic() + ASK_FOR_S
         while True:
-            # The request id was the exchange's x-request-id at the engine: an exchange
-            # the engine ended before its scheduler had the request generated nothing.
-            answer = await ask_engine_counts(client, kind, rec.request_id, ASK_EVERY_S,
-                                             exchange=True)
+            answer = await ask_engine_counts(client, kind, rec.request_id, ASK_EVERY_S)
             if answer is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(ASK_EVERY_S)
