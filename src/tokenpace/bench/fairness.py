@@ -258,8 +258,8 @@ async def _warm(urls: list[str], streams: int) -> None:
     A gateway dispatches only once its health check has seen the engine, and an engine's
     first steps at a new batch shape carry one-time costs that a busy machine stretches to
     seconds; neither is capacity. The requests go to the ``calibration`` tenant, which no
-    workload uses. RuntimeError naming the gateway if one fails or does not end within
-    ``WARM_TIMEOUT_S``."""
+    workload uses. RuntimeError with the first failure: the request's error, or the
+    gateway through which one did not end within ``WARM_TIMEOUT_S``."""
     rng = random.Random(0)
     errors: list[str] = []
     targets = [urls[n % len(urls)] for n in range(max(streams, len(urls)))]
