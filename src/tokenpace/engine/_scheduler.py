@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 from types import MappingProxyType
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ..pacing import (
@@ -106,6 +106,9 @@ from ._xargs import (
 logger = logging.getLogger("vllm.tokenpace.engine")
 
 CLEANUP_EVERY_STEPS = 256
+BULK_RETRY_STEPS = 8
+"""Steps with per-request draft grants before a bulk window is tried again (each try is a
+pass over the running requests)."""
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priority level
 STREAM_ATTRIBUTE = "tokenpace_stream"
@@ -146,6 +149,8 @@ class _PacingMixin:
     _lane_gate: int | None = None
     _lane_worst = 0
     _held_last_step = False
+    _bulk_open = False
+    _sessions = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -167,6 +172,16 @@ class _PacingMixin:
         # the step's granted drafts).
         self._drafts: DraftBook | None = None
         self._draft_results = {}
+        # Bulk windows of drafts (``pacing._drafts``, part 3): whether this scheduler may
+        # open them, steps left in the open one, steps before the next try after a step
+        # with per-request grants, the limiter generation it opened at, and the open
+        # streaming-input sessions (none may be, for a window to open).
+        self._bulk_allowed = False
+        self._bulk_open = False
+        self._bulk_left = 0
+        self._bulk_wait = 0
+        self._bulk_generation = -1
+        self._sessions = 0
         # What each ended request was prompted with and generated, for the gateway
         # (``_aborted``): kept whenever this class is the engine's scheduler, pacing on
         # or off (a gateway meters requests through an unpaced engine too).
@@ -207,6 +222,7 @@ class _PacingMixin:
             self._pinned_rank = (rank, ranks)
         if config.event_log is not None:
             self._event_log = EventLog(config.event_log, rank if ranks > 1 else None)
+        self._bulk_allowed = self._drafts is not None and self._bulk_possible()
         logger.info(
             "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
             "%d user override(s)%s%s",
@@ -277,6 +293,18 @@ class _PacingMixin:
                 "folded_users": snap.folded,
                 "lanes": {p: list(v) for p, v in snap.lanes.items()}}
 
+    def _bulk_possible(self) -> bool:
+        """Whether a request's output length tells every token it was delivered at the
+        start of each step (``pacing._drafts``, part 3): one batch in flight, results
+        before the next ``schedule()``, none discarded by a KV connector's failed load,
+        and no event log (it records each draft's charge at its step)."""
+        config = self.vllm_config
+        return (not isinstance(self, AsyncScheduler)
+                and not config.scheduler_config.async_scheduling
+                and config.parallel_config.pipeline_parallel_size == 1
+                and getattr(self, "connector", None) is None
+                and self._event_log is None)
+
     def _quota_needs(self) -> Iterator[Stream | None]:
         """For each request that could be scheduled: its stream (the user, and end user if
         any, its next step charges), or None when that step samples nothing (it runs
@@ -343,7 +371,10 @@ class _PacingMixin:
                     _report_untrusted_rate(request)
         # An id already held is the next input of a streaming session, not a new request.
         book = self.ended_requests
-        new = book is not None and request.request_id not in self.requests
+        fresh = request.request_id not in self.requests
+        new = book is not None and fresh
+        if fresh and request.resumable:
+            self._sessions += 1
         super().add_request(request)  # type: ignore[misc]
         if new:
             book.started(request.request_id)  # type: ignore[union-attr]
@@ -472,6 +503,10 @@ class _PacingMixin:
         book = self.ended_requests
         if book is not None:
             book.ended(request, _ended_user(request))
+        if request.resumable:
+            self._sessions -= 1
+        if self._bulk_open:
+            self._count_delivered((request,), charge=True)
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
@@ -507,7 +542,12 @@ class _PacingMixin:
         samples = SAMPLES  # local: faster
         may_end_prompt = False
         prompts: list[Stream] = []  # running a prompt chunk (for lanes; rare: no cost per decode)
-        drafting = self._drafts is not None
+        admits = bool(self.waiting) or bool(self.kv_holding_waiting)  # type: ignore[attr-defined]
+        # Drafts granted per request, unless this step is in a bulk window (nothing per
+        # request: what each delivers is counted once per window).
+        bulk = self._bulk_allowed and self._bulk_step(admits)
+        planner.count_dispatches = bulk
+        drafting = self._drafts is not None and not bulk
         for req in self.running:
             try:
                 s = req.tokenpace_stream  # = STREAM_ATTRIBUTE, set by add_request
@@ -562,8 +602,7 @@ class _PacingMixin:
             self._lane_gate = self.max_num_active_reqs
             self.max_num_active_reqs = min(self.max_num_active_reqs + past_limit,
                                            self.max_num_running_reqs)
-        admits = bool(self.waiting) or bool(self.kv_holding_waiting)  # type: ignore[attr-defined]
-        grants = self._grant_drafts() if self._drafts is not None else None
+        grants = self._grant_drafts() if drafting else None
         if admits:
             self.__dict__["_reserve_prefill_lookahead"] = self._charge_admission_chunk
         try:
@@ -582,7 +621,86 @@ class _PacingMixin:
         logged_at = self._settle(output, len(streams), may_end_prompt)
         if grants is not None:
             self._settle_drafts(output, grants, admits, logged_at)
+        elif bulk:
+            if output.preempted_req_ids:  # they leave ``running``: counted now
+                self._count_delivered([requests[k] for k in output.preempted_req_ids
+                                       if k in requests], charge=True)
+            if plan.throttled:  # cannot happen in a window; if it does, it ends here
+                self._bulk_left = 0
         return output
+
+    def _bulk_step(self, admits: bool) -> bool:
+        """Whether this step is in a bulk window of drafts (``pacing._drafts``, part 3),
+        opening or closing one first where due.
+
+        An open window goes on while it has steps left, nothing waits for admission and
+        no rate changed; else it closes: each user is charged what its running requests
+        delivered beyond their dispatched sure tokens. A new one opens, right then or
+        ``BULK_RETRY_STEPS`` after a step that could not be in one, when nothing waits,
+        no open stream names an inner level, no streaming-input session is open, and
+        ``DraftBook.bulk_steps`` finds room for at least its minimum.
+
+        Cost: in a window, a few attribute tests; at each window's end (and at each try),
+        one pass over the running requests (``_count_delivered``)."""
+        planner = self._planner
+        book = self._drafts
+        assert planner is not None and book is not None
+        limiter = planner.limiter
+        if self._bulk_open:
+            if self._bulk_left > 0 and not admits and limiter.generation == self._bulk_generation:
+                self._bulk_left -= 1
+                return True
+            self._bulk_open = False
+            counts = self._count_delivered(self.running, charge=True)
+            if admits:
+                self._bulk_wait = BULK_RETRY_STEPS
+                return False
+        elif admits or self._bulk_wait > 0:
+            if self._bulk_wait > 0:
+                self._bulk_wait -= 1
+            return False
+        else:
+            counts = self._count_delivered(self.running, charge=False)
+        steps = 0
+        if not planner.names_inner_levels and not self._sessions:
+            steps = book.bulk_steps(counts, 1 + self.num_spec_tokens,  # type: ignore[attr-defined]
+                                    limiter.now_ns())
+        if not steps:
+            self._bulk_wait = BULK_RETRY_STEPS
+            return False
+        self._bulk_open = True
+        self._bulk_left = steps - 1
+        self._bulk_generation = limiter.generation
+        return True
+
+    def _count_delivered(self, requests: Iterable[Request], charge: bool) -> dict[Any, int]:
+        """Count the output tokens of ``requests`` from their lengths: with ``charge``,
+        each user is charged those delivered since they were last counted beyond the sure
+        tokens dispatched since (its accepted drafts), at once; then each request's count
+        starts again from here. Returns each user's account -> its requests among them.
+
+        Cost per request: an attribute read, a ``len``, a few integer operations and
+        stores, and one or two dict updates; per user charged, one GCRA update."""
+        counts: dict[Any, int] = {}
+        delivered: dict[Any, int] = {}
+        for req in requests:
+            try:
+                s = req.tokenpace_stream  # = STREAM_ATTRIBUTE
+            except AttributeError:
+                s = self._stream_of(req)
+            n = len(req._output_token_ids)
+            a = s.account
+            if charge:
+                extra = n - s.seen - s.dispatched
+                if extra > 0:
+                    delivered[a] = delivered.get(a, 0) + extra
+            s.seen = n
+            s.dispatched = 0
+            counts[a] = counts.get(a, 0) + 1
+        if delivered:
+            assert self._drafts is not None and self._planner is not None
+            self._drafts.charge_delivered(delivered, self._planner.limiter.now_ns())
+        return counts
 
     def _plan_lanes(self, lanes: LanePolicy, streams: list[Stream], prompts: list[Stream],
                     plan: RunningPlan, active_slots: int) -> int:

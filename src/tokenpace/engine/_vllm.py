@@ -43,6 +43,8 @@ SCHEDULER_ATTRIBUTES = (
     "max_num_running_reqs",
     "max_num_scheduled_tokens",
     "num_sampled_tokens_per_step",
+    "num_spec_tokens",  # k, the drafts a decode step may verify (bulk windows, _drafts)
+    "connector",  # None without a KV connector (bulk windows need none)
     "vllm_config",
 )
 # Methods overridden (hooks) or called.
@@ -82,6 +84,9 @@ REQUEST_ATTRIBUTES = (
     "lora_request",  # its adapter: at most max_loras adapters per step (_lora_misfits)
     "is_prefill_chunk",  # set by _update_after_schedule: False after a sampling step
     "_output_token_ids",  # its length, before and after a step's results: tokens delivered
+    # (and, in a bulk window of drafts, once per window; it only grows, except for a
+    # streaming-input session, which vLLM marks:)
+    "resumable",
     # An ended request's counts, kept for the gateway (_aborted): the tokens generated
     # (delivered ones; under async scheduling not the step still in flight) and the prompt.
     "num_output_tokens",

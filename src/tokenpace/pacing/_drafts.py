@@ -17,6 +17,16 @@ sure token as for any decode step; this module accounts for the drafts around it
    back at the refund point instead, ``give_back``, so that the log can say which were
    scheduled.)
 
+3. **In bulk windows** (``bulk_steps``, ``charge_delivered``): when every paced user's GCRA
+   room covers all it could take over the next ``S`` steps (each of its running streams
+   a sure token and every draft, each step), no stream asks for its drafts; they are
+   all verified, and every ``S`` steps (or sooner: when a request waits for admission,
+   a rate changes, or a request ends or is preempted) each user is charged the tokens
+   its requests delivered beyond the sure ones, from their output lengths. The adapter
+   opens such windows only where those lengths tell every delivered token: a
+   synchronous scheduler with one batch in flight, no KV connector, no event log, no
+   inner level and no streaming-input session.
+
 Drafts vLLM schedules without asking (it pads a resumed or remotely prefilled request's
 first decode step with placeholder drafts) are counted as owed (``owe``): the user pays
 them back before its next grant.
@@ -25,9 +35,15 @@ Bound. Counting each delivered token at the instant its step was dispatched, a u
 tokens in any window of W seconds stay within ``(W + 0.1) x R + 1 + k x n``, where ``k``
 is the number of speculative tokens and ``n`` the user's requests whose drafts were in
 flight when the window began: rejected drafts of a step dispatched before the window
-are returned inside it. ``n`` is 1 for a user with one stream.
+are returned inside it. ``n`` is 1 for a user with one stream. A bulk window changes
+nothing to it: what a user delivers in a window fits in the room it had when the window
+opened, as if it had all been granted then, and a charge that lands later moves the TAT
+at least as far as the same charge at dispatch would have.
 
-Cost: only for streams that have drafts, one GCRA update per level per step (``take``
+Cost in a bulk window: no operation per request and step besides counting each dispatch
+(``StepPlanner.count_dispatches``); once per window, the adapter's pass over the running
+requests (a ``len`` and a few integer operations each) and one GCRA update per user.
+Otherwise, only for streams that have drafts, one GCRA update per level per step (``take``
 grants ``d`` tokens at once) and one refund per stream whose drafts were not all
 delivered; nothing when speculative decoding is off. ``grant_all`` and ``settle`` take a
 step's streams at once, with the arithmetic of a stream paced at its user's level alone
@@ -36,10 +52,15 @@ step's streams at once, with the arithmetic of a stream paced at its user's leve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ._limiter import OutputRateLimiter, _grant
-from ._planner import Stream
+from ._planner import Stream, _Account
+
+BULK_MAX_STEPS = 16
+"""The longest bulk window: the most steps a user's accepted drafts wait to be charged."""
+BULK_MIN_STEPS = 2
+"""A shorter window than this is not opened: its pass would cost more than it saves."""
 
 
 class DraftBook:
@@ -52,6 +73,8 @@ class DraftBook:
         """Draft tokens granted so far (before any return), for tests and metrics."""
         self.returned = 0
         """Draft tokens given back so far (not dispatched, or rejected)."""
+        self.windows = 0
+        """Bulk windows opened so far (``bulk_steps`` found room), for tests and metrics."""
 
     def grant(self, stream: Stream, want: int, now: int) -> int | None:
         """Grant up to ``want`` drafts to ``stream`` at ``now``: the most every level
@@ -181,6 +204,44 @@ class DraftBook:
             stats.refunds += back
         self.returned += total
         return returned
+
+    def bulk_steps(self, streams: Mapping[_Account, int], per_step: int, now: int) -> int:
+        """How many steps, up to ``BULK_MAX_STEPS``, a bulk window can last: the most
+        ``S`` such that each paced user in ``streams`` (user -> its running streams) is
+        granted ``S x streams x per_step`` tokens by its GCRA state at ``now`` (the burst
+        tolerance, less what its TAT leads the clock by). 0 when that is under
+        ``BULK_MIN_STEPS`` for some user; otherwise the window is counted as opened
+        (``windows``). Users without a rate take no part. Cost: one dict lookup and a
+        few integer operations per user."""
+        limiter = self.limiter
+        steps = BULK_MAX_STEPS
+        for account, n in streams.items():
+            bucket = limiter.bucket(account.user, now)
+            if bucket is None:
+                continue
+            lead = bucket.tat - now * bucket.scale
+            room = bucket.burst - lead if lead > 0 else bucket.burst
+            if room < 0:
+                return 0
+            fit = (room // bucket.interval + 1) // (n * per_step)
+            if fit < steps:
+                if fit < BULK_MIN_STEPS:
+                    return 0
+                steps = fit
+        self.windows += 1
+        return steps
+
+    def charge_delivered(self, delivered: Mapping[_Account, int], now: int) -> None:
+        """Charge each user the drafts its requests delivered in a bulk window (user ->
+        tokens delivered beyond the sure ones), at ``now``, whether or not it has room
+        (``OutputRateLimiter.take_owed``: they were covered when the window opened).
+        Cost: one GCRA update per user."""
+        total = 0
+        for account, n in delivered.items():
+            if self.limiter.take_owed(account.user, n, now):
+                total += n
+                account.stats.tokens += n
+        self.granted += total
 
     def owe(self, stream: Stream, n: int) -> bool:
         """Count ``n`` drafts that were scheduled without a grant, at every level; False

@@ -87,7 +87,7 @@ class Stream:
     """A request as the planner sees it; opened once, reused every step (no allocation)."""
 
     __slots__ = ("key", "user", "account", "stats", "priority", "samples", "last_served",
-                 "levels", "yielded", "drafts")
+                 "levels", "yielded", "drafts", "seen", "dispatched")
 
     def __init__(self, key: Hashable, account: _Account, priority: int,
                  levels: tuple[InnerKey, ...] = ()) -> None:
@@ -109,6 +109,12 @@ class Stream:
         self.drafts = 0
         """Set by the adapter before each step with speculative decoding: the draft tokens
         the request proposes (``_drafts``)."""
+        self.seen = 0
+        """Speculative decoding in bulk windows (``_drafts``): the request's output tokens
+        when the adapter last counted them."""
+        self.dispatched = 0
+        """Its sure tokens dispatched since then (counted by ``settle`` while
+        ``StepPlanner.count_dispatches`` is set)."""
 
 
 @dataclass(slots=True)
@@ -156,6 +162,9 @@ class StepPlanner:
         # next token before the user's running streams, or those would take every token
         # and the waiting request would never start.
         self._starved: dict[str, Hashable] = {}
+        self.count_dispatches = False
+        """While set (a bulk window of speculative drafts, ``_drafts``), ``settle`` also
+        counts each dispatched charge on its stream (``Stream.dispatched``)."""
         self.lanes: LanePolicy | None = None
         """Set under vLLM's priority policy with room to hold requests: slot contention then
         keeps a reserve for each lower priority level (``_lanes``)."""
@@ -695,16 +704,25 @@ class StepPlanner:
         refund = self.limiter.refund
         result: list[Settlement] = []
         refunded: set[Hashable] = set()
-        # Per charged stream, also counted for /metrics: one attribute increment.
-        if all_dispatched:
+        # Per charged stream, also counted for /metrics: one attribute increment (two in a
+        # bulk window of drafts: its dispatches, from which its accepted drafts are told).
+        counting = self.count_dispatches
+        if all_dispatched and not counting:
             for s in self._charged_streams:
                 s.last_served = step
                 s.stats.tokens += 1
+        elif all_dispatched:
+            for s in self._charged_streams:
+                s.last_served = step
+                s.stats.tokens += 1
+                s.dispatched += 1
         else:
             for s in self._charged_streams:
                 if s.key in scheduled and (s.samples == SAMPLES or not still_prefilling(s.key)):
                     s.last_served = step
                     s.stats.tokens += 1
+                    if counting:
+                        s.dispatched += 1
                 else:
                     refund(s.user)
                     s.stats.refunds += 1
@@ -724,6 +742,8 @@ class StepPlanner:
                 stream = self._streams.get(key)
                 if stream is not None:
                     stream.last_served = step
+                    if counting:
+                        stream.dispatched += 1
             else:
                 refund(user)
                 counts.refunds += 1
@@ -760,6 +780,11 @@ class StepPlanner:
             return list(charged)
         keys = {s.key for s in charged}
         return list(charged) + [s for s in self._inner_charged if s.key not in keys]
+
+    @property
+    def names_inner_levels(self) -> bool:
+        """Whether some open stream names an inner level (an application or end user)."""
+        return self._inner_streams > 0
 
     @property
     def refused_any(self) -> bool:

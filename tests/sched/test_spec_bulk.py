@@ -1,0 +1,114 @@
+"""Bulk windows of speculative drafts, on vLLM's real scheduler and KV cache manager.
+
+While every paced user has room for all it could take over the next steps, no stream asks
+for its drafts; each user is charged what its requests delivered beyond the sure tokens
+once per window, or when a request ends or is preempted (``pacing._drafts``, part 3). The
+checks: a user's charged tokens equal its delivered tokens exactly (requests ending
+inside windows, requests arriving and closing them, preemptions), the window bound of
+docs/engine/modes.md holds for a user whose rate binds, and no window opens where output
+lengths do not tell every delivered token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sched._harness import NS, Sim, make_sim, max_in_window
+
+BURST_S = 0.1
+K = 4
+
+
+def charged(sim: Sim, user: str) -> int:
+    return sim.scheduler.planner.stats.of(user).tokens
+
+
+def delivered(sim: Sim, user: str) -> int:
+    return sum(n for rid, n in sim.tokens.items() if sim.users[rid] == user)
+
+
+def test_ample_users_are_charged_exactly_what_they_were_delivered(tiny_model):
+    """Three users far under their rates, requests of different lengths ending inside
+    windows, and new ones arriving (each closes the open window): every user's charged
+    tokens equal the tokens it was delivered, drafts included."""
+    sim = make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 100000},
+                   spec_tokens=K, max_model_len=4096, accept=0.6)
+    lengths = (37, 101, 263)
+    for i, n in enumerate(lengths):
+        sim.add(f"r{i}", f"u{i}", max_tokens=n)
+    for step in range(700):
+        if step % 50 == 25 and step < 400:
+            i = step // 50
+            sim.add(f"late{i}", f"u{i % 3}", max_tokens=lengths[i % 3])
+        sim.step()
+    book = sim.scheduler._drafts
+    assert book.windows > 10, "bulk windows must open for users far under their rates"
+    assert sim.drafts_accepted > 300
+    assert len(sim.finished) == 3 + 8, "every request ended (most inside a window)"
+    for user in ("u0", "u1", "u2"):
+        assert charged(sim, user) == delivered(sim, user), user
+
+
+def test_a_preempted_request_is_counted_when_it_leaves_the_window(tiny_model):
+    """KV blocks for about two of three long requests: vLLM preempts inside windows, the
+    preempted request's delivered drafts are charged then, and its recomputed prompt
+    charges nothing more."""
+    sim = make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": 100000},
+                   spec_tokens=K, max_model_len=4096, accept=0.8, num_blocks=40)
+    for i in range(3):
+        sim.add(f"r{i}", f"u{i}", prompt_len=64, max_tokens=240)
+    for _ in range(600):
+        sim.step()
+    assert sim.preempted, "the KV cache must run out"
+    assert sim.scheduler._drafts.windows > 5
+    for user in ("u0", "u1", "u2"):
+        assert charged(sim, user) == delivered(sim, user), user
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_a_user_whose_rate_binds_keeps_its_bound_across_windows(tiny_model, streams):
+    """At 300 tok/s with every draft accepted a stream could take 500 tok/s. Each phase
+    starts after a quiet spell with a full burst's room, so windows open (a few steps
+    long) and then the user's drafts are cut to its quota; over any window its delivered
+    tokens stay within ``(W + 0.1) x R + 1 + k x n`` (docs/engine/modes.md), and what it
+    was charged is what it was delivered."""
+    rate, phases = 300, 5
+    sim = make_sim(tiny_model, pacing={"default_user_output_tokens_per_second": rate},
+                   spec_tokens=K, max_model_len=4096, accept=1.0)
+    for phase in range(phases):
+        for i in range(streams):
+            sim.add(f"a{phase}-{i}", "a", max_tokens=90)
+        sim.run(1.5)
+    assert len(sim.finished) == phases * streams
+    assert sim.scheduler._drafts.windows >= phases
+    times = sim.delivered_times("a")
+    assert len(times) == phases * streams * 90
+    for window_s in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
+        bound = (window_s + BURST_S) * rate + 1 + K * streams
+        got = max_in_window(times, int(window_s * NS))
+        assert got <= bound, (window_s, got, bound)
+    assert charged(sim, "a") == delivered(sim, "a")
+
+
+@pytest.mark.parametrize("setting", ["async", "event_log", "application"])
+def test_no_window_opens_where_lengths_do_not_tell_every_token(tiny_model, tmp_path, setting):
+    """Async scheduling (a step's results arrive after the next step is scheduled), an
+    event log (it records each draft's charge at its step) and inner levels (charged per
+    request at their own rates) keep the per-request grants."""
+    pacing: dict = {"default_user_output_tokens_per_second": 100000, "trusted_gateway": True}
+    xargs = None
+    if setting == "event_log":
+        pacing["event_log"] = str(tmp_path / "events.jsonl")
+    if setting == "application":
+        xargs = {"output_rate_application": "bot",
+                 "output_rate_application_tokens_per_second": 100000}
+    sim = make_sim(tiny_model, is_async=setting == "async", pacing=pacing, spec_tokens=K,
+                   max_model_len=4096, accept=0.6)
+    for i in range(3):
+        sim.add(f"r{i}", f"u{i}", max_tokens=5000, xargs=xargs)
+    sim.run(1)
+    sim.drain()
+    sim.scheduler.shutdown()
+    book = sim.scheduler._drafts
+    assert book.windows == 0
+    assert book.granted - book.returned == sim.drafts_accepted
