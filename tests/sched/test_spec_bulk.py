@@ -112,3 +112,27 @@ def test_no_window_opens_where_lengths_do_not_tell_every_token(tiny_model, tmp_p
     book = sim.scheduler._drafts
     assert book.windows == 0
     assert book.granted - book.returned == sim.drafts_accepted
+
+
+def test_a_user_paced_in_the_middle_of_a_window_pays_from_then_on(tiny_model):
+    """A gateway's rate-control call makes an unpaced user paced between two steps of a
+    window: the tokens it was delivered before are free (it was not paced), and every
+    token from the next step on is charged, once."""
+    sim = make_sim(tiny_model, pacing={"user_output_tokens_per_second": {"p": 100000},
+                                       "trusted_gateway": True},
+                   spec_tokens=K, max_model_len=4096, accept=0.7)
+    sim.add("u0", "u", max_tokens=1200)
+    sim.add("p0", "p", max_tokens=1200)
+    for _ in range(203):  # a window (16 steps at most) is open and part-way through
+        sim.step()
+    windows = sim.scheduler._drafts.windows
+    assert windows > 5 and sim.scheduler._bulk_open
+    free = delivered(sim, "u")
+    assert charged(sim, "u") == 0
+    sim.scheduler.set_user_rates({"u": (100000.0, 1)})
+    for _ in range(400):  # both end (inside a window): everything is counted
+        sim.step()
+    assert len(sim.finished) == 2
+    assert sim.scheduler._drafts.windows > windows
+    assert charged(sim, "u") == delivered(sim, "u") - free
+    assert charged(sim, "p") == delivered(sim, "p")

@@ -75,6 +75,7 @@ class DraftBook:
         """Draft tokens given back so far (not dispatched, or rejected)."""
         self.windows = 0
         """Bulk windows opened so far (``bulk_steps`` found room), for tests and metrics."""
+        self._window: set[_Account] = set()  # the users paced when the last window opened
 
     def grant(self, stream: Stream, want: int, now: int) -> int | None:
         """Grant up to ``want`` drafts to ``stream`` at ``now``: the most every level
@@ -215,10 +216,12 @@ class DraftBook:
         few integer operations per user."""
         limiter = self.limiter
         steps = BULK_MAX_STEPS
+        paced = self._window = set()
         for account, n in streams.items():
             bucket = limiter.bucket(account.user, now)
             if bucket is None:
                 continue
+            paced.add(account)
             lead = bucket.tat - now * bucket.scale
             room = bucket.burst - lead if lead > 0 else bucket.burst
             if room < 0:
@@ -232,13 +235,15 @@ class DraftBook:
         return steps
 
     def charge_delivered(self, delivered: Mapping[_Account, int], now: int) -> None:
-        """Charge each user the drafts its requests delivered in a bulk window (user ->
-        tokens delivered beyond the sure ones), at ``now``, whether or not it has room
-        (``OutputRateLimiter.take_owed``: they were covered when the window opened).
-        Cost: one GCRA update per user."""
+        """Charge each user the drafts its requests delivered in the last bulk window
+        (user -> tokens delivered beyond the sure ones), at ``now``, whether or not it
+        has room (``OutputRateLimiter.take_owed``: they were covered when the window
+        opened). Only users paced when the window opened are charged: the sure tokens of
+        one that was not were not counted as dispatched. Cost: one GCRA update per user."""
         total = 0
+        window = self._window
         for account, n in delivered.items():
-            if self.limiter.take_owed(account.user, n, now):
+            if account in window and self.limiter.take_owed(account.user, n, now):
                 total += n
                 account.stats.tokens += n
         self.granted += total
