@@ -13,7 +13,7 @@ The series (``user`` labels bounded by ``metrics_users``, the rest under ``__oth
 
 - ``tokenpace_engine_output_tokens_total{user}``: tokens charged and dispatched to sample
   (charges minus refunds): what the user's clients receive, up to async scheduling's step
-  past a stop;
+  past a stop (accepted drafts of a bulk window are added when it ends, ``pacing._drafts``);
 - ``tokenpace_engine_refunded_tokens_total{user}``: charges returned at the refund point;
 - ``tokenpace_engine_throttled_request_steps_total{user}``: request-steps skipped for
   lack of quota;

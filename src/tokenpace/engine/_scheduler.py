@@ -535,7 +535,8 @@ class _PacingMixin:
         # count is read as ``len(_all_token_ids)``, without the speculative drafts that
         # vLLM's ``num_tokens_with_spec`` property adds (a property call cost 0.045 us per
         # request): a decode step with drafts still has one sure token to sample, and its
-        # drafts are accounted for after the plan (``_grant_drafts``).
+        # drafts are accounted for after the plan (``_grant_drafts``), or in a bulk window
+        # not per step at all (``_bulk_step``: one pass per window).
         cap = self.max_num_scheduled_tokens
         streams: list[Stream] = []
         append = streams.append
