@@ -16,13 +16,13 @@ sure token as for any decode step; this module accounts for the drafts around it
    verified drafts, are what its rate bounds. (With an event log the unscheduled ones go
    back at the refund point instead, ``give_back``, so that the log can say which were
    scheduled.)
-
 3. **In bulk windows** (``bulk_steps``, ``charge_delivered``): when every paced user's GCRA
    room covers all it could take over the next ``S`` steps (each of its running streams
    a sure token and every draft, each step), no stream asks for its drafts; they are
-   all verified, and every ``S`` steps (or sooner: when a request waits for admission,
-   a rate changes, or a request ends or is preempted) each user is charged the tokens
-   its requests delivered beyond the sure ones, from their output lengths. The adapter
+   all verified, and every ``S`` steps (or sooner: when a request waits for admission
+   or a rate changes) each user is charged the tokens its requests delivered beyond the
+   sure ones, from their output lengths; a request that ends or is preempted inside a
+   window is counted then. The adapter
    opens such windows only where those lengths tell every delivered token: a
    synchronous scheduler with one batch in flight, no KV connector, no event log, no
    inner level and no streaming-input session.
@@ -35,8 +35,8 @@ Bound. Counting each delivered token at the instant its step was dispatched, a u
 tokens in any window of W seconds stay within ``(W + 0.1) x R + 1 + k x n``, where ``k``
 is the number of speculative tokens and ``n`` the user's requests whose drafts were in
 flight when the window began: rejected drafts of a step dispatched before the window
-are returned inside it. ``n`` is 1 for a user with one stream. A bulk window changes
-nothing to it: what a user delivers in a window fits in the room it had when the window
+are returned inside it. ``n`` is 1 for a user with one stream. A bulk window does not
+change it: what a user delivers in a window fits in the room it had when the window
 opened, as if it had all been granted then, and a charge that lands later moves the TAT
 at least as far as the same charge at dispatch would have.
 
