@@ -9,6 +9,8 @@ Each repeat builds a stock and a paced scheduler side by side and runs them in
 alternating blocks of ``BLOCK`` steps, so that a change in the machine's load (other
 processes on a shared box) hits both alike; the repeat's ratio is paced CPU over stock
 CPU. The median ratio over the repeats is reported with a 95% bootstrap interval.
+``--spec-tokens`` adds speculative decoding; ``--async-scheduling`` runs both schedulers
+as vLLM's async scheduling does (each step planned while the previous one is in flight).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ BLOCK = 10
 
 
 def _build(model: Path, running: int, throttled_fraction: float | None, steps: int,
-           spec_tokens: int = 0) -> Sim:
+           spec_tokens: int = 0, is_async: bool = False) -> Sim:
     from ._simulate import make_sim  # vLLM's scheduler: imported when a case is built
 
     paced = throttled_fraction is not None
@@ -46,7 +48,7 @@ def _build(model: Path, running: int, throttled_fraction: float | None, steps: i
     sim = make_sim(
         model, pacing=pacing, paced_class=paced, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * 16), num_blocks=running * blocks_per_req + 16,
-        max_model_len=4096, spec_tokens=spec_tokens,
+        max_model_len=4096, spec_tokens=spec_tokens, is_async=is_async,
     )
     for i in range(running):
         user = f"t{i}" if i < n_throttled else f"u{i}"
@@ -70,14 +72,15 @@ def _time_pair(stock: Sim, paced: Sim, steps: int) -> tuple[float, float]:
 
 
 def run(model: Path, running_counts: list[int], fractions: list[float], steps: int,
-        repeats: int, spec_tokens: int = 0) -> dict[str, Any]:
+        repeats: int, spec_tokens: int = 0, is_async: bool = False) -> dict[str, Any]:
     cases = []
     for running in running_counts:
         for fraction in fractions:
             stock_us, paced_us, ratios = [], [], []
             for _ in range(repeats):
-                s, p = _time_pair(_build(model, running, None, steps, spec_tokens),
-                                  _build(model, running, fraction, steps, spec_tokens), steps)
+                s, p = _time_pair(_build(model, running, None, steps, spec_tokens, is_async),
+                                  _build(model, running, fraction, steps, spec_tokens, is_async),
+                                  steps)
                 stock_us.append(s)
                 paced_us.append(p)
                 ratios.append(p / s)
@@ -98,7 +101,7 @@ def run(model: Path, running_counts: list[int], fractions: list[float], steps: i
                   f"stock={s:9.1f} us/step paced={p:9.1f} us/step "
                   f"ratio={r:.3f} [{low:.3f}, {high:.3f}]", flush=True)
     return {"benchmark": "scheduler", "steps": steps, "repeats": repeats, "block": BLOCK,
-            "spec_tokens": spec_tokens,
+            "spec_tokens": spec_tokens, "async_scheduling": is_async,
             "cases": cases, **environment()}
 
 
@@ -140,11 +143,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-tokens", type=int, default=0, metavar="K",
                         help="speculative decoding: K drafts per decode step, 70%% of them "
                         "accepted in turn (default 0: off)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="both schedulers as vLLM's async scheduling runs them (a step "
+                        "planned before the previous one's results are in; default: sync)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.running, args.throttled, args.steps, args.repeats = [64], [0.0, 1.0], 20, 1
     result = run(bench_model(args), args.running, args.throttled, args.steps, args.repeats,
-                 spec_tokens=args.spec_tokens)
+                 spec_tokens=args.spec_tokens, is_async=args.async_scheduling)
     return write_outputs(args, result, plot)
