@@ -183,8 +183,14 @@ def test_bench_gateway_quick(benches: dict[str, object]) -> None:
     in_gateway = result["burst_in_gateway"]
     assert len(in_gateway["queue_ms_max"]) == rounds
     assert all(t is not None and t > 0 for t in in_gateway["ttft_ms_median"]), in_gateway
-    expect("bench_quick", "gateway/direct throughput ratio", result["throughput_ratio"]["median"],
-           0.3, upper=False, logs=[out / "gateway.json"])  # a sanity bound, not a claim
+    # A sanity bound, not a claim: the gateway's burst throughput against the byte proxy's
+    # (the control arm: the same bursts, interleaved with the gateway's in each pair, so a
+    # busy machine hits both). Against direct it is not bounded: in a CI run beside another
+    # bench the quick run's 3 pairs gave gateway/direct 0.24 while gateway/byte proxy was
+    # 1.04 (the byte proxy itself 0.32 of direct).
+    expect("bench_quick", "gateway/byte-proxy throughput ratio",
+           result["control"]["gateway_over_control"]["throughput_ratio"]["median"],
+           0.3, upper=False, logs=[out / "gateway.json"])
     _check_control_path(result, pairs, rounds)
     if with_redis:
         _check_redis_path(result, pairs, rounds)
