@@ -173,6 +173,17 @@ def test_ready_at_is_the_first_instant_a_take_succeeds(rate, ops):
     assert on_time.try_take("u")
 
 
+@settings(max_examples=300, deadline=None)
+@given(rate=rates_st, ops=st.lists(op_st, max_size=80))
+def test_room_is_what_a_take_of_any_size_grants_and_takes_nothing(rate, ops):
+    limiter, clock = make({"u": rate})
+    run_ops(limiter, clock, "u", ops)
+    room = limiter.room("u", clock.now_ns)
+    assert room == limiter.room("u", clock.now_ns)  # nothing taken
+    assert limiter.take("u", 10**9, clock.now_ns) == room
+    assert limiter.room("unpaced", clock.now_ns) is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(rate=rates_st, ops=st.lists(op_st, max_size=120))
 def test_cleanup_never_changes_a_decision(rate, ops):

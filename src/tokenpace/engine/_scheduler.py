@@ -302,7 +302,7 @@ class _PacingMixin:
         return (not isinstance(self, AsyncScheduler)
                 and not config.scheduler_config.async_scheduling
                 and config.parallel_config.pipeline_parallel_size == 1
-                and getattr(self, "connector", None) is None
+                and self.connector is None  # type: ignore[attr-defined]
                 and self._event_log is None)
 
     def _quota_needs(self) -> Iterator[Stream | None]:
@@ -680,15 +680,13 @@ class _PacingMixin:
         tokens dispatched since (its accepted drafts), at once; then each request's count
         starts again from here. Returns each user's account -> its requests among them.
 
-        Cost per request: an attribute read, a ``len``, a few integer operations and
-        stores, and one or two dict updates; per user charged, one GCRA update."""
+        Cost per request: its stream (``_stream_of``), a ``len``, a few integer
+        operations and stores, and one or two dict updates; per user charged, one GCRA
+        update."""
         counts: dict[Any, int] = {}
         delivered: dict[Any, int] = {}
         for req in requests:
-            try:
-                s = req.tokenpace_stream  # = STREAM_ATTRIBUTE
-            except AttributeError:
-                s = self._stream_of(req)
+            s = self._stream_of(req)
             n = len(req._output_token_ids)
             a = s.account
             if charge:

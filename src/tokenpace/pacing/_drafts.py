@@ -212,21 +212,17 @@ class DraftBook:
         granted ``S x streams x per_step`` tokens by its GCRA state at ``now`` (the burst
         tolerance, less what its TAT leads the clock by). 0 when that is under
         ``BULK_MIN_STEPS`` for some user; otherwise the window is counted as opened
-        (``windows``). Users without a rate take no part. Cost: one dict lookup and a
-        few integer operations per user."""
+        (``windows``). Users without a rate take no part. Cost: one
+        ``OutputRateLimiter.room`` per user."""
         limiter = self.limiter
         steps = BULK_MAX_STEPS
         paced = self._window = set()
         for account, n in streams.items():
-            bucket = limiter.bucket(account.user, now)
-            if bucket is None:
+            room = limiter.room(account.user, now)
+            if room is None:
                 continue
             paced.add(account)
-            lead = bucket.tat - now * bucket.scale
-            room = bucket.burst - lead if lead > 0 else bucket.burst
-            if room < 0:
-                return 0
-            fit = (room // bucket.interval + 1) // (n * per_step)
+            fit = room // (n * per_step)
             if fit < steps:
                 if fit < BULK_MIN_STEPS:
                     return 0

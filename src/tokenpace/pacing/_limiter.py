@@ -258,6 +258,17 @@ class OutputRateLimiter:
             bucket = self._buckets[user] = _Bucket(rate, now_ns)
         return bucket
 
+    def room(self, user: str, now_ns: int) -> int | None:
+        """How many tokens ``take`` would grant ``user`` at ``now_ns`` if asked for any
+        number, without taking them (its state is created if absent, as ``bucket``'s);
+        None for a user without a rate. Cost: a dict lookup and a few integer operations."""
+        bucket = self.bucket(user, now_ns)
+        if bucket is None:
+            return None
+        lead = bucket.tat - now_ns * bucket.scale  # a TAT behind the clock restarts at now
+        room = bucket.burst - lead if lead > 0 else bucket.burst
+        return room // bucket.interval + 1 if room >= 0 else 0
+
     def refund(self, user: str, n: int = 1) -> None:
         """Return ``n`` tokens granted to ``user`` by earlier grants (at most those it
         may still return, see ``_Bucket.refundable``).
