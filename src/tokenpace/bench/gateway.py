@@ -104,6 +104,9 @@ STATE_TIMEOUT = "2s"
 """The Redis gateway's ``state.timeout``: generous, so that a stall of the loaded machine
 costs time in the figures rather than a 503 that aborts the run (the default, 100 ms,
 bounds only how long a request may wait; it costs nothing while Redis answers)."""
+STATE_RETRIES = 5
+"""Retries of a request refused with ``state_unavailable`` in the CPU rounds
+(``plain_requests``)."""
 _WORDS = ("river", "stone", "lamp", "orbit", "maple", "quartz", "harbor", "cedar", "ember",
           "violet", "tundra", "signal", "meadow", "copper", "lantern", "glacier")
 
@@ -255,7 +258,12 @@ async def _bursts(urls: dict[str, str], gateways: dict[str, Server], redis: Redi
 
 
 async def plain_requests(url: str, requests: int, concurrency: int, tokens: int = 1) -> float:
-    """``requests`` non-streamed completions, ``concurrency`` at a time; seconds taken."""
+    """``requests`` non-streamed completions, ``concurrency`` at a time; seconds taken.
+
+    A 503 ``state_unavailable`` (the Redis gateway's store did not answer within its
+    timeout: a stall of a loaded machine) is retried, as the error asks, up to
+    ``STATE_RETRIES`` times per request after a short pause; the refused attempts' CPU
+    stays in the round's reading. Any other failure ends the run."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": tokens, "ignore_eos": True}
     async with async_client(timeout=120, limits=limits,
@@ -264,7 +272,12 @@ async def plain_requests(url: str, requests: int, concurrency: int, tokens: int 
 
         async def worker() -> None:
             for _ in left:
-                resp = await client.post(f"{url}/v1/completions", json=body)
+                for attempt in range(STATE_RETRIES + 1):
+                    resp = await client.post(f"{url}/v1/completions", json=body)
+                    if (resp.status_code != 503 or attempt == STATE_RETRIES
+                            or "state_unavailable" not in resp.text):
+                        break
+                    await asyncio.sleep(0.2 * (attempt + 1))
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
 
