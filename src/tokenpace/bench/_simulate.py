@@ -16,6 +16,7 @@ import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -84,6 +85,10 @@ class Sim:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     delivered: list[tuple[int, str, str, int]] = field(default_factory=list)
     """(dispatch t_ns, user, request id, tokens) of every step's delivered tokens."""
+    undelivered: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Per user: dispatched sampling steps that delivered nothing (their request ended
+    or was aborted while they ran). Their sure token stays charged: charged tokens are
+    the delivered ones plus these."""
     drafts_scheduled: int = 0
     drafts_accepted: int = 0
     in_flight: int = 0
@@ -136,8 +141,11 @@ class Sim:
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         self.finished[rid] = "abort"
 
-    def step(self) -> Any:
-        """One engine step; async keeps one step in flight like vLLM's engine loop."""
+    def step(self, abort_in_flight: Sequence[str] = ()) -> Any:
+        """One engine step; async keeps one step in flight like vLLM's engine loop.
+        ``abort_in_flight``: requests aborted after this step is scheduled and before
+        the results of the step in flight are applied (vLLM's engine takes the aborts
+        that arrived while a step ran there)."""
         self.step_index += 1
         t0 = time.process_time_ns()
         out = self.scheduler.schedule()
@@ -152,9 +160,13 @@ class Sim:
             self.dispatched.append((self.step_index, self.clock.now_ns, self.users[rid], rid))
         if self.in_flight:
             self._inflight.append((out, sampled, self.clock.now_ns))
+            for rid in abort_in_flight:
+                self.abort(rid)
             if len(self._inflight) > self.in_flight:
                 self._update(*self._inflight.popleft())
         else:
+            for rid in abort_in_flight:
+                self.abort(rid)
             self._update(out, sampled, self.clock.now_ns)
             if self.scheduler.num_spec_tokens:
                 self._propose(sampled)
@@ -193,14 +205,19 @@ class Sim:
         t0 = time.process_time_ns()
         outputs = self.scheduler.update_from_output(out, mro)
         self.scheduler_cpu_ns += time.process_time_ns() - t0
+        got: set[str] = set()
         for eco in outputs.values():
             for o in eco.outputs:
+                if o.new_token_ids:
+                    got.add(o.request_id)
                 self.tokens[o.request_id] += len(o.new_token_ids)
                 if o.new_token_ids:
                     self.delivered.append(
                         (t_ns, self.users[o.request_id], o.request_id, len(o.new_token_ids)))
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = str(o.finish_reason)
+        for rid in sampled - got:
+            self.undelivered[self.users[rid]] += 1
 
     def run(self, seconds: float) -> None:
         for _ in range(round(seconds * NS / self.step_ns)):

@@ -83,6 +83,7 @@ from ._identity import (
 )
 from ._modes import unsupported_modes
 from ._warn import warn_once
+from ._windows import DraftWindows
 from ._vllm import (
     AsyncScheduler,
     Request,
@@ -106,9 +107,6 @@ from ._xargs import (
 logger = logging.getLogger("vllm.tokenpace.engine")
 
 CLEANUP_EVERY_STEPS = 256
-BULK_RETRY_STEPS = 8
-"""Steps with per-request draft grants before a bulk window is tried again (each try is a
-pass over the running requests)."""
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _PRIORITY_DEFER_S = 1e12  # pushes a throttled request to the end of its priority level
 STREAM_ATTRIBUTE = "tokenpace_stream"
@@ -149,7 +147,7 @@ class _PacingMixin:
     _lane_gate: int | None = None
     _lane_worst = 0
     _held_last_step = False
-    _bulk_open = False
+    _windows: DraftWindows | None = None
     _sessions = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -172,15 +170,9 @@ class _PacingMixin:
         # the step's granted drafts).
         self._drafts: DraftBook | None = None
         self._draft_results = {}
-        # Bulk windows of drafts (``pacing._drafts``, part 3): whether this scheduler may
-        # open them, steps left in the open one, steps before the next try after a step
-        # with per-request grants, the limiter generation it opened at, and the open
-        # streaming-input sessions (none may be, for a window to open).
-        self._bulk_allowed = False
-        self._bulk_open = False
-        self._bulk_left = 0
-        self._bulk_wait = 0
-        self._bulk_generation = -1
+        # Bulk windows of drafts (``_windows``), where this scheduler may open them, and
+        # the open streaming-input sessions (none may be, for a window to open).
+        self._windows = None
         self._sessions = 0
         # What each ended request was prompted with and generated, for the gateway
         # (``_aborted``): kept whenever this class is the engine's scheduler, pacing on
@@ -222,7 +214,12 @@ class _PacingMixin:
             self._pinned_rank = (rank, ranks)
         if config.event_log is not None:
             self._event_log = EventLog(config.event_log, rank if ranks > 1 else None)
-        self._bulk_allowed = self._drafts is not None and self._bulk_possible()
+        if self._drafts is not None and self._bulk_possible():
+            self._windows = DraftWindows(
+                self._drafts, self._planner.limiter, 1 + self.num_spec_tokens,  # type: ignore[attr-defined]
+                isinstance(self, AsyncScheduler)
+                or self.vllm_config.scheduler_config.async_scheduling,
+                self.requests, self._stream_of, self._give_back_grants)
         logger.info(
             "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
             "%d user override(s)%s%s",
@@ -294,14 +291,14 @@ class _PacingMixin:
                 "lanes": {p: list(v) for p, v in snap.lanes.items()}}
 
     def _bulk_possible(self) -> bool:
-        """Whether a request's output length tells every token it was delivered at the
-        start of each step (``pacing._drafts``, part 3): one batch in flight, results
-        before the next ``schedule()``, none discarded by a KV connector's failed load,
-        and no event log (it records each draft's charge at its step)."""
+        """Whether a request's output length tells every token it was delivered once the
+        results of the steps in flight have arrived (``_windows``): at most one step in
+        flight when ``schedule()`` runs (two batches at most: pipeline parallel 1), none
+        discarded by a KV connector's failed load, and no event log (it records each
+        draft's charge at its step)."""
         config = self.vllm_config
-        return (not isinstance(self, AsyncScheduler)
-                and not config.scheduler_config.async_scheduling
-                and config.parallel_config.pipeline_parallel_size == 1
+        return (config.parallel_config.pipeline_parallel_size == 1
+                and config.max_concurrent_batches <= 2
                 and self.connector is None  # type: ignore[attr-defined]
                 and self._event_log is None)
 
@@ -505,8 +502,9 @@ class _PacingMixin:
             book.ended(request, _ended_user(request))
         if request.resumable:
             self._sessions -= 1
-        if self._bulk_open:
-            self._count_delivered((request,), charge=True)
+        windows = self._windows
+        if windows is not None and windows.counting:
+            windows.ended(request)
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
@@ -536,7 +534,7 @@ class _PacingMixin:
         # vLLM's ``num_tokens_with_spec`` property adds (a property call cost 0.045 us per
         # request): a decode step with drafts still has one sure token to sample, and its
         # drafts are accounted for after the plan (``_grant_drafts``), or in a bulk window
-        # not per step at all (``_bulk_step``: one pass per window).
+        # not per step at all (``_windows``: one pass per window).
         cap = self.max_num_scheduled_tokens
         streams: list[Stream] = []
         append = streams.append
@@ -546,7 +544,9 @@ class _PacingMixin:
         admits = bool(self.waiting) or bool(self.kv_holding_waiting)  # type: ignore[attr-defined]
         # Drafts granted per request, unless this step is in a bulk window (nothing per
         # request: what each delivers is counted once per window).
-        bulk = self._bulk_allowed and self._bulk_step(admits)
+        windows = self._windows
+        bulk = windows is not None and windows.step(
+            admits, self.running, not planner.names_inner_levels and not self._sessions)
         planner.count_dispatches = bulk
         drafting = self._drafts is not None and not bulk
         for req in self.running:
@@ -622,84 +622,23 @@ class _PacingMixin:
         logged_at = self._settle(output, len(streams), may_end_prompt)
         if grants is not None:
             self._settle_drafts(output, grants, admits, logged_at)
-        elif bulk:
-            if output.preempted_req_ids:  # they leave ``running``: counted now
-                self._count_delivered([requests[k] for k in output.preempted_req_ids
-                                       if k in requests], charge=True)
-            if plan.throttled:  # cannot happen in a window; if it does, it ends here
-                self._bulk_left = 0
+        if windows is not None:
+            windows.scheduled(output, bulk, bool(prompts), admits)
+            if bulk and plan.throttled:  # cannot happen in a window; if it does, it ends
+                windows.end_soon()
         return output
 
-    def _bulk_step(self, admits: bool) -> bool:
-        """Whether this step is in a bulk window of drafts (``pacing._drafts``, part 3),
-        opening or closing one first where due.
-
-        An open window goes on while it has steps left, nothing waits for admission and
-        no rate changed; else it closes: each user is charged what its running requests
-        delivered beyond their dispatched sure tokens. A new one opens, right then or
-        ``BULK_RETRY_STEPS`` after a step that could not be in one, when nothing waits,
-        no open stream names an inner level, no streaming-input session is open, and
-        ``DraftBook.bulk_steps`` finds room for at least its minimum.
-
-        Cost: in a window, a few attribute tests; at each window's end (and at each try),
-        one pass over the running requests (``_count_delivered``)."""
-        planner = self._planner
-        book = self._drafts
-        assert planner is not None and book is not None
-        limiter = planner.limiter
-        if self._bulk_open:
-            if self._bulk_left > 0 and not admits and limiter.generation == self._bulk_generation:
-                self._bulk_left -= 1
-                return True
-            self._bulk_open = False
-            counts = self._count_delivered(self.running, charge=True)
-            if admits:
-                self._bulk_wait = BULK_RETRY_STEPS
-                return False
-        elif admits or self._bulk_wait > 0:
-            if self._bulk_wait > 0:
-                self._bulk_wait -= 1
-            return False
-        else:
-            counts = self._count_delivered(self.running, charge=False)
-        steps = 0
-        if not planner.names_inner_levels and not self._sessions:
-            steps = book.bulk_steps(counts, 1 + self.num_spec_tokens,  # type: ignore[attr-defined]
-                                    limiter.now_ns())
-        if not steps:
-            self._bulk_wait = BULK_RETRY_STEPS
-            return False
-        self._bulk_open = True
-        self._bulk_left = steps - 1
-        self._bulk_generation = limiter.generation
-        return True
-
-    def _count_delivered(self, requests: Iterable[Request], charge: bool) -> dict[Any, int]:
-        """Count the output tokens of ``requests`` from their lengths: with ``charge``,
-        each user is charged those delivered since they were last counted beyond the sure
-        tokens dispatched since (its accepted drafts), at once; then each request's count
-        starts again from here. Returns each user's account -> its requests among them.
-
-        Cost per request: its stream (``_stream_of``), a ``len``, a few integer
-        operations and stores, and one or two dict updates; per user charged, one GCRA
-        update."""
-        counts: dict[Any, int] = {}
-        delivered: dict[Any, int] = {}
-        for req in requests:
-            s = self._stream_of(req)
-            n = len(req._output_token_ids)
-            a = s.account
-            if charge:
-                extra = n - s.seen - s.dispatched
-                if extra > 0:
-                    delivered[a] = delivered.get(a, 0) + extra
-            s.seen = n
-            s.dispatched = 0
-            counts[a] = counts.get(a, 0) + 1
-        if delivered:
-            assert self._drafts is not None and self._planner is not None
-            self._drafts.charge_delivered(delivered, self._planner.limiter.now_ns())
-        return counts
+    def _give_back_grants(self, output: SchedulerOutput) -> None:
+        """Give back every draft granted for ``output``, a step still in flight that a
+        bulk window takes in (``_windows``): what it delivers is counted there."""
+        entry = self._draft_results.pop(id(output), None)
+        if entry is None or entry[0] is not output:
+            return
+        assert self._drafts is not None and self._planner is not None
+        drafts = entry[2]
+        self._drafts.settle(drafts.streams, drafts.granted, [0] * len(drafts.granted),
+                            self.num_sampled_tokens_per_step,  # type: ignore[attr-defined]
+                            self._planner.limiter.now_ns())
 
     def _plan_lanes(self, lanes: LanePolicy, streams: list[Stream], prompts: list[Stream],
                     plan: RunningPlan, active_slots: int) -> int:
@@ -809,16 +748,24 @@ class _PacingMixin:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
         """vLLM's, then the drafts of ``scheduler_output`` that were not delivered go back
-        to their users (``pacing._drafts``, step 2). Cost: nothing unless the step
+        to their users (``pacing._drafts``, step 2), and bulk windows take the counts
+        that waited for these results (``_windows``). Cost: nothing unless the step
         granted drafts to paced users; then per such request two ``len`` of its output
-        ids and ``DraftBook.settle``'s few operations."""
+        ids and ``DraftBook.settle``'s few operations; with windows possible, a dict pop
+        and a few tests per step."""
+        windows = self._windows
+        if windows is not None:
+            windows.arrived(scheduler_output)
         entry = self._draft_results.pop(id(scheduler_output), None) if self._draft_results else None
         if entry is None or entry[0] is not scheduler_output:
-            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        drafts = entry[2]
-        before = [len(req._output_token_ids) for req in drafts.requests]
-        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        self._return_undelivered(drafts, before)
+            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        else:
+            drafts = entry[2]
+            before = [len(req._output_token_ids) for req in drafts.requests]
+            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            self._return_undelivered(drafts, before)
+        if windows is not None:
+            windows.applied(scheduler_output, self.running)
         return outputs
 
     def _return_undelivered(self, drafts: _DraftsOut, before: list[int]) -> None:
@@ -952,6 +899,8 @@ class _PacingMixin:
             # Results that never came (the engine dropped the step): nothing to return.
             stale = self._steps - CLEANUP_EVERY_STEPS
             self._draft_results = {k: v for k, v in self._draft_results.items() if v[1] > stale}
+        if self._windows is not None:
+            self._windows.cleanup(self.running)
         self._planner.limiter.cleanup_idle_users()
         self._planner.inner.cleanup_idle_users()
         self._planner.forget(self.requests.__contains__)

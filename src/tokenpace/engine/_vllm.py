@@ -67,6 +67,13 @@ SCHEDULER_METHODS = (
 # ones it scheduled are SchedulerOutput.scheduled_spec_decode_tokens (request id -> list),
 # and ModelRunnerOutput.sampled_token_ids[req_id_to_index[request id]] holds the sure
 # tokens followed by the accepted drafts.
+# Bulk windows of drafts (_windows): the engine's batch queue holds at most
+# VllmConfig.max_concurrent_batches steps (2 under async scheduling with pipeline parallel
+# 1), so at most one step is in flight when schedule() runs; update_from_output(that
+# SchedulerOutput) applies its results, after the aborts that came while it ran. A request
+# that ended meanwhile is gone from ``requests`` and gets nothing; a preempted one gets
+# them as stale output, or not at all (drop_stale_output: a prefix-cache reset), told
+# apart by its output length. Request.is_finished() marks one counted when it ended.
 # Request fields used to decide whether a step samples and to skip it.
 REQUEST_ATTRIBUTES = (
     "request_id",
