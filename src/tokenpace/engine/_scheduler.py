@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 from types import MappingProxyType
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ..pacing import (
