@@ -79,6 +79,7 @@ class DraftWindows:
         self._left = 0  # steps left in the open window
         self._wait = 0  # steps before the next try
         self._generation = -1  # the limiter's, when the window opened
+        self._seen_generation = -1  # the limiter's, at the last step
         self._steps = 0
         self._flight: dict[int, tuple[SchedulerOutput, _Flight]] = {}  # id(output) ->
         self._last: SchedulerOutput | None = None  # the open window's latest step
@@ -104,26 +105,38 @@ class DraftWindows:
         An open window goes on while it has steps left, nothing waits for admission
         (``admits``) and the limiter's generation is the same (no rate changed); else it
         closes: each user is charged what its running requests delivered beyond their
-        dispatched sure tokens, now or when the last step's results arrive. A new one
+        dispatched sure tokens (the window's last step, if still in flight, is counted
+        when its results arrive, or by the next window, which takes it in). A new one
         opens, right then or ``BULK_RETRY_STEPS`` after a step that could not be in one,
         when nothing waits, ``may_open`` (no inner level, no streaming-input session),
         no close count is due, and ``DraftBook.bulk_steps`` finds room for at least its
-        minimum."""
+        minimum; under async scheduling also only after a step that admitted nothing, ran
+        no prompt chunk and saw no rate change (so that every step a window counts, the
+        one it takes in included, dispatched a sure token to each of its requests)."""
         self._steps += 1
         self._closed_now = False
         limiter = self._limiter
+        generation = limiter.generation
+        changed = generation != self._seen_generation
+        self._seen_generation = generation
+        carried: _Flight | None = None  # the closed window's last step, still in flight
         if self.open:
-            if self._left > 0 and not admits and limiter.generation == self._generation:
+            if self._left > 0 and not admits and generation == self._generation:
                 self._left -= 1
                 return True
             self.open = False
             self._closed_now = True
             last = self._last
             self._last = None
-            if last is not None and id(last) in self._flight:
-                self._closing = id(last)  # counted in ``applied``
-                return False
-            counts = self._count(running, charge=True)
+            entry = self._flight.get(id(last)) if last is not None else None
+            if entry is None:
+                counts = self._count(running, charge=True)
+            else:
+                # Everything but that step's results, whose dispatches are carried over.
+                carried = entry[1]
+                self._closing = id(last)
+                counts = self._count(running, charge=True, dispatched_in=carried.scheduled,
+                                     undelivered_in=(carried.scheduled,))
             if admits:
                 self._wait = BULK_RETRY_STEPS
                 return False
@@ -133,25 +146,28 @@ class DraftWindows:
             return False
         else:
             counts = None
-        if self._async and not self._decoding:
+        if self._async and (changed or not self._decoding):
             return False
         # A step of per-request grants in flight (async only): taken into the window.
-        absorbed = None
-        for output, flight in self._flight.values():
-            if not flight.in_window:
-                absorbed = (output, flight)
-        if counts is None or absorbed is not None:
-            counts = self._count(running, charge=False,
-                                 dispatched_in=absorbed[1].scheduled if absorbed else ())
+        absorbed: SchedulerOutput | None = None
+        if carried is None:
+            for output, flight in self._flight.values():
+                if not flight.in_window:
+                    absorbed = output
+                    counts = self._count(running, charge=False,
+                                         dispatched_in=flight.scheduled)
+            if counts is None:
+                counts = self._count(running, charge=False)
         steps = self._book.bulk_steps(counts, self._per_step, limiter.now_ns()) if may_open else 0
         if not steps:
             self._wait = BULK_RETRY_STEPS
             return False
         if absorbed is not None:
-            self._give_back_grants(absorbed[0])
+            self._give_back_grants(absorbed)
+        self._closing = None
         self.open = True
-        self._left = steps - 1 - (absorbed is not None)
-        self._generation = limiter.generation
+        self._left = steps - 1 - (absorbed is not None or carried is not None)
+        self._generation = generation
         return True
 
     def scheduled(self, output: SchedulerOutput, in_window: bool, prompts: bool,

@@ -211,12 +211,13 @@ class DraftBook:
         ``S`` such that each paced user in ``streams`` (user -> its running streams) is
         granted ``S x streams x per_step`` tokens by its GCRA state at ``now`` (the burst
         tolerance, less what its TAT leads the clock by). 0 when that is under
-        ``BULK_MIN_STEPS`` for some user; otherwise the window is counted as opened
+        ``BULK_MIN_STEPS`` for some user (the last window's users are still the ones
+        ``charge_delivered`` charges); otherwise the window is counted as opened
         (``windows``). Users without a rate take no part. Cost: one
         ``OutputRateLimiter.room`` per user."""
         limiter = self.limiter
         steps = BULK_MAX_STEPS
-        paced = self._window = set()
+        paced: set[_Account] = set()
         for account, n in streams.items():
             room = limiter.room(account.user, now)
             if room is None:
@@ -227,6 +228,7 @@ class DraftBook:
                 if fit < BULK_MIN_STEPS:
                     return 0
                 steps = fit
+        self._window = paced
         self.windows += 1
         return steps
 
