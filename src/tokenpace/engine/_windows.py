@@ -9,7 +9,9 @@ sync scheduling that is every step dispatched before ``schedule()``; under async
 scheduling (vLLM's batch queue: ``schedule()`` of step j + 1 runs before the results of
 step j are applied) one step may still be in flight. So the counts follow the results:
 
-- a window's close count waits for the results of its last step (``applied``);
+- a window whose last step is still in flight when it closes is counted at once for
+  everything else; that step's results are counted when they arrive (``applied``), or
+  by the next window, opened in the same step, which takes its dispatches in;
 - a window that opens with a step of per-request grants in flight takes that step in:
   its grants are given back at once (``give_back_grants``) and its sure tokens count as
   dispatched in the window;
@@ -19,9 +21,10 @@ step j are applied) one step may still be in flight. So the counts follow the re
 - a request preempted with a window step in flight is counted when that step's results
   arrive; vLLM delivers them (stale) or drops them, told by its output length.
 
-Under async scheduling a window opens only after a step that admitted nothing and ran no
-prompt chunk, so that in a window each scheduled request of a paced user was dispatched a
-sure token (what the in-flight corrections count). Nowhere else does a window need more
+Under async scheduling a window opens only after a step that admitted nothing, ran no
+prompt chunk and saw no rate change, so that in every step a window counts (the one it
+takes in included) each scheduled request of a paced user was dispatched a charged sure
+token: what the in-flight corrections count. Nowhere else does a window need more
 than one step's results: with pipeline parallel 1, vLLM keeps at most two batches, so at
 most one step is in flight when ``schedule()`` runs.
 
