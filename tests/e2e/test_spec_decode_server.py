@@ -1,9 +1,11 @@
-"""Speculative decoding on a real vLLM server on the CPU, paced.
+"""Speculative decoding on real vLLM servers on the CPU, paced.
 
 The tiny model drafts for itself (``--speculative-config`` with the same weights, 3 drafts
 a step): with greedy sampling every draft is accepted, so an unpaced stream gets about
 four tokens a step, and a paced user's drafts are what its quota allows. Rates are read
-at the source (the engine's event log, net of rejected drafts).
+at the source (the engine's event log, net of rejected drafts). A second engine, under
+async scheduling and without an event log, charges drafts in bulk windows; its metered
+tokens are checked against what the clients received.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import httpx
 import pytest
 
 from tests._engine_pool import ModuleEngines
-from tests._servers import Server, free_port, paced_vllm_server_argv, vllm_counter
+from tests._servers import (Server, free_port, paced_vllm_server_argv, tokenpace_serve_argv,
+                            vllm_counter)
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
 from tokenpace.engine import read_charges
@@ -37,14 +40,23 @@ def ENGINES(tiny_model: Path, logs: Path) -> list[Server]:  # noqa: N802 (tests/
         "event_log": str(logs / "events.jsonl"),
     }
     spec = {"model": str(tiny_model), "num_speculative_tokens": K}
+    bulk_port = free_port()
     return [Server(paced_vllm_server_argv(tiny_model, port, pacing, "--speculative-config",
-                                          json.dumps(spec)), port, logs / "vllm.log")]
+                                          json.dumps(spec)), port, logs / "vllm.log"),
+            Server(tokenpace_serve_argv(
+                tiny_model, bulk_port, "--default-user-output-tokens-per-second", "100000",
+                "--speculative-config", json.dumps(spec), "--async-scheduling"),
+                bulk_port, logs / "vllm-bulk.log")]
 
 
 @pytest.fixture(scope="module")
 def server(module_engines: ModuleEngines) -> Server:
-    [srv] = module_engines.servers
-    return srv
+    return module_engines.servers[0]
+
+
+@pytest.fixture(scope="module")
+def bulk_server(module_engines: ModuleEngines) -> Server:
+    return module_engines.servers[1]
 
 
 def _complete(server: Server, user: str, max_tokens: int) -> int:
@@ -116,3 +128,38 @@ def test_an_unpaced_user_keeps_every_draft(server: Server) -> None:
     steps = len(set(charges))
     assert steps <= 200 / (1 + K) + 5, f"{steps} steps for 200 tokens: drafts were cut"
     assert _accepted_drafts(server) - before >= 200 - steps - 1
+
+
+def _engine_tokens(server: Server) -> dict[str, float]:
+    """``tokenpace_engine_output_tokens_total`` per user, from the engine's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return {sample.labels["user"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "tokenpace_engine_output_tokens_total"}
+
+
+def test_drafts_charged_in_bulk_windows_are_what_the_clients_received(
+        bulk_server: Server) -> None:
+    """Async scheduling, users far under their rates: drafts are charged once per window
+    from output lengths (the engine says so at start-up). Four streams of two users, every
+    draft accepted: each user's metered output tokens are what its clients received, plus
+    at most one sure token per request for a step dispatched past its last token (under
+    async scheduling a step is planned before the previous one's results are in)."""
+    log = bulk_server.log_path.read_text(errors="replace")
+    assert "PacedAsyncScheduler" in log and "(bulk windows)" in log, bulk_server.log_tail()
+    before_tokens = _engine_tokens(bulk_server)
+    before = _accepted_drafts(bulk_server)
+    jobs = [("bulk-a", 180), ("bulk-a", 97), ("bulk-b", 150), ("bulk-b", 61)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _complete(bulk_server, *job), jobs))
+    assert got == [n for _, n in jobs]
+    accepted = _accepted_drafts(bulk_server) - before
+    assert accepted >= 0.5 * sum(got), f"only {accepted} drafts accepted"
+    after = _engine_tokens(bulk_server)
+    for user in ("bulk-a", "bulk-b"):
+        received = sum(n for u, n in jobs if u == user)
+        metered = after.get(user, 0.0) - before_tokens.get(user, 0.0)
+        assert received <= metered <= received + 2, (user, received, metered)

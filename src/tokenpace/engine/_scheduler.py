@@ -48,6 +48,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ..pacing import (
+    BULK_MAX_STEPS,
     DraftBook,
     InnerRates,
     LanePolicy,
@@ -220,6 +221,9 @@ class _PacingMixin:
                 isinstance(self, AsyncScheduler)
                 or self.vllm_config.scheduler_config.async_scheduling,
                 self.requests, self._stream_of, self._give_back_grants)
+            logger.info("tokenpace: speculative decoding: while every paced user has room, "
+                        "drafts are charged once per window of up to %d steps (bulk windows)",
+                        BULK_MAX_STEPS)
         logger.info(
             "tokenpace: pacing output tokens with %s, %s scheduling: default %s, "
             "%d user override(s)%s%s",

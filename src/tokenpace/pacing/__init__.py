@@ -4,7 +4,7 @@ Nothing here imports vLLM or a web stack; the clock is injected so that tests an
 simulations can drive time exactly.
 """
 
-from ._drafts import DraftBook
+from ._drafts import BULK_MAX_STEPS, DraftBook
 from ._inner import InnerRates, inner_levels
 from ._lanes import DEFAULT_MIN_SHARE, LanePolicy
 from ._limiter import BURST_NS, OutputRateLimiter
@@ -52,6 +52,7 @@ __all__ = [
     "LaneStats",
     "MAX_LANES",
     "OTHER_LANE",
+    "BULK_MAX_STEPS",
     "DraftBook",
     "InnerRates",
     "inner_levels",
