@@ -24,6 +24,7 @@ __all__ = [
     "Server",
     "first_request_short_prompt",
     "served_dtype",
+    "engine_series",
     "free_port",
     "group_members",
     "paced_vllm_server_argv",
@@ -66,3 +67,20 @@ def vllm_counter(server: Server, name: str) -> float:
     found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
     assert found, f"vLLM reports no {name}"
     return float(found.group(1))
+
+
+def engine_series(server: Server, **headers: str) -> dict[tuple[str, str], float]:
+    """The engine's ``tokenpace_engine_*`` samples: (name, user label) -> value, from its
+    whole /metrics page parsed as Prometheus does (vLLM's series and ours together)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text[:500]
+    out = {}
+    families = list(text_string_to_metric_families(resp.text))
+    assert any(f.name.startswith("vllm:") for f in families)  # vLLM's own page is there
+    for family in families:
+        for sample in family.samples:
+            if sample.name.startswith("tokenpace_engine_"):
+                out[(sample.name, sample.labels.get("user", ""))] = sample.value
+    return out

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from tests._engine_pool import ModuleEngines
-from tests._servers import (Server, first_request_short_prompt, free_port, served_dtype,
-                            tokenpace_serve_argv, tree_cpu_seconds)
+from tests._servers import (Server, engine_series, first_request_short_prompt, free_port,
+                            served_dtype, tokenpace_serve_argv, tree_cpu_seconds)
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._streams import client, stream, streams, user_rate
 from tests.e2e._timing import expect
@@ -446,36 +446,19 @@ def test_limits_file_edits_apply_without_restart(paced: list[Paced]) -> None:
         assert "keeping the last good limits" in log, p.mode
 
 
-def _engine_series(server: Server, **headers: str) -> dict[tuple[str, str], float]:
-    """The engine's ``tokenpace_engine_*`` samples: (name, user label) -> value, from its
-    whole /metrics page parsed as Prometheus does (vLLM's series and ours together)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    resp = httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=30)
-    assert resp.status_code == 200, resp.text[:500]
-    out = {}
-    families = list(text_string_to_metric_families(resp.text))
-    assert any(f.name.startswith("vllm:") for f in families)  # vLLM's own page is there
-    for family in families:
-        for sample in family.samples:
-            if sample.name.startswith("tokenpace_engine_"):
-                out[(sample.name, sample.labels.get("user", ""))] = sample.value
-    return out
-
-
 def test_the_engines_metrics_show_what_pacing_did(paced: list[Paced]) -> None:
     """Per user on the engine's /metrics, read before and after a run: the output
     tokens equal what the clients received (plus at most one step past a stop per stream
     under async scheduling), a user held back at 20 tok/s shows throttled request-steps
     and seconds, an unthrottled one none, and each user's rate in force."""
     for p in paced:
-        before = _engine_series(p.server)
+        before = engine_series(p.server)
         # Prometheus asks for gzip and OpenMetrics; the page must still carry our series.
-        assert _engine_series(p.server, **{"accept-encoding": "gzip",
+        assert engine_series(p.server, **{"accept-encoding": "gzip",
                                            "accept": "application/openmetrics-text"})
         results = asyncio.run(streams(p.server.base_url,
                                       [("metrics-slow", 4, 15), ("probe", 2, 40)]))
-        after = _engine_series(p.server)
+        after = engine_series(p.server)
 
         def delta(name: str, user: str) -> float:
             return after.get((name, user), 0.0) - before.get((name, user), 0.0)

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests._engine_pool import ModuleEngines
-from tests._servers import (Server, free_port, paced_vllm_server_argv, tokenpace_serve_argv,
-                            vllm_counter)
+from tests._servers import (Server, engine_series, free_port, paced_vllm_server_argv,
+                            tokenpace_serve_argv, vllm_counter)
 from tests.e2e._engine_log import all_dispatches, paced_rate, wait_for_engine_requests
 from tests.e2e._timing import expect
 from tokenpace.engine import read_charges
@@ -130,17 +130,6 @@ def test_an_unpaced_user_keeps_every_draft(server: Server) -> None:
     assert _accepted_drafts(server) - before >= 200 - steps - 1
 
 
-def _engine_tokens(server: Server) -> dict[str, float]:
-    """``tokenpace_engine_output_tokens_total`` per user, from the engine's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return {sample.labels["user"]: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "tokenpace_engine_output_tokens_total"}
-
-
 def test_drafts_charged_in_bulk_windows_are_what_the_clients_received(
         bulk_server: Server) -> None:
     """Async scheduling, users far under their rates: drafts are charged once per window
@@ -150,7 +139,7 @@ def test_drafts_charged_in_bulk_windows_are_what_the_clients_received(
     async scheduling a step is planned before the previous one's results are in)."""
     log = bulk_server.log_path.read_text(errors="replace")
     assert "PacedAsyncScheduler" in log and "(bulk windows)" in log, bulk_server.log_tail()
-    before_tokens = _engine_tokens(bulk_server)
+    before_tokens = engine_series(bulk_server)
     before = _accepted_drafts(bulk_server)
     jobs = [("bulk-a", 180), ("bulk-a", 97), ("bulk-b", 150), ("bulk-b", 61)]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -158,8 +147,9 @@ def test_drafts_charged_in_bulk_windows_are_what_the_clients_received(
     assert got == [n for _, n in jobs]
     accepted = _accepted_drafts(bulk_server) - before
     assert accepted >= 0.5 * sum(got), f"only {accepted} drafts accepted"
-    after = _engine_tokens(bulk_server)
+    after = engine_series(bulk_server)
     for user in ("bulk-a", "bulk-b"):
         received = sum(n for u, n in jobs if u == user)
-        metered = after.get(user, 0.0) - before_tokens.get(user, 0.0)
+        key = ("tokenpace_engine_output_tokens_total", user)
+        metered = after.get(key, 0.0) - before_tokens.get(key, 0.0)
         assert received <= metered <= received + 2, (user, received, metered)

@@ -14,9 +14,9 @@ import random
 import time
 import zlib
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -208,10 +208,9 @@ class Sim:
         got: set[str] = set()
         for eco in outputs.values():
             for o in eco.outputs:
-                if o.new_token_ids:
-                    got.add(o.request_id)
                 self.tokens[o.request_id] += len(o.new_token_ids)
                 if o.new_token_ids:
+                    got.add(o.request_id)
                     self.delivered.append(
                         (t_ns, self.users[o.request_id], o.request_id, len(o.new_token_ids)))
                 if o.finish_reason is not None:

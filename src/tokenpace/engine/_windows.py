@@ -53,10 +53,14 @@ dropped it): it is counted as having delivered nothing."""
 class _Flight(NamedTuple):
     """A step whose results have not arrived yet."""
 
-    scheduled: Container[str]
-    """Its requests (``SchedulerOutput.num_scheduled_tokens``)."""
+    output: SchedulerOutput
     in_window: bool
     step: int
+
+    @property
+    def scheduled(self) -> Container[str]:
+        """Its requests (``SchedulerOutput.num_scheduled_tokens``)."""
+        return self.output.num_scheduled_tokens
 
 
 class DraftWindows:
@@ -84,7 +88,7 @@ class DraftWindows:
         self._generation = -1  # the limiter's, when the window opened
         self._seen_generation = -1  # the limiter's, at the last step
         self._steps = 0
-        self._flight: dict[int, tuple[SchedulerOutput, _Flight]] = {}  # id(output) ->
+        self._flight: dict[int, _Flight] = {}  # id(output) -> the step in flight
         self._last: SchedulerOutput | None = None  # the open window's latest step
         self._closing: int | None = None  # id() of the step whose results the close waits for
         self._closed_now = False  # a window closed in this step's ``step``
@@ -136,7 +140,7 @@ class DraftWindows:
                 counts = self._count(running, charge=True)
             else:
                 # Everything but that step's results, whose dispatches are carried over.
-                carried = entry[1]
+                carried = entry
                 self._closing = id(last)
                 counts = self._count(running, charge=True, dispatched_in=carried.scheduled,
                                      undelivered_in=(carried.scheduled,))
@@ -154,11 +158,12 @@ class DraftWindows:
         # A step of per-request grants in flight (async only): taken into the window.
         absorbed: SchedulerOutput | None = None
         if carried is None:
-            for output, flight in self._flight.values():
-                if not flight.in_window:
-                    absorbed = output
+            for flight in self._flight.values():
+                if not flight.in_window:  # (one at most)
+                    absorbed = flight.output
                     counts = self._count(running, charge=False,
                                          dispatched_in=flight.scheduled)
+                    break
             if counts is None:
                 counts = self._count(running, charge=False)
         steps = self._book.bulk_steps(counts, self._per_step, limiter.now_ns()) if may_open else 0
@@ -181,14 +186,13 @@ class DraftWindows:
         preempted = output.preempted_req_ids
         if preempted and (in_window or self._closed_now or self._closing is not None):
             self._count_preempted(preempted)
-        self._flight[id(output)] = (output, _Flight(output.num_scheduled_tokens, in_window,
-                                                    self._steps))
+        self._flight[id(output)] = _Flight(output, in_window, self._steps)
         if in_window:
             self._last = output
         self._decoding = not prompts and not admits
 
     def _count_preempted(self, ids: Iterable[str]) -> None:
-        flights = [(key, f.scheduled) for key, (_, f) in self._flight.items() if f.in_window]
+        flights = [(key, f.scheduled) for key, f in self._flight.items() if f.in_window]
         now: list[Request] = []
         for rid in ids:
             req = self._requests.get(rid)
@@ -236,12 +240,12 @@ class DraftWindows:
         """A request ends while ``counting``: its deliveries are charged; the window steps
         in flight deliver it nothing."""
         self._count((request,), charge=True,
-                    undelivered_in=[f.scheduled for _, f in self._flight.values() if f.in_window])
+                    undelivered_in=[f.scheduled for f in self._flight.values() if f.in_window])
 
     def cleanup(self, running: list[Request]) -> None:
         """Forget steps whose results never came (``FLIGHT_LOST_STEPS``): they delivered
         nothing. Called now and then (every few hundred steps)."""
-        lost = [(key, f) for key, (_, f) in self._flight.items()
+        lost = [(key, f) for key, f in self._flight.items()
                 if f.step < self._steps - FLIGHT_LOST_STEPS]
         for key, flight in lost:
             del self._flight[key]

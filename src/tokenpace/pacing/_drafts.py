@@ -22,10 +22,9 @@ sure token as for any decode step; this module accounts for the drafts around it
    all verified, and every ``S`` steps (or sooner: when a request waits for admission
    or a rate changes) each user is charged the tokens its requests delivered beyond the
    sure ones, from their output lengths; a request that ends or is preempted inside a
-   window is counted then. The adapter
-   opens such windows only where those lengths tell every delivered token once the
-   results of the steps in flight are in (one step at most: async scheduling waits for
-   it), no KV connector, no event log, no inner level and no streaming-input session.
+   window is counted then. The adapter opens such windows only where those lengths tell
+   every delivered token once the results of the steps in flight are in (one step at
+   most), no KV connector, no event log, no inner level and no streaming-input session.
 
 Drafts vLLM schedules without asking (it pads a resumed or remotely prefilled request's
 first decode step with placeholder drafts) are counted as owed (``owe``): the user pays
