@@ -61,6 +61,7 @@ from .._process import (
     PROMPT_TOKENS_DETAILS,
     Server,
     free_port,
+    print_log_tails,
     start_all,
     tokenpace_serve_argv,
 )
@@ -287,6 +288,9 @@ def run(model: Path, duration: float = 20.0, warmup: float = 4.0, rounds: int = 
         results["paced"] = asyncio.run(_measure_paced(
             gateways["pool"].base_url, event_logs[:2], paced_rate, max_inflight, paced_s,
             rounds))
+    except Exception:
+        print_log_tails([*gateways.values(), *engines])
+        raise
     finally:
         for server in (*gateways.values(), *engines):
             server.stop()

@@ -1,7 +1,8 @@
 """Talking to the engines: the HTTP client, what each request tells its engine, and what the
 gateway learns or controls per engine for its requests.
 
-``Upstream``: one engine's connection pool for completions. ``EngineInstructions``: what the
+``Upstream``: one engine's connection pool for completions; ``background_client`` its
+``httpx`` client for the other calls. ``EngineInstructions``: what the
 gateway tells an engine about a request (identity at each level, rates, priority, cache
 salt, served model, output limit), built by ``for_request`` and written by
 ``engine_body``. ``RateSplitter``: a paced tenant's rate split over the engines its streams
@@ -12,6 +13,7 @@ reads, rendered per request from an engine's ``headers`` templates. Which engine
 and their standing is ``fleet``'s.
 """
 
+from ._background import ResendStale, background_client
 from ._instructions import EngineInstructions, engine_body, for_request, paces_end_users
 from ._prompt_bound import Learned, Overhead, PromptBounds, bound as prompt_bound
 from ._router_headers import RouterHeaders, compile_router_headers, wire_safe
@@ -26,6 +28,7 @@ from ._upstream import (
 )
 
 __all__ = [
+    "background_client",
     "compile_router_headers",
     "ConnectFailed",
     "engine_body",
@@ -39,6 +42,7 @@ __all__ = [
     "prompt_bound",
     "PromptBounds",
     "RateSplitter",
+    "ResendStale",
     "RouterHeaders",
     "SharedSplitBook",
     "split",

@@ -232,8 +232,9 @@ class RateSplitter:
                 ok = False
                 if isinstance(result, NewerVersion):  # number every later change above it
                     split_.version = max(split_.version, result.version)
-                logger.warning("tenant %r: could not %s its rate share on %s to %.3g tok/s: %s",
-                               tenant_id, "raise" if raising else "lower", u, r, result)
+                logger.warning("tenant %r: could not %s its rate share on %s to %.3g tok/s: "
+                               "%s: %s", tenant_id, "raise" if raising else "lower", u, r,
+                               type(result).__name__, result)
             else:
                 split_.applied[u] = r
         return ok

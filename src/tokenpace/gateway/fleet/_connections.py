@@ -16,7 +16,7 @@ import logging
 import httpx
 
 from ..config import EngineConfig
-from ..engines import Upstream, compile_router_headers
+from ..engines import Upstream, background_client, compile_router_headers
 from ._slots import EngineSlots
 
 logger = logging.getLogger("tokenpace.gateway")
@@ -26,7 +26,7 @@ ENGINE_KEEPALIVE_S = 4.0
 them (after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): bursts a few seconds apart reuse them
 instead of opening one per request. Should an engine close one first (a shorter timeout,
 a proxy in between) as a request is sent on it, the request goes again on a new one
-(``Upstream``)."""
+(``Upstream``; the background calls' ``background_client`` alike)."""
 RETIRE_POLL_S = 1.0
 
 
@@ -52,14 +52,8 @@ class Connections:
             if (current.templates if current is not None else ()) != engine.headers:
                 upstream.router_headers = compile_router_headers(engine.headers)
             return
-        self.clients[engine.url] = httpx.AsyncClient(
-            base_url=engine.url,
-            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-            headers=engine.auth_headers(),
-            limits=httpx.Limits(max_connections=engine.max_inflight + 8,
-                                max_keepalive_connections=engine.max_inflight + 8,
-                                keepalive_expiry=ENGINE_KEEPALIVE_S),
-        )
+        self.clients[engine.url] = background_client(
+            engine.url, engine.auth_headers(), engine.max_inflight + 8, ENGINE_KEEPALIVE_S)
         upstream = Upstream(engine.url, engine.max_inflight + 8, ENGINE_KEEPALIVE_S,
                             headers=engine.auth_headers())
         upstream.router_headers = compile_router_headers(engine.headers)
