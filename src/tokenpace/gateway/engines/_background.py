@@ -53,9 +53,10 @@ class ResendStale(httpx.AsyncBaseTransport):
         except _STALE as exc:
             if "connection.connect_tcp.started" in seen:
                 raise  # a new connection: the engine is failing, not its keep-alive timer
-            logger.info("engine %s: a kept-alive connection was closed as %s %s was sent on "
-                        "it (%s); sending on a new one", request.url.copy_with(path="/"),
-                        request.method, request.url.path, type(exc).__name__)
+            url = request.url
+            logger.info("engine %s://%s:%s: a kept-alive connection was closed as %s %s was "
+                        "sent on it (%s); sending it again", url.scheme, url.host, url.port,
+                        request.method, url.path, type(exc).__name__)
         # The failed connection left the pool; the resend takes another (or opens one).
         request.extensions = {k: v for k, v in request.extensions.items() if k != "trace"}
         if outer is not None:
