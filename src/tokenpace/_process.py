@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
 
 import httpx
 
@@ -141,17 +140,15 @@ def start_all(servers: Sequence[Server]) -> None:
         raise
 
 
-def print_log_tails(servers: Sequence[Server], lines: int = 20,
-                    file: TextIO | None = None) -> None:
+def print_log_tails(servers: Sequence[Server], lines: int = 20) -> None:
     """The last ``lines`` of each server's log, to stderr: for a run that failed, what the
     servers said about it (their files may live in a directory removed afterwards)."""
-    out = file if file is not None else sys.stderr
     for srv in servers:
         try:
             tail = srv.log_tail(lines)
         except OSError as exc:
             tail = f"(unreadable: {exc})"
-        print(f"--- {srv.log_path.name}, last {lines} lines ---\n{tail}", file=out)
+        print(f"--- {srv.log_path.name}, last {lines} lines ---\n{tail}", file=sys.stderr)
 
 
 def tree_cpu_seconds(pid: int) -> float:

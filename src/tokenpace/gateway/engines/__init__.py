@@ -13,7 +13,7 @@ reads, rendered per request from an engine's ``headers`` templates. Which engine
 and their standing is ``fleet``'s.
 """
 
-from ._background import ResendStale, background_client
+from ._background import background_client
 from ._instructions import EngineInstructions, engine_body, for_request, paces_end_users
 from ._prompt_bound import Learned, Overhead, PromptBounds, bound as prompt_bound
 from ._router_headers import RouterHeaders, compile_router_headers, wire_safe
@@ -42,7 +42,6 @@ __all__ = [
     "prompt_bound",
     "PromptBounds",
     "RateSplitter",
-    "ResendStale",
     "RouterHeaders",
     "SharedSplitBook",
     "split",

@@ -12,8 +12,8 @@ refuses the tenant's request. ``ResendStale`` sends such a request once more, as
 ``Upstream`` does for completions: only when its connection was reused (no connect in
 this attempt) and failed before the answer's head was read. Every background call may
 be repeated (``/tokenize``, reads of counts, versioned rate changes, adapter loads that
-vLLM answers "already loaded"), so a head cut midway, which ``httpx`` does not tell apart from no
-answer, is sent again too.
+vLLM answers "already loaded"), so a head cut midway, which ``httpx`` does not tell apart
+from no answer, is sent again too.
 """
 
 from __future__ import annotations
@@ -40,14 +40,15 @@ class ResendStale(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         seen: set[str] = set()
-        outer = request.extensions.get("trace")
+        given = request.extensions
+        outer = given.get("trace")
 
         async def trace(event: str, info: Mapping[str, Any]) -> None:
             seen.add(event)
             if outer is not None:
                 await outer(event, info)
 
-        request.extensions = {**request.extensions, "trace": trace}
+        request.extensions = {**given, "trace": trace}
         try:
             return await self._inner.handle_async_request(request)
         except _STALE as exc:
@@ -58,9 +59,7 @@ class ResendStale(httpx.AsyncBaseTransport):
                         "sent on it (%s); sending it again", url.scheme, url.host, url.port,
                         request.method, url.path, type(exc).__name__)
         # The failed connection left the pool; the resend takes another (or opens one).
-        request.extensions = {k: v for k, v in request.extensions.items() if k != "trace"}
-        if outer is not None:
-            request.extensions["trace"] = outer
+        request.extensions = given
         return await self._inner.handle_async_request(request)
 
     async def aclose(self) -> None:
